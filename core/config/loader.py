@@ -1,0 +1,211 @@
+"""Load, merge and validate configuration: YAML files, dotlist overrides, struct mode.
+
+All problems found are reported together in one :class:`ConfigError`, each naming the dotted key
+and, for unknown keys, the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any, Iterable, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlcore.config.schema import RLCoreConfig
+from rlcore.errors import ConfigError
+
+# Dict-typed fields whose keys are free-form (not checked against the schema).
+_FREE_FORM = {"kwargs", "plugin_config", "weights"}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo"),
+    "ppo.kl_estimator": ("k1", "k2", "mse", "k3", "low_var_kl", "abs"),
+    "ppo.kl_ctrl": ("fixed", "adaptive"),
+    "ppo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "data.truncation": ("error", "left", "right"),
+    "fsdp.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
+    "fsdp.param_dtype": ("bf16", "fp16", "fp32"),
+    "fsdp.reduce_dtype": ("bf16", "fp32"),
+    "actor.dtype": ("fp32", "bf16"),
+    "critic.dtype": ("fp32", "bf16"),
+    "actor.lr_scheduler": ("constant", "cosine", "linear"),
+    "critic.lr_scheduler": ("constant", "cosine", "linear"),
+    "actor.rollout_backend": ("auto", "engine", "hf"),
+    "reward_model.dtype": ("fp32", "bf16", "fp16"),
+}
+
+
+def _schema_keys(cls: type, prefix: str = "") -> dict[str, bool]:
+    """Map every dotted key of the schema to whether it is a free-form dict."""
+    out: dict[str, bool] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out[key] = False
+            out.update(_schema_keys(type(default), key + "."))
+        else:
+            out[key] = f.name in _FREE_FORM
+    return out
+
+
+SCHEMA_KEYS = _schema_keys(RLCoreConfig)
+
+
+def _flatten(d: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(d, dict) and d and not (prefix.rstrip(".") and SCHEMA_KEYS.get(prefix.rstrip("."))):
+        for k, v in d.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    else:
+        yield prefix.rstrip("."), d
+
+
+def suggest(key: str) -> str | None:
+    """The nearest valid dotted key to ``key``, if any is close."""
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    siblings = [k for k in SCHEMA_KEYS if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
+    match = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    if not match:
+        match = difflib.get_close_matches(key, list(SCHEMA_KEYS), n=1, cutoff=0.75)
+    if not match:
+        leaf = key.rsplit(".", 1)[-1]
+        same_leaf = [k for k in SCHEMA_KEYS if k.rsplit(".", 1)[-1] == leaf]
+        match = same_leaf[:1]
+    return match[0] if match else None
+
+
+def _unknown(key: str) -> str | None:
+    """Return an error message if ``key`` is not in the schema (free-form subtrees allowed)."""
+    if key in SCHEMA_KEYS:
+        return None
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        head = ".".join(parts[:i])
+        if SCHEMA_KEYS.get(head):
+            return None
+        if head not in SCHEMA_KEYS:
+            break
+    hint = suggest(key)
+    return f"unknown key '{key}'" + (f" (did you mean '{hint}'?)" if hint else "")
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.exists(path):
+        raise ConfigError([f"config file not found: {path}"])
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"]) from e
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping, got {type(data).__name__}"])
+    return data
+
+
+def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[str]]:
+    errors = []
+    good = []
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            errors.append(f"override '{o}' is not of the form key=value")
+        else:
+            good.append(o)
+    try:
+        tree = OmegaConf.to_container(OmegaConf.from_dotlist(good)) if good else {}
+    except OmegaConfBaseException as e:
+        errors.append(f"cannot parse overrides {good}: {e}")
+        tree = {}
+    return tree, errors
+
+
+def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> None:
+    for key, value in _flatten(source):
+        if not key:
+            continue
+        msg = _unknown(key)
+        if msg:
+            errors.append(f"{origin}: {msg}")
+            continue
+        try:
+            OmegaConf.update(base, key, value, merge=True, force_add=SCHEMA_KEYS.get(key, True))
+        except OmegaConfBaseException as e:
+            detail = str(e).splitlines()[0]
+            errors.append(f"{origin}: bad value for '{key}': {value!r} ({detail})")
+
+
+def _check_values(cfg: DictConfig, errors: list[str]) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value not in allowed:
+            errors.append(f"'{key}' = {value!r} is not one of {', '.join(allowed)}")
+    for role in ("actor", "critic"):
+        v = OmegaConf.select(cfg, f"{role}.fsdp.sharding_strategy")
+        if v is not None and v not in CHOICES["fsdp.sharding_strategy"]:
+            errors.append(f"'{role}.fsdp.sharding_strategy' = {v!r} is not one of "
+                          + ", ".join(CHOICES["fsdp.sharding_strategy"]))
+    rbs = cfg.ppo.rollout_batch_size
+    if not (rbs == "auto" or (isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0)):
+        errors.append(f"'ppo.rollout_batch_size' = {rbs!r} must be a positive integer or 'auto'")
+    positive = ["ppo.generation.batch_size", "ppo.generation.max_new_tokens", "ppo.generation.n",
+                "ppo.ppo_epochs", "trainer.gradient_accumulation_steps", "trainer.log_steps",
+                "data.max_prompt_length", "trainer.nproc_per_node", "data.prefetch_factor"]
+    for key in positive:
+        if OmegaConf.select(cfg, key) < 1:
+            errors.append(f"'{key}' must be >= 1, got {OmegaConf.select(cfg, key)}")
+    for key in ["trainer.max_steps", "trainer.save_steps", "trainer.eval_steps", "data.num_workers",
+                "ppo.mini_batch_size", "ppo.micro_batch_size", "ppo.kl_coeff", "trainer.profile_steps"]:
+        if OmegaConf.select(cfg, key) < 0:
+            errors.append(f"'{key}' must be >= 0, got {OmegaConf.select(cfg, key)}")
+    if not 0.0 < cfg.ppo.generation.top_p <= 1.0:
+        errors.append(f"'ppo.generation.top_p' must be in (0, 1], got {cfg.ppo.generation.top_p}")
+    if cfg.ppo.generation.temperature < 0:
+        errors.append("'ppo.generation.temperature' must be >= 0")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.ppo.generation.n < 2:
+        errors.append(f"'algorithm.adv_estimator' = {cfg.algorithm.adv_estimator} needs "
+                      f"'ppo.generation.n' >= 2 samples per prompt, got {cfg.ppo.generation.n}")
+    rm = cfg.actor.remeshing
+    for key in ("generation_shard_size", "training_shard_size"):
+        if rm[key] < 1:
+            errors.append(f"'actor.remeshing.{key}' must be >= 1, got {rm[key]}")
+    if cfg.custom_reward_function.path is not None and not cfg.custom_reward_function.name:
+        errors.append("'custom_reward_function.name' is required with 'custom_reward_function.path'")
+    if (cfg.data.custom_cls.path is None) != (cfg.data.custom_cls.name is None):
+        errors.append("'data.custom_cls.path' and 'data.custom_cls.name' must be given together")
+
+
+def load_config(config_files: Sequence[str] = (), overrides: Sequence[str] = ()) -> DictConfig:
+    """Build the resolved config from YAML files (applied in order) and ``key=value`` overrides.
+
+    :raises ConfigError: listing every problem found (unknown keys with suggestions, bad values).
+    """
+    cfg = OmegaConf.structured(RLCoreConfig)
+    errors: list[str] = []
+    for path in config_files:
+        try:
+            data = read_yaml(path)
+        except ConfigError as e:
+            errors.extend(e.problems)
+            continue
+        _apply(cfg, data, path, errors)
+    tree, parse_errors = parse_overrides(overrides)
+    errors.extend(parse_errors)
+    _apply(cfg, tree, "override", errors)
+    if not errors:
+        _check_values(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+def section(cfg: DictConfig, name: str):
+    """Return the typed dataclass object of one top-level section (what a component receives)."""
+    return OmegaConf.to_object(cfg[name])

@@ -1,0 +1,1 @@
+"""Everything that touches ``torch.distributed``: process groups, placement, FSDP2 and re-sharding."""

@@ -1,0 +1,39 @@
+"""Exceptions raised for user-facing problems. Each names the file, key or plugin at fault."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class RLCoreError(Exception):
+    """Base of every user-facing rlcore error; the CLI prints it without a traceback."""
+
+
+class ConfigError(RLCoreError, ValueError):
+    """One or more configuration problems, reported together."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"{n} configuration problem{'s' if n != 1 else ''}:"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+class PluginError(RLCoreError):
+    """A plugin could not be found, imported or combined with the others."""
+
+
+class DataError(RLCoreError, ValueError):
+    """Input data is missing, unreadable or unusable."""
+
+
+class RewardError(RLCoreError):
+    """A reward function or model failed or returned an invalid score."""
+
+
+class CheckpointError(RLCoreError):
+    """A checkpoint could not be written or read."""
+
+
+class PlacementError(RLCoreError, ValueError):
+    """Roles cannot be placed on the devices or ranks available."""

@@ -1,0 +1,226 @@
+"""Hook specifications: every extension point of rlcore, grouped by phase.
+
+Three shapes of hook:
+
+* **factory** hooks build one component (``rlcore_dataset_provider`` …). Exactly one plugin answers:
+  a selected plugin's answer wins over the built-in default's, and two selected plugins that both
+  answer (return non-None) are an error naming both. Return ``None`` to pass.
+* **registry** hooks receive a ``register`` callback and may call it any number of times.
+* **event** hooks are broadcast to every plugin; their return values are ignored.
+
+All arguments are keyword-only. An implementation may accept any subset of a spec's arguments,
+so specs can grow without breaking plugins.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch.utils.data import Dataset
+
+    from rlcore.config.schema import (
+        DataConfig,
+        FSDPConfig,
+        RemeshingConfig,
+        RewardConfig,
+        RewardFunctionConfig,
+        RewardModelConfig,
+        TrainerConfig,
+    )
+    from rlcore.protocols import (
+        CheckpointPolicy,
+        DistInfo,
+        PlacementPolicy,
+        PlacementRequest,
+        ReshardPolicy,
+        RewardBackend,
+    )
+    from rlcore.rollout.base import RolloutBatch
+
+PROJECT = "rlcore"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: Hooks that build a component; the plugin manager enforces "one answer".
+FACTORY_HOOKS = (
+    "rlcore_dataset_provider",
+    "rlcore_placement_policy",
+    "rlcore_reshard_policy",
+    "rlcore_reward_backend",
+    "rlcore_checkpoint_policy",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def rlcore_register_rewards(register: Callable[[str, Callable[..., Any]], None]) -> None:
+    """Register named reward functions usable in ``reward.weights``.
+
+    :param register: call ``register(name, fn)``; ``fn(prompts, responses, **extras) -> list[float]``
+        (batched) or ``fn(prompt, response, **extras) -> float`` when ``fn.per_sample = True``.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Components (factory hooks)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def rlcore_dataset_provider(
+    config: "DataConfig", tokenizer: Any, split: str, dist: "DistInfo"
+) -> Optional["Dataset"]:
+    """Build the prompt dataset of one split.
+
+    Each item is a ``dict`` holding the prompt text under ``config.prompt_key`` and, optionally,
+    ``input_ids`` (the trainer tokenizes rows without them) plus any extra columns, which reach
+    the reward backend. A map-style or iterable dataset may be returned; an iterable one shards
+    itself over ``dist.rank``/``dist.world_size`` and DataLoader workers.
+
+    :param config: the ``data`` section.
+    :param tokenizer: the actor's tokenizer.
+    :param split: ``"train"`` or ``"val"``.
+    :param dist: rank and world size of this process.
+    :returns: a ``torch.utils.data.Dataset`` / ``IterableDataset``, or None to pass.
+    """
+
+
+@hookspec
+def rlcore_placement_policy(request: "PlacementRequest", dist: "DistInfo") -> Optional["PlacementPolicy"]:
+    """Decide where each role (actor, critic, ref, reward) lives.
+
+    :param request: the device asked for per role, from the config.
+    :param dist: rank, world size and the local device.
+    :returns: a :class:`~rlcore.protocols.PlacementPolicy` (validated against the world size), or None.
+    """
+
+
+@hookspec
+def rlcore_reshard_policy(
+    fsdp: "FSDPConfig", remeshing: "RemeshingConfig", dist: "DistInfo"
+) -> Optional["ReshardPolicy"]:
+    """Build the policy that lays the actor out for training and for generation.
+
+    :param fsdp: the actor's effective FSDP settings.
+    :param remeshing: the ``actor.remeshing`` section.
+    :param dist: rank, world size and the local device.
+    :returns: a :class:`~rlcore.protocols.ReshardPolicy`, or None.
+    """
+
+
+@hookspec
+def rlcore_reward_backend(
+    reward_model: "RewardModelConfig",
+    reward_function: "RewardFunctionConfig",
+    reward: "RewardConfig",
+    placement: "PlacementPolicy",
+    tokenizer: Any,
+    rewards: dict[str, Callable[..., Any]],
+) -> Optional["RewardBackend"]:
+    """Build the scorer of rollouts.
+
+    :param reward_model: the ``reward_model`` section.
+    :param reward_function: the ``custom_reward_function`` section.
+    :param reward: the ``reward`` section (weights, workers, timeouts, fallback score).
+    :param placement: where the reward role lives.
+    :param tokenizer: the actor's tokenizer (to decode or re-tokenize).
+    :param rewards: named reward functions collected by :func:`rlcore_register_rewards`.
+    :returns: a :class:`~rlcore.protocols.RewardBackend`, or None.
+    """
+
+
+@hookspec
+def rlcore_checkpoint_policy(trainer: "TrainerConfig", dist: "DistInfo") -> Optional["CheckpointPolicy"]:
+    """Build the policy deciding when to save, what to keep and how to resume.
+
+    :param trainer: the ``trainer`` section (``save_steps``, ``save_total_limit``, ``resume``, ``output_dir`` …).
+    :param dist: rank and world size.
+    :returns: a :class:`~rlcore.protocols.CheckpointPolicy`, or None.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Lifecycle events
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def rlcore_train_start(run_dir: str, dist: "DistInfo", config: dict[str, Any]) -> None:
+    """Training is about to start (after models are loaded and resumed).
+
+    :param run_dir: the run directory (``trainer.output_dir``).
+    :param dist: rank and world size.
+    :param config: the resolved configuration as a plain, read-only ``dict`` (for recording only).
+    """
+
+
+@hookspec
+def rlcore_step_start(step: int) -> None:
+    """An RL step begins.
+
+    :param step: the 1-based step number.
+    """
+
+
+@hookspec
+def rlcore_before_generation(step: int, prompts: list[list[int]]) -> None:
+    """Rollout is about to start.
+
+    :param step: the step number.
+    :param prompts: prompt token ids, one list per sample.
+    """
+
+
+@hookspec
+def rlcore_after_generation(step: int, rollout: "RolloutBatch") -> None:
+    """Rollout finished.
+
+    :param step: the step number.
+    :param rollout: the sampled batch.
+    """
+
+
+@hookspec
+def rlcore_after_update(step: int, metrics: dict[str, float]) -> None:
+    """The optimizer steps of this RL step are done.
+
+    :param step: the step number.
+    :param metrics: the update's metrics so far (losses, clip fractions, gradient norms).
+    """
+
+
+@hookspec
+def rlcore_step_end(step: int, metrics: dict[str, float]) -> None:
+    """An RL step ended; ``metrics`` is complete and may be extended by plugins in place.
+
+    :param step: the step number.
+    :param metrics: every metric of the step (timings in seconds under ``time/``).
+    """
+
+
+@hookspec
+def rlcore_metrics(step: int, metrics: dict[str, float], split: str) -> None:
+    """Metrics to record (the logging sink). Called for every step and every evaluation.
+
+    :param step: the step number.
+    :param metrics: flat ``name -> value`` mapping.
+    :param split: ``"train"`` or ``"val"``.
+    """
+
+
+@hookspec
+def rlcore_train_end(step: int, status: str, summary: dict[str, float]) -> None:
+    """Training ended.
+
+    :param step: the last completed step.
+    :param status: ``"completed"``, ``"interrupted"`` or ``"failed"``.
+    :param summary: final evaluation numbers.
+    """

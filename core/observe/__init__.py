@@ -1,0 +1,1 @@
+"""Observability: console and file metrics, GPU monitor, profiler reports, plots."""

@@ -1,0 +1,226 @@
+"""Build the plugin manager: built-in defaults first, then the plugins selected by name.
+
+Plugins are modules (or objects) exposing ``@hookimpl`` functions, found through the
+``rlcore.plugins`` entry-point group, built-in ones included. The manager is created in ``main()``
+and passed along; nothing here is a module global.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Iterable, Sequence
+
+import pluggy
+from stevedore import NamedExtensionManager
+
+from rlcore import hookspecs
+from rlcore.errors import PluginError
+
+log = logging.getLogger(__name__)
+
+GROUP = "rlcore.plugins"
+#: Built-in plugins registered before any selected one, like pytest's default plugins.
+DEFAULT_PLUGINS = ("defaults",)
+#: Built-in plugins and their modules: available even when entry-point autoload is disabled.
+BUILTIN_MODULES = {
+    "defaults": "rlcore.plugins.defaults",
+    "streaming": "rlcore.plugins.streaming",
+    "remesh": "rlcore.plugins.remesh",
+    "rm-offload": "rlcore.plugins.rm_offload",
+    "sparse-logging": "rlcore.plugins.sparse_logging",
+}
+ENV_DISABLE_AUTOLOAD = "RLCORE_DISABLE_PLUGIN_AUTOLOAD"
+ENV_TRACE = "RLCORE_TRACE_PLUGINS"
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    default: bool
+    hooks: tuple[str, ...]
+
+
+def _truthy(value: str | None) -> bool:
+    return bool(value) and value.strip().lower() not in ("0", "false", "no", "")
+
+
+def autoload_disabled() -> bool:
+    return _truthy(os.environ.get(ENV_DISABLE_AUTOLOAD))
+
+
+def available_entry_points() -> dict[str, metadata.EntryPoint]:
+    """Entry points of the group by name, read from metadata only (nothing is imported)."""
+    if autoload_disabled():
+        return {}
+    found: dict[str, metadata.EntryPoint] = {}
+    for ep in metadata.entry_points(group=GROUP):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def available_names() -> list[str]:
+    return sorted(set(available_entry_points()) | set(BUILTIN_MODULES))
+
+
+def _distribution_of(ep: metadata.EntryPoint | None) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None) if ep is not None else None
+    if dist is not None:
+        return dist.metadata["Name"], dist.version
+    from rlcore import __version__
+
+    return "rlcore", __version__
+
+
+def parse_plugin_names(spec: str | Sequence[str] | None) -> list[str]:
+    if spec is None:
+        return []
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[str] = []
+    for raw in items:
+        name = str(raw).strip()
+        if name and name not in out:
+            out.append(name)
+    return out
+
+
+def check_names(names: Iterable[str]) -> None:
+    """Raise :class:`PluginError` for names that no installed plugin has, before importing anything."""
+    available = available_names()
+    unknown = [n for n in names if n not in available]
+    if not unknown:
+        return
+    lines = []
+    for n in unknown:
+        near = difflib.get_close_matches(n, available, n=1, cutoff=0.5)
+        lines.append(f"unknown plugin '{n}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    lines.append("available plugins: " + ", ".join(available))
+    if autoload_disabled():
+        lines.append(f"{ENV_DISABLE_AUTOLOAD} is set: only built-in plugins are available")
+    raise PluginError("\n".join(lines))
+
+
+class RLCorePluginManager(pluggy.PluginManager):
+    """A pluggy manager that also knows which plugins are defaults and enforces one answer per factory hook."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT)
+        self.add_hookspecs(hookspecs)
+        self.default_names: list[str] = []
+        self.selected_names: list[str] = []
+        self._infos: dict[str, PluginInfo] = {}
+        self._undo_trace = None
+        if _truthy(os.environ.get(ENV_TRACE)):
+            self.enable_trace(sys.stderr)
+
+    # -- loading --------------------------------------------------------------------------
+    def register_plugin(self, plugin: Any, name: str, *, default: bool = False,
+                        distribution: tuple[str, str] = ("", "")) -> None:
+        """Register an imported plugin object under ``name`` and record what it implements."""
+        if self.has_plugin(name):
+            raise PluginError(f"plugin '{name}' is registered twice")
+        self.register(plugin, name=name)
+        hooks = tuple(sorted(h.name for h in self.get_hookcallers(plugin) or ()))
+        dist, version = distribution if distribution[0] else _distribution_of(None)
+        self._infos[name] = PluginInfo(name, dist, version, default, hooks)
+        (self.default_names if default else self.selected_names).append(name)
+
+    def load(self, names: Sequence[str], *, default: bool = False) -> None:
+        """Import and register plugins by name (entry points, or built-ins when autoload is off)."""
+        names = [n for n in parse_plugin_names(names) if not self.has_plugin(n)]
+        if not names:
+            return
+        check_names(names)
+        eps = available_entry_points()
+        from_eps = [n for n in names if n in eps]
+        loaded: dict[str, Any] = {}
+        if from_eps:
+            def on_failure(_mgr: Any, ep: metadata.EntryPoint, err: BaseException) -> None:
+                dist, _ = _distribution_of(ep)
+                raise PluginError(f'Error importing plugin "{ep.name}" (distribution {dist}): '
+                                  f"{type(err).__name__}: {err}") from err
+
+            def on_missing(missing: Iterable[str]) -> None:
+                raise PluginError("plugins not found: " + ", ".join(missing))
+
+            mgr = NamedExtensionManager(GROUP, names=from_eps, on_load_failure_callback=on_failure,
+                                        on_missing_entrypoints_callback=on_missing, name_order=True)
+            for ext in mgr.extensions:
+                loaded[ext.name] = (ext.plugin, _distribution_of(ext.entry_point))
+        for n in names:
+            if n not in loaded:
+                try:
+                    loaded[n] = (importlib.import_module(BUILTIN_MODULES[n]), _distribution_of(None))
+                except Exception as err:
+                    raise PluginError(f'Error importing plugin "{n}" (distribution rlcore): '
+                                      f"{type(err).__name__}: {err}") from err
+        for n in names:
+            plugin, dist = loaded[n]
+            try:
+                self.register_plugin(plugin, n, default=default, distribution=dist)
+            except pluggy.PluginValidationError as err:
+                raise PluginError(f"plugin '{n}' is invalid: {err}") from err
+        try:
+            self.check_pending()
+        except pluggy.PluginValidationError as err:
+            raise PluginError(f"plugin implements an unknown hook: {err}") from err
+
+    # -- introspection --------------------------------------------------------------------
+    def infos(self) -> list[PluginInfo]:
+        return [self._infos[n] for n in self.default_names + self.selected_names]
+
+    def enable_trace(self, stream: Any) -> None:
+        def before(hook_name: str, impls: Sequence[Any], kwargs: dict) -> None:
+            names = ", ".join(self.get_name(i.plugin) or "?" for i in impls)
+            stream.write(f"[rlcore trace] {hook_name}({', '.join(kwargs)}) -> {names}\n")
+
+        def after(outcome: Any, hook_name: str, impls: Sequence[Any], kwargs: dict) -> None:
+            return None
+
+        self._undo_trace = self.add_hookcall_monitoring(before, after)
+
+    # -- factory hooks --------------------------------------------------------------------
+    def build(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a factory hook and return the one answer.
+
+        A selected plugin's answer wins over the defaults'; two selected plugins answering raise.
+        """
+        if hook_name not in hookspecs.FACTORY_HOOKS:
+            raise PluginError(f"'{hook_name}' is not a factory hook")
+        caller = getattr(self.hook, hook_name)
+        answers: list[tuple[str, Any]] = []
+        for impl in caller.get_hookimpls():
+            name = self.get_name(impl.plugin) or repr(impl.plugin)
+            others = [p for p in self.get_plugins() if p is not impl.plugin]
+            result = self.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
+            if result:
+                answers.append((name, result[0]))
+        selected = [(n, r) for n, r in answers if n not in self.default_names]
+        if len(selected) > 1:
+            raise PluginError(f"plugins '{selected[0][0]}' and '{selected[1][0]}' both answer {hook_name}; "
+                              "select only one of them")
+        if selected:
+            return selected[0][1]
+        if answers:
+            return answers[-1][1]
+        raise PluginError(f"no plugin answers {hook_name}")
+
+
+def build_plugin_manager(selected: Sequence[str] = ()) -> RLCorePluginManager:
+    """Create a plugin manager with the defaults and the ``selected`` plugins registered.
+
+    :raises PluginError: unknown names (listing the available ones), import failures, conflicts.
+    """
+    names = parse_plugin_names(selected)
+    check_names(names)  # all names first: nothing is imported if any is wrong
+    pm = RLCorePluginManager()
+    pm.load(list(DEFAULT_PLUGINS), default=True)
+    pm.load(names)
+    return pm

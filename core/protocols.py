@@ -1,0 +1,138 @@
+"""The objects factory hooks return, as ``typing.Protocol`` classes, and the small value types they share.
+
+A plugin's object need not inherit from these classes; it only needs the methods. Tests check
+built-in plugins with ``isinstance`` (the protocols are ``runtime_checkable``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+ROLES = ("actor", "critic", "ref", "reward")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What the user asked for: a device string per role (``auto``, ``cpu``, ``cuda``, ``cuda:N``)."""
+
+    actor: str = "auto"
+    critic: str = "auto"
+    ref: str = "auto"
+    reward: str = "auto"
+    reward_offload: bool = False
+    #: rank groups per role when roles are split over ranks, e.g. {"reward": [3]}; empty = colocated.
+    rank_groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+
+@runtime_checkable
+class PlacementPolicy(Protocol):
+    """Decides where each role (actor, critic, ref, reward) lives."""
+
+    def device_for(self, role: str) -> torch.device:
+        """The device on which ``role`` computes in this process."""
+        ...
+
+    def ranks_for(self, role: str) -> Sequence[int]:
+        """The global ranks that hold ``role``."""
+        ...
+
+    def offload(self, role: str) -> bool:
+        """Whether ``role``'s weights rest in CPU memory between uses."""
+        ...
+
+
+@runtime_checkable
+class ReshardPolicy(Protocol):
+    """Switches the actor between its training layout and its generation layout."""
+
+    def prepare(self, model: torch.nn.Module, role: str) -> torch.nn.Module:
+        """Wrap ``model`` for training (e.g. ``fully_shard``) and return the module to train."""
+        ...
+
+    def generation(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """Context manager yielding a module that generates; on exit the training layout is restored."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Timing of the last switch (seconds), e.g. ``{"reshard/to_gen_s": ..., "reshard/to_train_s": ...}``."""
+        ...
+
+
+@dataclass
+class RewardInput:
+    """One batch to score. Lists have one entry per sample."""
+
+    prompts: list[str]
+    responses: list[str]
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    #: Extra dataset columns, each a list with one value per sample.
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+
+
+@dataclass
+class RewardOutput:
+    """Scores ``[N]`` (float32) plus named components and counters for the metrics."""
+
+    scores: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RewardBackend(Protocol):
+    """Scores a batch of prompt/response pairs."""
+
+    def score(self, batch: RewardInput) -> RewardOutput:
+        """Return one finite score per sample; raise :class:`rlcore.errors.RewardError` otherwise."""
+        ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+@runtime_checkable
+class CheckpointPolicy(Protocol):
+    """When to save, what to keep, how to resume."""
+
+    def should_save(self, step: int, *, final: bool = False) -> bool:
+        """Whether to save after optimizer step ``step``."""
+        ...
+
+    def save(self, step: int, state: Mapping[str, Stateful]) -> Optional[str]:
+        """Write a checkpoint of every stateful object; return its path (main rank) or None."""
+        ...
+
+    def resume(self, state: Mapping[str, Stateful]) -> int:
+        """Load the checkpoint chosen by ``trainer.resume`` into ``state``; return the step to continue from (0 = fresh)."""
+        ...
+
+    def export(self, model: torch.nn.Module, tokenizer: Any, name: str = "final") -> Optional[str]:
+        """Write ``model`` and ``tokenizer`` as a Hugging Face directory; return its path."""
+        ...
+

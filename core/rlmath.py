@@ -1,0 +1,622 @@
+"""Pure tensor math for RL post-training: masking, log-probs, advantages, KL and losses.
+
+Every function here is stateless and side-effect free (the small KL controller classes at the
+end hold one float each). Nothing touches a model, an optimizer or ``torch.distributed``.
+
+Shape notation used in the docstrings:
+
+- ``B``: number of sequences in the batch (one prompt + response each)
+- ``T``: response length (padded)
+- ``V``: vocabulary size
+- ``N``: number of scored samples, laid out as consecutive groups of ``group_size`` samples
+  that share a prompt
+
+Masks are ``bool`` or ``0/1`` tensors with the same shape as the values they select; a nonzero
+entry marks a valid (response) token. Values at masked positions never reach a result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "masked_fill_zero",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "compute_gae",
+    "grpo_advantages",
+    "rloo_advantages",
+    "KL_ESTIMATORS",
+    "kl_penalty",
+    "token_level_rewards",
+    "broadcast_sequence_advantages",
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
+    "policy_loss",
+    "value_loss",
+    "KLController",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "make_kl_controller",
+]
+
+# Upper bound on the float32 elements materialised at once by the chunked logit reductions
+# (2**26 floats = 256 MiB).
+_LOGIT_CHUNK_ELEMENTS = 1 << 26
+
+# The log-ratio fed to ``exp`` is clamped to this range so ratios stay finite.
+_MAX_LOG_RATIO = 20.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked reductions
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def masked_fill_zero(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with every position outside ``mask`` set to 0 (shapes ``S`` -> ``S``)."""
+    return torch.where(_as_bool(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``x`` over the positions where ``mask`` is set.
+
+    Masked entries are replaced by zero before summing, so a NaN or inf there cannot leak into
+    the result.
+
+    :param x: values, any shape ``S``.
+    :param mask: ``S``, bool or 0/1.
+    :param dim: dimension to reduce; ``None`` reduces everything to a scalar.
+    :returns: ``S`` without ``dim`` (a scalar when ``dim`` is ``None``).
+    """
+    kept = masked_fill_zero(x, mask)
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, eps: float = 1e-8
+) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is set.
+
+    An all-masked slice gives 0 (the sum is 0 and ``eps`` keeps the division finite).
+
+    :param x: values, any shape ``S``.
+    :param mask: ``S``, bool or 0/1.
+    :param dim: dimension to reduce; ``None`` reduces everything to a scalar.
+    :param eps: added to the count of valid positions.
+    :returns: ``S`` without ``dim`` (a scalar when ``dim`` is ``None``).
+    """
+    count = masked_sum(torch.ones_like(x, dtype=torch.float32), mask, dim)
+    return masked_sum(x, mask, dim) / (count + eps)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over all positions where ``mask`` is set.
+
+    :param x: values, any shape ``S``.
+    :param mask: ``S``, bool or 0/1.
+    :param unbiased: apply Bessel's correction ``n / (n - 1)``.
+    :returns: scalar.
+    :raises ValueError: fewer than 2 valid positions (``unbiased``) or none at all.
+    """
+    n = int(_as_bool(mask).sum().item())
+    needed = 2 if unbiased else 1
+    if n < needed:
+        raise ValueError(
+            f"masked_var needs at least {needed} valid position(s) (unbiased={unbiased}), got {n}"
+        )
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return var * (n / (n - 1)) if unbiased else var
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Normalise ``x`` to unit variance using statistics of the valid positions only.
+
+    :param x: values, any shape ``S``.
+    :param mask: ``S``, bool or 0/1.
+    :param shift_mean: when True the result has zero mean; when False the original mean is
+        added back (only the scale changes).
+    :param eps: added to the variance before the square root.
+    :returns: ``S``; zero at masked positions.
+    :raises ValueError: fewer than 2 valid positions.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return masked_fill_zero(out, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits -> token log-probs / entropy
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _logit_chunks(logits: torch.Tensor):
+    """Yield ``(start, stop)`` slices along dim 0 so each slice has a bounded element count.
+
+    Slicing dim 0 never copies, even for a non-contiguous view such as ``logits[:, :-1]``.
+    """
+    per_row = max(1, logits[0].numel()) if logits.shape[0] else 1
+    rows = max(1, _LOGIT_CHUNK_ELEMENTS // per_row)
+    for start in range(0, logits.shape[0], rows):
+        yield start, min(start + rows, logits.shape[0])
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of each label under ``softmax(logits / temperature)``.
+
+    Computed as ``z[label] - logsumexp(z)`` in float32, a bounded chunk of rows at a time, so
+    a full ``[B, T, V]`` float32 log-softmax is never materialised.
+
+    :param logits: ``[B, T, V]`` (any float dtype; any leading shape ``[..., V]`` works).
+    :param labels: ``[B, T]`` token ids in ``[0, V)``, integer dtype.
+    :param temperature: sampling temperature, > 0.
+    :returns: ``[B, T]`` float32.
+    """
+    _check_temperature(temperature)
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: "
+            "expected logits [..., V] with labels [...]"
+        )
+    if logits.dim() == 1:
+        return logprobs_from_logits(logits[None], labels[None], temperature)[0]
+    parts = []
+    for start, stop in _logit_chunks(logits):
+        z = logits[start:stop].float()
+        if temperature != 1.0:
+            z = z / temperature
+        picked = z.gather(-1, labels[start:stop].long().unsqueeze(-1)).squeeze(-1)
+        parts.append(picked - torch.logsumexp(z, dim=-1))
+    if not parts:
+        return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+    return torch.cat(parts, dim=0)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` at every position.
+
+    Uses ``H = logsumexp(z) - sum(softmax(z) * z)`` in float32, chunked over rows.
+
+    :param logits: ``[B, T, V]`` (any leading shape ``[..., V]`` works).
+    :param temperature: sampling temperature, > 0.
+    :returns: ``[B, T]`` float32.
+    """
+    _check_temperature(temperature)
+    if logits.dim() == 1:
+        return entropy_from_logits(logits[None], temperature)[0]
+    parts = []
+    for start, stop in _logit_chunks(logits):
+        z = logits[start:stop].float()
+        if temperature != 1.0:
+            z = z / temperature
+        probs = torch.softmax(z, dim=-1)
+        parts.append(torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1))
+    if not parts:
+        return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    return torch.cat(parts, dim=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al., 2015) over valid tokens only.
+
+    The recursion runs backwards over the valid positions of each row:
+    ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``,
+    where ``V_next`` / ``A_next`` belong to the next *valid* position of the same row, and are
+    0 after the last one (no bootstrap past the end of a response). Masked positions are
+    skipped: their rewards and values are ignored and they do not count as a time step.
+
+    Advantages are returned raw (not whitened); whiten with :func:`masked_whiten` if wanted.
+    Inputs are used as given: pass detached tensors when the result is a training target.
+
+    :param rewards: ``[B, T]`` per-token rewards.
+    :param values: ``[B, T]`` value estimates ``V(s_t)``.
+    :param mask: ``[B, T]`` valid response tokens.
+    :param gamma: discount factor.
+    :param lam: GAE lambda.
+    :returns: ``(advantages, returns)``, each ``[B, T]``, ``returns = advantages + values``;
+        both are zero where ``mask`` is not set.
+    """
+    if not rewards.shape == values.shape == mask.shape:
+        raise ValueError(
+            f"compute_gae: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and "
+            f"mask {tuple(mask.shape)} must have the same [B, T] shape"
+        )
+    valid = _as_bool(mask)
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    if rewards.shape[1] == 0:
+        empty = torch.zeros(rewards.shape, dtype=dtype, device=rewards.device)
+        return empty, empty.clone()
+    rewards, values = rewards.to(dtype), values.to(dtype)
+    next_value = torch.zeros(rewards.shape[0], dtype=dtype, device=rewards.device)
+    next_adv = torch.zeros_like(next_value)
+    zero = torch.zeros((), dtype=dtype, device=rewards.device)
+    advantages = [zero] * rewards.shape[1]
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        advantages[t] = torch.where(valid[:, t], adv_t, zero)
+        next_adv = torch.where(valid[:, t], adv_t, next_adv)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+    adv = torch.stack(advantages, dim=1)
+    returns = torch.where(valid, adv + values, zero)
+    return adv, returns
+
+
+def _grouped(scores: torch.Tensor, group_size: int, fn: str) -> torch.Tensor:
+    if scores.dim() != 1:
+        raise ValueError(f"{fn}: scores must be 1-D [N], got shape {tuple(scores.shape)}")
+    if group_size < 1:
+        raise ValueError(f"{fn}: group_size must be >= 1, got {group_size}")
+    if scores.shape[0] % group_size:
+        raise ValueError(
+            f"{fn}: {scores.shape[0]} scores do not split into groups of {group_size}"
+        )
+    return scores.view(-1, group_size)
+
+
+def grpo_advantages(
+    scores: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-relative advantages (GRPO): each score minus its group's mean, over its std.
+
+    Samples ``[k * group_size, (k + 1) * group_size)`` form group ``k`` (same prompt).
+    The std is the unbiased sample std of the group. A group of size 1 has no baseline and
+    gets advantage 0.
+
+    :param scores: ``[N]`` sequence scores, ``N`` a multiple of ``group_size``.
+    :param group_size: samples per prompt.
+    :param norm_by_std: divide by ``std + eps`` (False gives Dr. GRPO-style mean centring).
+    :param eps: added to the std.
+    :returns: ``[N]``.
+    """
+    groups = _grouped(scores, group_size, "grpo_advantages")
+    if group_size == 1:
+        return torch.zeros_like(scores)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if norm_by_std:
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages: ``s_i - mean(s_j for j != i in the group)``.
+
+    :param scores: ``[N]`` sequence scores in consecutive groups of ``group_size``.
+    :param group_size: samples per prompt, >= 2.
+    :returns: ``[N]``.
+    :raises ValueError: ``group_size < 2`` (no other samples to form the baseline).
+    """
+    if group_size < 2:
+        raise ValueError(f"rloo_advantages: group_size must be >= 2, got {group_size}")
+    groups = _grouped(scores, group_size, "rloo_advantages")
+    others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others_mean).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL and rewards
+# ---------------------------------------------------------------------------------------------
+
+#: Names accepted by :func:`kl_penalty`, aliases included.
+KL_ESTIMATORS = ("abs", "k1", "k2", "k3", "low_var_kl", "mse")
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of ``KL(policy || reference)`` from sampled-token log-probs.
+
+    With ``d = logprob - ref_logprob``:
+
+    - ``"k1"``: ``d``
+    - ``"abs"``: ``|d|``
+    - ``"k2"`` / ``"mse"``: ``0.5 * d**2``
+    - ``"k3"`` / ``"low_var_kl"``: ``exp(-d) + d - 1`` (non-negative, low variance); ``-d`` is
+      clamped to ``[-20, 20]`` before ``exp`` and the result to ``[-10, 10]``.
+
+    :param logprob: ``[B, T]`` policy log-probs of the sampled tokens.
+    :param ref_logprob: ``[B, T]`` reference-model log-probs of the same tokens.
+    :param estimator: one of :data:`KL_ESTIMATORS`.
+    :returns: ``[B, T]``.
+    :raises ValueError: unknown estimator.
+    """
+    diff = logprob - ref_logprob
+    match estimator:
+        case "k1":
+            return diff
+        case "abs":
+            return diff.abs()
+        case "k2" | "mse":
+            return 0.5 * diff.square()
+        case "k3" | "low_var_kl":
+            log_ratio = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+            return (log_ratio.exp() - log_ratio - 1).clamp(-10.0, 10.0)
+    raise ValueError(
+        f"unknown KL estimator {estimator!r}; valid names: {', '.join(KL_ESTIMATORS)}"
+    )
+
+
+def _last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` mask -> (``[B]`` index of the last valid position, ``[B]`` row has any)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape)
+    last = torch.where(_as_bool(mask), positions, -1).max(dim=-1).values
+    return last.clamp_min(0), last >= 0
+
+
+def token_level_rewards(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coeff: float = 0.0,
+) -> torch.Tensor:
+    """Spread sequence scores over tokens: score at the last valid token, KL penalty everywhere.
+
+    ``reward[b, t] = -kl_coeff * kl[b, t] * mask[b, t] + scores[b] * [t == last_valid(b)]``.
+    A row without any valid token gets all-zero rewards (its score has nowhere to go).
+
+    :param scores: ``[B]`` sequence-level scores.
+    :param response_mask: ``[B, T]`` valid response tokens.
+    :param kl: ``[B, T]`` per-token KL estimate (see :func:`kl_penalty`), or None.
+    :param kl_coeff: weight of the KL penalty.
+    :returns: ``[B, T]``.
+    """
+    if scores.dim() != 1 or response_mask.dim() != 2 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"token_level_rewards: expected scores [B] and response_mask [B, T], got "
+            f"{tuple(scores.shape)} and {tuple(response_mask.shape)}"
+        )
+    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    if kl is not None:
+        dtype = torch.promote_types(dtype, kl.dtype)
+        rewards = masked_fill_zero(-kl_coeff * kl.to(dtype), response_mask)
+    else:
+        rewards = torch.zeros(response_mask.shape, dtype=dtype, device=scores.device)
+    last, has_any = _last_valid_index(response_mask)
+    placed = torch.where(has_any, scores.to(dtype), torch.zeros((), dtype=dtype, device=scores.device))
+    return rewards.scatter_add(1, last.unsqueeze(1), placed.unsqueeze(1))
+
+
+def broadcast_sequence_advantages(adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Give every valid token of a sequence that sequence's advantage.
+
+    :param adv: ``[B]`` sequence-level advantages (e.g. from :func:`grpo_advantages`).
+    :param response_mask: ``[B, T]``.
+    :returns: ``[B, T]``; zero where the mask is not set.
+    """
+    if adv.dim() != 1 or response_mask.dim() != 2 or adv.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"broadcast_sequence_advantages: expected adv [B] and response_mask [B, T], got "
+            f"{tuple(adv.shape)} and {tuple(response_mask.shape)}"
+        )
+    return masked_fill_zero(adv.unsqueeze(1).expand(response_mask.shape), response_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------------
+
+#: Ways :func:`aggregate_loss` turns a ``[B, T]`` loss into a scalar.
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    - ``"token-mean"``: mean over all valid tokens of the batch.
+    - ``"seq-mean-token-sum"``: sum over each sequence's valid tokens, mean over sequences.
+    - ``"seq-mean-token-mean"``: mean over each sequence's valid tokens, mean over sequences.
+
+    Sequence means count only rows with at least one valid token.
+
+    :param loss: ``[B, T]``.
+    :param mask: ``[B, T]``.
+    :param loss_agg: one of :data:`LOSS_AGG_MODES`.
+    :returns: scalar.
+    :raises ValueError: unknown mode.
+    """
+    match loss_agg:
+        case "token-mean":
+            return masked_mean(loss, mask)
+        case "seq-mean-token-sum" | "seq-mean-token-mean":
+            per_seq = masked_sum(loss, mask, dim=-1)
+            if loss_agg == "seq-mean-token-mean":
+                per_seq = masked_mean(loss, mask, dim=-1)
+            return masked_mean(per_seq, _as_bool(mask).any(dim=-1))
+    raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGG_MODES)}")
+
+
+def policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+    cliprange_high: float | None = None,
+    dual_clip: float | None = None,
+    loss_agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss, with optional clip-higher and dual-clip.
+
+    With ``r = exp(logprob - old_logprob)`` (log-ratio clamped to ``[-20, 20]``):
+    ``l = max(-A * r, -A * clip(r, 1 - cliprange, 1 + cliprange_high))``. With ``dual_clip = c``
+    the loss of tokens with ``A < 0`` is further capped at ``-c * A`` (Ye et al., 2020), which
+    bounds the update when the ratio is far above 1 on a bad action.
+
+    :param logprob: ``[B, T]`` current policy log-probs (carries the gradient).
+    :param old_logprob: ``[B, T]`` log-probs of the policy that sampled the data.
+    :param advantages: ``[B, T]``.
+    :param mask: ``[B, T]`` valid response tokens.
+    :param cliprange: lower (and default upper) clip distance, e.g. 0.2.
+    :param cliprange_high: upper clip distance; None uses ``cliprange``.
+    :param dual_clip: the constant ``c > 1``, or None to disable.
+    :param loss_agg: one of :data:`LOSS_AGG_MODES`.
+    :returns: ``(loss, metrics)``: scalar loss; metrics are detached float scalars
+        ``clipfrac`` (share of valid tokens where the clipped branch is taken),
+        ``approx_kl`` (k3 estimate of ``KL(old || new)``) and ``dual_clipfrac``.
+    :raises ValueError: negative clip ranges, ``dual_clip <= 1`` or an unknown ``loss_agg``.
+    """
+    high = cliprange if cliprange_high is None else cliprange_high
+    if cliprange < 0 or high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got cliprange={cliprange}, high={high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGG_MODES)}")
+
+    log_ratio = (logprob - old_logprob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)
+    dual_taken = torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual_taken = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual_taken, cap, loss)
+
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).float(),
+            "dual_clipfrac": masked_mean(dual_taken.float(), mask),
+        }
+    return aggregate_loss(loss, mask, loss_agg), metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value-function loss ``0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2)``.
+
+    :param values: ``[B, T]`` current value predictions (carries the gradient).
+    :param old_values: ``[B, T]`` predictions of the critic that produced the rollout.
+    :param returns: ``[B, T]`` targets (e.g. from :func:`compute_gae`).
+    :param mask: ``[B, T]``.
+    :param cliprange_value: the clip distance ``c``; None disables clipping.
+    :returns: ``(loss, clipfrac)``: scalar masked token mean, and the detached share of valid
+        tokens where the clipped term is the larger one (0 when unclipped).
+    """
+    err = (values - returns).square()
+    if cliprange_value is None:
+        return 0.5 * masked_mean(err, mask), torch.zeros((), dtype=torch.float32, device=values.device)
+    if cliprange_value < 0:
+        raise ValueError(f"cliprange_value must be >= 0 or None, got {cliprange_value}")
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    err_clipped = (clipped_values - returns).square()
+    loss = 0.5 * masked_mean(torch.maximum(err, err_clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((err_clipped > err).float(), mask)
+    return loss, clipfrac
+
+
+# ---------------------------------------------------------------------------------------------
+# KL coefficient controllers
+# ---------------------------------------------------------------------------------------------
+
+
+class KLController:
+    """Holds the KL coefficient ``value``; subclasses decide how ``update`` moves it."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Observe the KL measured over ``n_steps`` samples; the base class keeps ``value``."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        if "value" not in state:
+            raise ValueError(f"{type(self).__name__} state is missing key 'value'")
+        self.value = float(state["value"])
+
+
+class FixedKLController(KLController):
+    """A KL coefficient that never changes.
+
+    :param kl_coef: the coefficient, exposed as ``value``.
+    """
+
+
+class AdaptiveKLController(KLController):
+    """Proportional controller steering the observed KL towards ``target`` (Ziegler et al., 2019).
+
+    On each ``update``: ``e = clip(current_kl / target - 1, -0.2, 0.2)`` and
+    ``value *= 1 + e * n_steps / horizon``.
+
+    :param init_kl_coef: starting coefficient.
+    :param target: KL the controller aims for, > 0.
+    :param horizon: number of samples over which the coefficient adapts, > 0.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        if not target > 0:
+            raise ValueError(f"AdaptiveKLController: target must be > 0, got {target}")
+        if not horizon > 0:
+            raise ValueError(f"AdaptiveKLController: horizon must be > 0, got {horizon}")
+        super().__init__(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def make_kl_controller(
+    kind: str,
+    kl_coef: float,
+    target: float | None = None,
+    horizon: float | None = None,
+) -> KLController:
+    """Build a KL controller by name.
+
+    :param kind: ``"fixed"`` or ``"adaptive"``.
+    :param kl_coef: (initial) coefficient.
+    :param target: target KL; required for ``"adaptive"``.
+    :param horizon: adaptation horizon; required for ``"adaptive"``.
+    :raises ValueError: unknown kind, or missing target/horizon for ``"adaptive"``.
+    """
+    match kind:
+        case "fixed":
+            return FixedKLController(kl_coef)
+        case "adaptive":
+            if target is None or horizon is None:
+                raise ValueError("adaptive KL controller needs both target and horizon")
+            return AdaptiveKLController(kl_coef, target, horizon)
+    raise ValueError(f"unknown KL controller kind {kind!r}; valid names: adaptive, fixed")

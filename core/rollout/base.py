@@ -1,0 +1,106 @@
+"""Types shared by every rollout backend.
+
+A rollout backend turns a list of prompts (token ids, unpadded) into sampled responses plus the
+log-probabilities of the sampled tokens. Two backends ship with rlcore: :mod:`rlcore.rollout.hf`
+(Hugging Face ``generate``; any causal LM) and :mod:`rlcore.rollout.engine` (static KV cache,
+CUDA graphs and continuous batching for Llama-style decoders).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1.0`` disable those filters.
+    Log-probabilities are always those of ``log_softmax(logits / temperature)`` (temperature 1
+    when greedy), so the trainer can recompute them by teacher forcing with the same temperature.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class RolloutBatch:
+    """Padded tensors describing ``B`` prompt/response pairs.
+
+    Shapes: ``prompt_ids``/``prompt_mask`` ``[B, P]`` (left padded),
+    ``response_ids``/``response_mask``/``logprobs`` ``[B, R]`` (right padded). ``response_mask``
+    is 1 for every generated token up to and including the first EOS and 0 after it.
+    ``logprobs`` holds the sampled tokens' log-probabilities (0 where the mask is 0).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(input_ids, attention_mask)`` of prompt and response concatenated, ``[B, P+R]``."""
+        ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
+        mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        return ids, mask
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """What the trainer needs from a generator."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
+        """Sample one response per prompt (repeat prompts for several samples)."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Refresh the backend's weights from the training model after an update, in place."""
+        ...
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into ``(ids [B, P], mask [B, P])``."""
+    if len(prompts) == 0:
+        raise ValueError("left_pad: no prompts given")
+    width = max(len(p) for p in prompts)
+    if width == 0:
+        raise ValueError("left_pad: every prompt is empty")
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def mask_after_eos(response_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """``[B, R]`` mask that keeps tokens up to and including the first EOS."""
+    if not eos_token_ids:
+        return torch.ones_like(response_ids)
+    is_eos = torch.zeros_like(response_ids, dtype=torch.bool)
+    for e in eos_token_ids:
+        is_eos |= response_ids == e
+    # number of EOS strictly before position t
+    before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    return (before == 0).long()

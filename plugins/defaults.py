@@ -1,0 +1,64 @@
+"""The built-in default plugin: one answer for every factory hook, used when no selected plugin answers.
+
+- dataset provider: map-style parquet/jsonl with an Arrow cache (or the demo task when no files are given),
+  or the user class of ``data.custom_cls``;
+- placement: every role colocated on the local device;
+- reshard: FSDP2 over all ranks for training, full weights for generation;
+- reward: Python function rewards (and a Hugging Face reward model where ``reward_model.enable``);
+- checkpoint: every ``trainer.save_steps``, keep the last N, atomic, resumable;
+- metrics: one console line per logged step.
+"""
+
+from __future__ import annotations
+
+from rlcore.hookspecs import hookimpl
+
+
+@hookimpl
+def rlcore_register_rewards(register):
+    from rlcore.rewards.rules import BUILTIN_REWARDS
+
+    for name, fn in BUILTIN_REWARDS.items():
+        register(name, fn)
+
+
+@hookimpl
+def rlcore_dataset_provider(config, tokenizer, split, dist):
+    from rlcore.data.provider import build_dataset
+
+    return build_dataset(config, tokenizer, split, dist)
+
+
+@hookimpl
+def rlcore_placement_policy(request, dist):
+    from rlcore.distributed.placement import ColocatedPlacement
+
+    return ColocatedPlacement(request, dist)
+
+
+@hookimpl
+def rlcore_reshard_policy(fsdp, remeshing, dist):
+    from rlcore.distributed.reshard import FSDPReshardPolicy
+
+    return FSDPReshardPolicy(fsdp, dist)
+
+
+@hookimpl
+def rlcore_reward_backend(reward_model, reward_function, reward, placement, tokenizer, rewards):
+    from rlcore.rewards.backend import build_reward_backend
+
+    return build_reward_backend(reward_model, reward_function, reward, placement, tokenizer, rewards)
+
+
+@hookimpl
+def rlcore_checkpoint_policy(trainer, dist):
+    from rlcore.trainer.checkpoint import DefaultCheckpointPolicy
+
+    return DefaultCheckpointPolicy(trainer, dist)
+
+
+@hookimpl
+def rlcore_metrics(step, metrics, split):
+    from rlcore.observe.console import print_metrics
+
+    print_metrics(step, metrics, split)
