@@ -144,20 +144,25 @@ def masked_whiten(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_temperature(temperature: float) -> None:
+def _map_logit_chunks(logits: torch.Tensor, temperature: float, fn) -> torch.Tensor:
+    """Apply ``fn(z, rows)`` to float32 ``z = logits[rows] / temperature``, chunk by chunk.
+
+    Chunks split dim 0 so each holds at most ``_LOGIT_CHUNK_ELEMENTS`` elements; slicing dim 0
+    never copies, even for a non-contiguous view such as ``logits[:, :-1]``. ``logits`` is
+    ``[R, ..., V]``; ``fn`` returns ``[r, ...]`` and the chunks are concatenated to ``[R, ...]``.
+    """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-
-
-def _logit_chunks(logits: torch.Tensor):
-    """Yield ``(start, stop)`` slices along dim 0 so each slice has a bounded element count.
-
-    Slicing dim 0 never copies, even for a non-contiguous view such as ``logits[:, :-1]``.
-    """
-    per_row = max(1, logits[0].numel()) if logits.shape[0] else 1
-    rows = max(1, _LOGIT_CHUNK_ELEMENTS // per_row)
-    for start in range(0, logits.shape[0], rows):
-        yield start, min(start + rows, logits.shape[0])
+    n_rows = logits.shape[0]
+    if n_rows == 0:
+        return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    step = max(1, _LOGIT_CHUNK_ELEMENTS // max(1, logits[0].numel()))
+    parts = []
+    for start in range(0, n_rows, step):
+        rows = slice(start, min(start + step, n_rows))
+        z = logits[rows].float()
+        parts.append(fn(z if temperature == 1.0 else z / temperature, rows))
+    return torch.cat(parts, dim=0)
 
 
 def logprobs_from_logits(
@@ -173,7 +178,6 @@ def logprobs_from_logits(
     :param temperature: sampling temperature, > 0.
     :returns: ``[B, T]`` float32.
     """
-    _check_temperature(temperature)
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: "
@@ -181,16 +185,12 @@ def logprobs_from_logits(
         )
     if logits.dim() == 1:
         return logprobs_from_logits(logits[None], labels[None], temperature)[0]
-    parts = []
-    for start, stop in _logit_chunks(logits):
-        z = logits[start:stop].float()
-        if temperature != 1.0:
-            z = z / temperature
-        picked = z.gather(-1, labels[start:stop].long().unsqueeze(-1)).squeeze(-1)
-        parts.append(picked - torch.logsumexp(z, dim=-1))
-    if not parts:
-        return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-    return torch.cat(parts, dim=0)
+
+    def chunk(z: torch.Tensor, rows: slice) -> torch.Tensor:
+        picked = z.gather(-1, labels[rows].long().unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(z, dim=-1)
+
+    return _map_logit_chunks(logits, temperature, chunk)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -202,19 +202,13 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     :param temperature: sampling temperature, > 0.
     :returns: ``[B, T]`` float32.
     """
-    _check_temperature(temperature)
     if logits.dim() == 1:
         return entropy_from_logits(logits[None], temperature)[0]
-    parts = []
-    for start, stop in _logit_chunks(logits):
-        z = logits[start:stop].float()
-        if temperature != 1.0:
-            z = z / temperature
-        probs = torch.softmax(z, dim=-1)
-        parts.append(torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1))
-    if not parts:
-        return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
-    return torch.cat(parts, dim=0)
+
+    def chunk(z: torch.Tensor, rows: slice) -> torch.Tensor:
+        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+    return _map_logit_chunks(logits, temperature, chunk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +242,7 @@ def compute_gae(
     :returns: ``(advantages, returns)``, each ``[B, T]``, ``returns = advantages + values``;
         both are zero where ``mask`` is not set.
     """
-    if not rewards.shape == values.shape == mask.shape:
+    if rewards.dim() != 2 or not rewards.shape == values.shape == mask.shape:
         raise ValueError(
             f"compute_gae: rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and "
             f"mask {tuple(mask.shape)} must have the same [B, T] shape"
@@ -402,7 +396,7 @@ def token_level_rewards(
     else:
         rewards = torch.zeros(response_mask.shape, dtype=dtype, device=scores.device)
     last, has_any = _last_valid_index(response_mask)
-    placed = torch.where(has_any, scores.to(dtype), torch.zeros((), dtype=dtype, device=scores.device))
+    placed = masked_fill_zero(scores.to(dtype), has_any)
     return rewards.scatter_add(1, last.unsqueeze(1), placed.unsqueeze(1))
 
 
@@ -448,9 +442,8 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str) -> tor
         case "token-mean":
             return masked_mean(loss, mask)
         case "seq-mean-token-sum" | "seq-mean-token-mean":
-            per_seq = masked_sum(loss, mask, dim=-1)
-            if loss_agg == "seq-mean-token-mean":
-                per_seq = masked_mean(loss, mask, dim=-1)
+            reduce = masked_sum if loss_agg == "seq-mean-token-sum" else masked_mean
+            per_seq = reduce(loss, mask, dim=-1)
             return masked_mean(per_seq, _as_bool(mask).any(dim=-1))
     raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGG_MODES)}")
 
@@ -532,7 +525,8 @@ def value_loss(
     """
     err = (values - returns).square()
     if cliprange_value is None:
-        return 0.5 * masked_mean(err, mask), torch.zeros((), dtype=torch.float32, device=values.device)
+        no_clip = torch.zeros((), dtype=torch.float32, device=values.device)
+        return 0.5 * masked_mean(err, mask), no_clip
     if cliprange_value < 0:
         raise ValueError(f"cliprange_value must be >= 0 or None, got {cliprange_value}")
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
