@@ -104,3 +104,31 @@ def mask_after_eos(response_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> 
     # number of EOS strictly before position t
     before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (before == 0).long()
+
+
+def concat_batches(parts: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Join batches whose prompt/response widths differ (prompts re-left-padded, responses right-padded)."""
+    if len(parts) == 1:
+        return parts[0]
+    p_width = max(b.prompt_ids.shape[1] for b in parts)
+    r_width = max(b.response_ids.shape[1] for b in parts)
+
+    def pad(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+        extra = width - t.shape[1]
+        if extra == 0:
+            return t
+        filler = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+        return torch.cat([filler, t] if left else [t, filler], dim=1)
+
+    stats: dict[str, float] = {}
+    for b in parts:
+        for k, v in b.stats.items():
+            stats[k] = stats.get(k, 0.0) + v
+    return RolloutBatch(
+        prompt_ids=torch.cat([pad(b.prompt_ids, p_width, pad_token_id, True) for b in parts]),
+        prompt_mask=torch.cat([pad(b.prompt_mask, p_width, 0, True) for b in parts]),
+        response_ids=torch.cat([pad(b.response_ids, r_width, pad_token_id, False) for b in parts]),
+        response_mask=torch.cat([pad(b.response_mask, r_width, 0, False) for b in parts]),
+        logprobs=torch.cat([pad(b.logprobs, r_width, 0.0, False) for b in parts]),
+        stats=stats,
+    )
