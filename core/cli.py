@@ -1,0 +1,179 @@
+"""The ``rlcore`` command: ``train``, ``config``, ``validate``, ``plugins`` (and observability tools)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from rlcore import __version__
+from rlcore.errors import RLCoreError
+
+log = logging.getLogger("rlcore")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "--config_path", "--config-path", dest="config", action="append", default=[],
+                   metavar="YAML", help="config file (repeatable; later files override earlier ones)")
+    p.add_argument("--plugins", "-p", action="append", default=[], metavar="A,B",
+                   help="plugins to load by name from the 'rlcore.plugins' entry-point group")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotlist overrides, e.g. ppo.kl_coeff=0.05")
+
+
+def is_demo(config_files: Sequence[str], overrides: Sequence[str]) -> bool:
+    """No config file, no data and no model given: ``rlcore train`` runs the built-in demo."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return not config_files and not {"data.train_files", "actor.model_path", "data.custom_cls.path"} & keys
+
+
+def resolve(args: argparse.Namespace, *, demo_allowed: bool = True):
+    """Load the config (with the demo preset when applicable) and the list of plugin names."""
+    from rlcore.config import load_config
+    from rlcore.plugin_manager import parse_plugin_names
+
+    overrides = list(args.overrides)
+    if demo_allowed and is_demo(args.config, overrides):
+        from rlcore.demo import DEMO_OVERRIDES
+
+        overrides = list(DEMO_OVERRIDES) + overrides
+    cfg = load_config(args.config, overrides)
+    names = parse_plugin_names(list(cfg.plugins) + [n for spec in args.plugins for n in parse_plugin_names(spec)])
+    return cfg, names
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from rlcore.config import to_yaml
+
+    cfg, names = resolve(args)
+    cfg.plugins = names
+    sys.stdout.write(to_yaml(cfg))
+    return 0
+
+
+def preflight(cfg, names):
+    """Every check that can run before a model loads: plugins, data files, model path, output directory."""
+    from rlcore.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(names)
+    from rlcore.data.provider import check_data_files
+    from rlcore.trainer.checkpoint import check_output_dir
+    from rlcore.trainer.models import check_model_path
+
+    check_data_files(_to_object(cfg.data))
+    if cfg.actor.model_path:
+        check_model_path(cfg.actor.model_path, "actor.model_path")
+    if cfg.critic.model_path:
+        check_model_path(cfg.critic.model_path, "critic.model_path")
+    check_output_dir(_to_object(cfg.trainer))
+    return pm
+
+
+def _to_object(node):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(node)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg, names = resolve(args)
+    preflight(cfg, names)
+    print(f"config OK ({len(names)} plugin(s): {', '.join(names) or 'defaults only'})")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from rlcore.plugin_manager import available_names, build_plugin_manager
+
+    names = [n for n in available_names() if n != "defaults"]
+    pm = build_plugin_manager(names)
+    rows = [(i.name, i.distribution, i.version, "yes" if i.default else "", ", ".join(
+        h.replace("rlcore_", "") for h in i.hooks)) for i in pm.infos()]
+    head = ("name", "distribution", "version", "default", "hooks")
+    widths = [max(len(str(r[k])) for r in rows + [head]) for k in range(4)]
+    for r in [head] + rows:
+        print("  ".join(str(r[k]).ljust(widths[k]) for k in range(4)) + "  " + r[4])
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rlcore.config.inert import inert_keys
+    from rlcore.distributed.init import init_distributed
+    from rlcore.distributed.launch import maybe_launch
+
+    cfg, names = resolve(args)
+    pm = preflight(cfg, names)
+    if maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv)):
+        return 0
+    dist = init_distributed(cfg.trainer.device)
+    if dist.is_main:
+        for key, why in inert_keys(cfg, names, dist.world_size):
+            log.warning("config key '%s' has no effect in this run: %s", key, why)
+        if is_demo(args.config, args.overrides):
+            log.warning("no data or model given: running the built-in demo (tiny model, echo task)")
+    from rlcore.trainer.loop import Trainer
+
+    trainer = Trainer(cfg, pm, dist)
+    summary = trainer.train()
+    if dist.is_main:
+        print_summary(summary, cfg.trainer.output_dir)
+    return 0
+
+
+def print_summary(summary: dict, run_dir: str) -> None:
+    before, after = summary.get("before/reward_mean"), summary.get("after/reward_mean")
+    print("\n=== rlcore summary ===")
+    if before is not None and after is not None:
+        print(f"held-out mean reward: {before:.3f} -> {after:.3f} ({after - before:+.3f})")
+    elif after is not None:
+        print(f"held-out mean reward: {after:.3f}")
+    for k, v in sorted(summary.items()):
+        if not k.endswith("reward_mean"):
+            print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
+    print(f"run directory: {run_dir}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlcore", description="Fast, pluggable RL post-training for causal LMs.")
+    parser.add_argument("--version", action="version", version=f"rlcore {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("RLCORE_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, func, helptext in [
+        ("train", cmd_train, "train (no arguments: the built-in CPU demo)"),
+        ("config", cmd_config, "print the resolved config as YAML"),
+        ("validate", cmd_validate, "check config, plugins, data and paths without training"),
+    ]:
+        p = sub.add_parser(name, help=helptext)
+        _add_config_args(p)
+        p.set_defaults(func=func, argv=None)
+    p = sub.add_parser("plugins", help="list installed plugins, their distribution, version and hooks")
+    p.set_defaults(func=cmd_plugins)
+    try:
+        from rlcore.observe.cli import add_commands
+    except ImportError:
+        add_commands = None
+    if add_commands is not None:
+        add_commands(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    if getattr(args, "argv", "unset") is None:
+        args.argv = argv[1:]
+    try:
+        return int(args.func(args) or 0)
+    except RLCoreError as e:
+        print(f"rlcore {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

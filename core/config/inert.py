@@ -1,0 +1,56 @@
+"""Which of the keys a user set have no effect in this run, and why. A run logs them once."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlcore.config.loader import SCHEMA_KEYS
+from rlcore.config.schema import RLCoreConfig
+
+
+def changed_keys(cfg: DictConfig) -> list[str]:
+    """Dotted keys whose value differs from the schema default."""
+    default = OmegaConf.structured(RLCoreConfig)
+    out = []
+    for key, free in SCHEMA_KEYS.items():
+        node_default = OmegaConf.select(default, key)
+        if isinstance(node_default, DictConfig) and not free:
+            continue
+        if OmegaConf.select(cfg, key) != node_default:
+            out.append(key)
+    return out
+
+
+def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int) -> list[tuple[str, str]]:
+    """``(key, reason)`` for every key set by the user that this run will not use."""
+    plugins = set(plugins)
+    rules = [
+        ("actor.remeshing.", "remesh" not in plugins, "the 'remesh' plugin is not selected"),
+        ("fsdp.", world_size == 1, "a single process does not shard (start with torchrun or trainer.nproc_per_node)"),
+        ("actor.fsdp.", world_size == 1, "a single process does not shard"),
+        ("critic.fsdp.", world_size == 1, "a single process does not shard"),
+        ("critic.", cfg.algorithm.adv_estimator != "gae",
+         f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic"),
+        ("reward_model.", not cfg.reward_model.enable, "reward_model.enable is false"),
+        ("data.prefetch_factor", cfg.data.num_workers == 0, "data.num_workers is 0"),
+        ("trainer.profile_steps", not cfg.trainer.enable_profiling, "trainer.enable_profiling is false"),
+        ("data.shuffle_buffer", "streaming" not in plugins, "only the 'streaming' plugin uses it"),
+        ("ppo.kl_", cfg.ppo.kl_coeff == 0, "ppo.kl_coeff is 0"),
+        ("ppo.cliprange_value", cfg.algorithm.adv_estimator != "gae", "no critic is trained"),
+        ("ppo.vf_coef", cfg.algorithm.adv_estimator != "gae", "no critic is trained"),
+        ("algorithm.lam", cfg.algorithm.adv_estimator != "gae", "GAE is not used"),
+        ("algorithm.gamma", cfg.algorithm.adv_estimator != "gae", "GAE is not used"),
+        ("algorithm.norm_adv_by_std", cfg.algorithm.adv_estimator != "grpo", "only GRPO uses it"),
+        ("reward_model.offload", "rm-offload" not in plugins and cfg.reward_model.enable,
+         "the 'rm-offload' plugin is not selected"),
+        ("trainer.nproc_per_node", world_size > 1, "already running under a launcher"),
+    ]
+    out = []
+    for key in changed_keys(cfg):
+        for prefix, inert, why in rules:
+            if inert and (key == prefix or key.startswith(prefix)) and key != "ppo.kl_coeff":
+                out.append((key, why))
+                break
+    return out

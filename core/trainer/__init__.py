@@ -1,0 +1,1 @@
+"""The RL loop, its experience building, PPO update and checkpoint policy."""

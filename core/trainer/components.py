@@ -1,0 +1,223 @@
+"""Assembling one run: models, optimizers and every plugin-built component, each from its own config section."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlcore import rlmath
+from rlcore.config.schema import resolve_fsdp
+from rlcore.protocols import DistInfo, PlacementRequest
+from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.trainer import models
+
+log = logging.getLogger(__name__)
+
+
+def obj(node: Any) -> Any:
+    """The typed dataclass object of a config section (what a component receives)."""
+    return OmegaConf.to_object(node)
+
+
+@dataclass
+class Components:
+    tokenizer: Any
+    actor: torch.nn.Module
+    actor_module: torch.nn.Module
+    actor_opt: Any
+    actor_sched: Any
+    ref: Optional[torch.nn.Module]
+    critic: Optional[torch.nn.Module]
+    critic_opt: Any
+    critic_sched: Any
+    kl_ctrl: Any
+    rollout: Any
+    reward: Any
+    checkpoint: Any
+    reshard: Any
+    placement: Any
+    train_loader: Any
+    val_rows: list
+    ensure_ids: Callable[[list], list]
+    gpu_monitor: Any
+    profiler: Any
+    train_device: torch.device
+    micro_batch: int
+    eos_ids: list[int]
+    gen_batch: int
+    rng: Any
+    world_size: int = 1
+    extra_state: dict = field(default_factory=dict)
+
+    def stateful(self, trainer_state: Any) -> dict[str, Any]:
+        state = {"actor": self.actor, "actor_optim": self.actor_opt, "actor_sched": self.actor_sched,
+                 "kl_ctrl": self.kl_ctrl, "data": self.train_loader, "trainer": trainer_state, "rng": self.rng}
+        if self.critic is not None:
+            state.update(critic=self.critic, critic_optim=self.critic_opt, critic_sched=self.critic_sched)
+        return state
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        from rlcore.rollout.base import concat_batches
+
+        parts = [self.rollout.generate(prompts[i:i + self.gen_batch], params)
+                 for i in range(0, len(prompts), self.gen_batch)]
+        return parts[0] if len(parts) == 1 else concat_batches(parts, params.pad_token_id)
+
+    def graceful_exit(self):
+        from rlcore.trainer.checkpoint import GracefulExit
+
+        return GracefulExit()
+
+    @contextlib.contextmanager
+    def progress(self, start: int, total: int) -> Iterator[Any]:
+        from rlcore.observe.progress import ProgressBar
+
+        bar = ProgressBar(start, total, enabled=self._progress_enabled)
+        try:
+            yield bar
+        finally:
+            bar.close()
+
+    _progress_enabled: bool = True
+
+    def perf_metrics(self, rollout: RolloutBatch, step_s: float) -> dict[str, float]:
+        tokens = float(rollout.prompt_mask.sum() + rollout.response_mask.sum())
+        out = {"perf/tokens_per_s": tokens * self.world_size / step_s, "perf/tokens_per_s_per_gpu": tokens / step_s}
+        try:
+            from rlcore.observe.flops import estimate_flops, peak_flops
+
+            peak = peak_flops(self.train_device)
+            if peak:
+                seq = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
+                out["perf/mfu"] = estimate_flops(self.actor_module.config, tokens, seq) / step_s / peak
+        except ImportError:
+            pass
+        if self.train_device.type == "cuda":
+            out["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.train_device) / 2**30
+        return out
+
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.world_size <= 1:
+            return metrics
+        from rlcore.distributed.init import all_reduce_mean
+
+        return all_reduce_mean(metrics)
+
+
+def _load_rows(dataset: Any, limit: int) -> list:
+    rows = []
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        for i in range(min(limit, len(dataset))):
+            rows.append(dataset[i])
+    else:
+        for row in dataset:
+            rows.append(row)
+            if len(rows) >= limit:
+                break
+    return rows
+
+
+def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
+    """Load models and build every component. Only this function reads across sections."""
+    data_cfg, actor_cfg, critic_cfg = obj(cfg.data), obj(cfg.actor), obj(cfg.critic)
+    tcfg, ppo, algo = obj(cfg.trainer), obj(cfg.ppo), obj(cfg.algorithm)
+    torch.manual_seed(tcfg.seed)
+
+    placement = pm.build("rlcore_placement_policy", request=PlacementRequest(
+        actor=actor_cfg.device, critic=critic_cfg.device, ref=actor_cfg.device,
+        reward=cfg.reward_model.device, reward_offload=bool(cfg.reward_model.offload)), dist=dist)
+    device = placement.device_for("actor")
+    model_path = actor_cfg.model_path or _demo_model(tcfg.output_dir, dist)
+    tokenizer = models.load_tokenizer(model_path)
+
+    # Data first: bad input fails before the (expensive) models load.
+    train_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="train", dist=dist)
+    val_rows: list = []
+    if data_cfg.val_files or not data_cfg.train_files:
+        val_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="val", dist=dist)
+        val_rows = _load_rows(val_ds, tcfg.eval_samples)
+    from rlcore.data.collate import ensure_input_ids
+    from rlcore.data.loader import PromptLoader
+
+    ensure = lambda rows: ensure_input_ids(rows, tokenizer, data_cfg)  # noqa: E731
+    val_rows = ensure(val_rows) if val_rows else []
+    if ppo.rollout_batch_size == "auto":
+        from rlcore.rollout.autosize import auto_rollout_batch_size
+
+        ppo.rollout_batch_size = auto_rollout_batch_size(device=device, n=ppo.generation.n, model_path=model_path,
+                                                         max_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
+    loader = PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist)
+
+    reshard = pm.build("rlcore_reshard_policy", fsdp=resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp),
+                       remeshing=actor_cfg.remeshing, dist=dist)
+    actor_module = models.load_causal_lm(model_path, actor_cfg.dtype, device)
+    if actor_cfg.gradient_checkpointing:
+        actor_module.gradient_checkpointing_enable()
+    use_ref = algo.use_reference and ppo.kl_coeff > 0
+    ref = models.frozen_copy(actor_module) if use_ref else None
+    critic = None
+    if algo.adv_estimator == "gae":
+        base = (models.load_causal_lm(critic_cfg.model_path, critic_cfg.dtype, placement.device_for("critic"))
+                if critic_cfg.model_path else models.load_causal_lm(model_path, critic_cfg.dtype,
+                                                                    placement.device_for("critic")))
+        critic = models.ValueModel.from_causal_lm(base)
+    actor = reshard.prepare(actor_module, "actor")
+    if critic is not None:
+        critic = reshard.prepare(critic, "critic")
+    total = tcfg.max_steps * ppo.ppo_epochs * max(1, (int(ppo.rollout_batch_size) * ppo.generation.n)
+                                                   // max(1, ppo.mini_batch_size or 10**9))
+    actor_opt, actor_sched = models.build_optimizer(actor, actor_cfg, total)
+    critic_opt = critic_sched = None
+    if critic is not None:
+        critic_opt, critic_sched = models.build_optimizer(critic, critic_cfg, total)
+    kl_ctrl = rlmath.make_kl_controller(ppo.kl_ctrl, ppo.kl_coeff, ppo.kl_target, ppo.kl_horizon)
+
+    from rlcore.rollout import make_backend
+
+    rollout = make_backend(actor_module, actor_cfg.rollout_backend,
+                           max_batch_size=ppo.generation.batch_size,
+                           max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
+    rewards: dict[str, Any] = {}
+    pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
+    reward = pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
+                      reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
+                      placement=placement, tokenizer=tokenizer, rewards=rewards)
+    checkpoint = pm.build("rlcore_checkpoint_policy", trainer=tcfg, dist=dist)
+
+    from rlcore.observe.gpu import GPUMonitor
+    from rlcore.observe.profiler import StepProfiler
+    from rlcore.trainer.checkpoint import RNGState
+
+    eos = tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    n = int(ppo.rollout_batch_size) * ppo.generation.n
+    mini = min(n, ppo.mini_batch_size or n)
+    micro = ppo.micro_batch_size or max(1, mini // tcfg.gradient_accumulation_steps)
+    comps = Components(
+        tokenizer=tokenizer, actor=actor, actor_module=actor_module, actor_opt=actor_opt, actor_sched=actor_sched,
+        ref=ref, critic=critic, critic_opt=critic_opt, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
+        rollout=rollout, reward=reward, checkpoint=checkpoint, reshard=reshard, placement=placement,
+        train_loader=loader, val_rows=val_rows, ensure_ids=ensure,
+        gpu_monitor=GPUMonitor(tcfg.gpu_monitor_interval if tcfg.gpu_monitor else 0.0),
+        profiler=StepProfiler(tcfg.enable_profiling, tcfg.profile_steps, tcfg.output_dir, dist.rank),
+        train_device=device, micro_batch=micro, eos_ids=eos_ids, gen_batch=int(ppo.generation.batch_size),
+        rng=RNGState(), world_size=dist.world_size)
+    comps._progress_enabled = bool(tcfg.progress) and dist.is_main
+    return comps
+
+
+def _demo_model(output_dir: str, dist: DistInfo) -> str:
+    from rlcore.demo import ensure_demo_model
+
+    root = os.path.join(output_dir, "_demo")
+    if dist.is_main:
+        ensure_demo_model(root)
+    if dist.distributed:
+        torch.distributed.barrier()
+    return ensure_demo_model(root)

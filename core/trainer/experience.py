@@ -1,0 +1,101 @@
+"""Turning a scored rollout into training data: old/reference log-probs, values, advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+from rlcore import rlmath
+from rlcore.config.schema import AlgorithmConfig, PPOConfig
+from rlcore.rollout.base import RolloutBatch
+from rlcore.trainer.models import response_logprobs, response_values
+
+
+@dataclass
+class Experience:
+    """Tensors of one rollout, ``B`` samples. ``T = P + R`` (prompt + response)."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    response_mask: torch.Tensor  # [B, R] float
+    old_logprobs: torch.Tensor  # [B, R]
+    scores: torch.Tensor  # [B]
+    ref_logprobs: Optional[torch.Tensor] = None  # [B, R]
+    values: Optional[torch.Tensor] = None  # [B, R]
+    advantages: Optional[torch.Tensor] = None  # [B, R]
+    returns: Optional[torch.Tensor] = None  # [B, R]
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_len(self) -> int:
+        return int(self.response_mask.shape[1])
+
+    def select(self, idx: torch.Tensor) -> "Experience":
+        picked = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            picked[f.name] = v[idx] if isinstance(v, torch.Tensor) else v
+        return replace(self, **picked)
+
+
+def _chunks(n: int, size: int):
+    size = max(1, size)
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+@torch.no_grad()
+def batched_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response_len: int, temperature: float,
+                     micro: int) -> torch.Tensor:
+    parts = [response_logprobs(model, ids[s], mask[s], response_len, temperature)[0] for s in _chunks(len(ids), micro)]
+    return torch.cat(parts).float()
+
+
+@torch.no_grad()
+def batched_values(critic, ids: torch.Tensor, mask: torch.Tensor, response_len: int, micro: int) -> torch.Tensor:
+    return torch.cat([response_values(critic, ids[s], mask[s], response_len) for s in _chunks(len(ids), micro)])
+
+
+def to_experience(rollout: RolloutBatch, scores: torch.Tensor, device: torch.device) -> Experience:
+    ids, mask = rollout.sequences()
+    return Experience(input_ids=ids.to(device), attention_mask=mask.to(device),
+                      response_mask=rollout.response_mask.to(device).float(),
+                      old_logprobs=rollout.logprobs.to(device).float(), scores=scores.to(device).float())
+
+
+def compute_advantages(exp: Experience, algo: AlgorithmConfig, ppo: PPOConfig, kl_coef: float,
+                       group_size: int) -> dict[str, float]:
+    """Fill ``exp.advantages`` (and ``exp.returns`` for GAE). Returns metrics."""
+    mask = exp.response_mask
+    metrics: dict[str, float] = {}
+    kl = None
+    if exp.ref_logprobs is not None:
+        kl = rlmath.kl_penalty(exp.old_logprobs, exp.ref_logprobs, ppo.kl_estimator) * mask
+        seq_kl = kl.sum(-1)
+        metrics["kl/mean"] = float(seq_kl.mean())
+    use_kl_reward = kl is not None and ppo.kl_in_reward and kl_coef > 0
+    if algo.adv_estimator == "gae":
+        if exp.values is None:
+            raise ValueError("GAE needs values from a critic")
+        rewards = rlmath.token_level_rewards(exp.scores, mask, kl if use_kl_reward else None, kl_coef)
+        adv, ret = rlmath.compute_gae(rewards, exp.values, mask, algo.gamma, algo.lam)
+        if algo.whiten_advantages:
+            adv = rlmath.masked_whiten(adv, mask)
+        exp.advantages, exp.returns = adv, ret
+        metrics["critic/returns_mean"] = float(rlmath.masked_mean(ret, mask))
+        metrics["critic/values_mean"] = float(rlmath.masked_mean(exp.values, mask))
+    else:
+        seq_scores = exp.scores - (kl_coef * kl.sum(-1) if use_kl_reward else 0.0)
+        if algo.adv_estimator == "grpo":
+            seq_adv = rlmath.grpo_advantages(seq_scores, group_size, norm_by_std=algo.norm_adv_by_std)
+        else:
+            seq_adv = rlmath.rloo_advantages(seq_scores, group_size)
+        exp.advantages = rlmath.broadcast_sequence_advantages(seq_adv, mask)
+    metrics["advantages/mean"] = float(rlmath.masked_mean(exp.advantages, mask))
+    metrics["advantages/abs_mean"] = float(rlmath.masked_mean(exp.advantages.abs(), mask))
+    return metrics

@@ -1,0 +1,250 @@
+"""The RL loop. :meth:`Trainer.train` reads top to bottom as the numbered steps of one RL step."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlcore.protocols import DistInfo, RewardInput
+from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.trainer.components import Components, build_components
+from rlcore.trainer.experience import (
+    Experience,
+    batched_logprobs,
+    batched_values,
+    compute_advantages,
+    to_experience,
+)
+from rlcore.trainer.update import ppo_update
+
+log = logging.getLogger(__name__)
+
+
+class TrainerState:
+    """Counters saved with every checkpoint."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.samples = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.samples = int(state["step"]), int(state["samples"])
+
+
+class Trainer:
+    """Owns the components of one run. The config tree is read here only; components get their own sections."""
+
+    def __init__(self, cfg: DictConfig, pm: Any, dist: DistInfo):
+        self.cfg, self.pm, self.dist = cfg, pm, dist
+        self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
+        self.hook = pm.hook
+        self.state = TrainerState()
+        self.c: Components = build_components(cfg, pm, dist)
+        self.gen_cfg = self.ppo.generation
+        self.n = int(self.gen_cfg.n)
+        self._times: dict[str, float] = {}
+        self._gen = torch.Generator().manual_seed(int(self.tcfg.seed))
+
+    # ------------------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        c = self.c
+        start = c.checkpoint.resume(c.stateful(self.state))
+        self.state.step = start
+        self.hook.rlcore_train_start(run_dir=self.tcfg.output_dir, dist=self.dist,
+                                     config=OmegaConf.to_container(self.cfg, resolve=True))
+        before = self.evaluate("before") if start == 0 else {}
+        status = "completed"
+        c.gpu_monitor.start()
+        try:
+            with c.graceful_exit() as stop, c.progress(start, self.tcfg.max_steps) as bar:
+                for step in range(start + 1, self.tcfg.max_steps + 1):
+                    metrics = self.train_step(step)
+                    bar.update(metrics)
+                    if stop.requested:
+                        status = "interrupted"
+                        break
+        except BaseException:
+            status = "failed"
+            raise
+        finally:
+            c.gpu_monitor.stop()
+            if status != "failed":
+                with self.timer("checkpoint"):
+                    c.checkpoint.save(self.state.step, c.stateful(self.state))
+            c.profiler.close()
+        after = self.evaluate("after")
+        summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},
+                   **c.gpu_monitor.summary()}
+        if status == "completed" and self.tcfg.export_final:
+            path = c.checkpoint.export(c.actor_module, c.tokenizer, "final")
+            if path:
+                log.info("final policy exported to %s", path)
+        self.hook.rlcore_train_end(step=self.state.step, status=status, summary=summary)
+        return summary
+
+    def train_step(self, step: int) -> dict[str, float]:
+        c, m = self.c, {}
+        self._times = {}
+        t0 = time.perf_counter()
+        c.profiler.step_start(step)
+        self.hook.rlcore_step_start(step=step)
+        # 1. Prompts: this rank's share, each repeated n times.
+        rows = c.ensure_ids(c.train_loader.next_batch())
+        prompts, extras = self.expand(rows)
+        # 2. Rollout in the generation layout.
+        with self.timer("generate"):
+            rollout = self.generate(prompts, self.sampling(step))
+        self.hook.rlcore_after_generation(step=step, rollout=rollout)
+        # 3. Reward.
+        with self.timer("reward"):
+            scores, m_reward = self.score(rollout, extras)
+        # 4. Old and reference log-probs, values (training layout).
+        exp = self.make_experience(rollout, scores)
+        # 5. Advantages (+ KL in the reward).
+        with self.timer("advantages"):
+            m.update(compute_advantages(exp, self.algo, self.ppo, c.kl_ctrl.value, self.n))
+        # 6. PPO epochs over mini-batches.
+        with self.timer("update_actor"):
+            m.update(self.update(exp))
+        c.rollout.sync_weights()
+        self.hook.rlcore_after_update(step=step, metrics=m)
+        # 7. KL controller, metrics, checkpoint.
+        if "kl/mean" in m:
+            c.kl_ctrl.update(m["kl/mean"], exp.size)
+        self.state.step, self.state.samples = step, self.state.samples + exp.size
+        if c.checkpoint.should_save(step):
+            with self.timer("checkpoint"):
+                c.checkpoint.save(step, c.stateful(self.state))
+        m.update(m_reward, **self.rollout_metrics(rollout, scores), **c.reshard.stats())
+        m.update({f"time/{k}_s": v for k, v in self._times.items()})
+        m["time/step_s"] = time.perf_counter() - t0
+        m.update(c.perf_metrics(rollout, m["time/step_s"]))
+        m["actor/kl_coef"] = c.kl_ctrl.value
+        self.hook.rlcore_step_end(step=step, metrics=m)
+        c.profiler.step_end(step)
+        if step % self.tcfg.log_steps == 0 or step == self.tcfg.max_steps:
+            self.hook.rlcore_metrics(step=step, metrics=c.reduce_metrics(m), split="train")
+        if self.tcfg.eval_steps and step % self.tcfg.eval_steps == 0 and c.val_rows:
+            self.evaluate("step")
+        return m
+
+    # ------------------------------------------------------------------------------------------
+    @contextmanager
+    def timer(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - t
+
+    def sampling(self, step: int, greedy: bool = False) -> SamplingParams:
+        g = self.gen_cfg
+        return SamplingParams(max_new_tokens=int(g.max_new_tokens), temperature=0.0 if greedy else float(g.temperature),
+                              top_p=float(g.top_p), top_k=int(g.top_k),
+                              seed=int(self.tcfg.seed) * 100003 + step * 101 + self.dist.rank,
+                              eos_token_ids=tuple(self.c.eos_ids), pad_token_id=int(self.c.tokenizer.pad_token_id))
+
+    def expand(self, rows: list[dict]) -> tuple[list[list[int]], dict[str, list]]:
+        key = self.cfg.data.prompt_key
+        prompts = [list(r["input_ids"]) for r in rows for _ in range(self.n)]
+        cols = sorted({k for r in rows for k in r if k not in ("input_ids",)})
+        extras = {k: [r.get(k) for r in rows for _ in range(self.n)] for k in cols}
+        extras["prompt_text"] = [r[key] if isinstance(r.get(key), str) else self.c.tokenizer.decode(r["input_ids"])
+                                 for r in rows for _ in range(self.n)]
+        return prompts, extras
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        self.hook.rlcore_before_generation(step=self.state.step + 1, prompts=prompts)
+        c = self.c
+        with c.reshard.generation(c.actor):
+            c.actor_module.eval()
+            return c.generate(prompts, params)
+
+    def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
+        tok = self.c.tokenizer
+        resp_ids = [ids[m.bool()].tolist() for ids, m in zip(rollout.response_ids, rollout.response_mask)]
+        responses = tok.batch_decode(resp_ids, skip_special_tokens=True)
+        prompt_text = extras.pop("prompt_text")
+        batch = RewardInput(prompts=prompt_text, responses=responses,
+                            prompt_ids=[p[m.bool()].tolist() for p, m in zip(rollout.prompt_ids, rollout.prompt_mask)],
+                            response_ids=resp_ids, extras=extras)
+        out = self.c.reward.score(batch)
+        scores = out.scores.float().cpu()
+        if not torch.isfinite(scores).all():
+            bad = int((~torch.isfinite(scores)).nonzero()[0])
+            from rlcore.errors import RewardError
+            raise RewardError(f"reward backend returned {float(scores[bad])} for sample {bad}: "
+                              f"prompt={prompt_text[bad]!r} response={responses[bad]!r}")
+        return scores, dict(out.metrics)
+
+    def make_experience(self, rollout: RolloutBatch, scores: torch.Tensor) -> Experience:
+        c = self.c
+        exp = to_experience(rollout, scores, c.train_device)
+        micro = c.micro_batch
+        temp = float(self.gen_cfg.temperature)
+        c.actor_module.eval()
+        with self.timer("old_logprob"):
+            exp.old_logprobs = batched_logprobs(c.actor, exp.input_ids, exp.attention_mask, exp.response_len,
+                                                temp, micro)
+        if c.ref is not None:
+            with self.timer("ref_logprob"):
+                exp.ref_logprobs = batched_logprobs(c.ref, exp.input_ids, exp.attention_mask, exp.response_len,
+                                                    temp, micro)
+        if c.critic is not None:
+            with self.timer("values"):
+                exp.values = batched_values(c.critic, exp.input_ids, exp.attention_mask, exp.response_len, micro)
+        return exp
+
+    def update(self, exp: Experience) -> dict[str, float]:
+        c = self.c
+        kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
+        return ppo_update(exp, actor=c.actor, actor_opt=c.actor_opt, actor_sched=c.actor_sched,
+                          actor_grad_clip=self.cfg.actor.grad_clip, critic=c.critic, critic_opt=c.critic_opt,
+                          critic_sched=c.critic_sched, critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
+                          grad_accum=int(self.tcfg.gradient_accumulation_steps),
+                          temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
+                          generator=self._gen)
+
+    def rollout_metrics(self, rollout: RolloutBatch, scores: torch.Tensor) -> dict[str, float]:
+        lengths = rollout.response_mask.sum(-1).float()
+        max_len = int(self.gen_cfg.max_new_tokens)
+        last = rollout.response_ids[:, -1]
+        ended = torch.zeros_like(last, dtype=torch.bool)
+        for e in self.c.eos_ids:
+            ended |= (rollout.response_ids == e).any(-1)
+        return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+                "reward/min": float(scores.min()), "reward/max": float(scores.max()),
+                "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+                "response/clip_frac": float(((lengths >= max_len) & ~ended).float().mean())}
+
+    @torch.no_grad()
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Greedy generation on held-out prompts; mean reward."""
+        c = self.c
+        if not c.val_rows:
+            return {}
+        scores, lengths = [], []
+        bs = max(1, int(self.gen_cfg.batch_size))
+        saved_n, self.n = self.n, 1
+        try:
+            for i in range(0, len(c.val_rows), bs):
+                rows = c.val_rows[i:i + bs]
+                prompts, extras = self.expand(rows)
+                rollout = self.generate(prompts, self.sampling(0, greedy=True))
+                s, _ = self.score(rollout, extras)
+                scores.append(s)
+                lengths.append(rollout.response_mask.sum(-1).float())
+        finally:
+            self.n = saved_n
+        out = {"reward_mean": float(torch.cat(scores).mean()), "response_length": float(torch.cat(lengths).mean())}
+        self.hook.rlcore_metrics(step=self.state.step, metrics=c.reduce_metrics(out), split="val")
+        return out

@@ -1,0 +1,99 @@
+"""The PPO update: epochs over shuffled mini-batches, gradient accumulation over micro-batches, clipping."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rlcore import rlmath
+from rlcore.config.schema import PPOConfig
+from rlcore.trainer.experience import Experience
+from rlcore.trainer.models import response_logprobs, response_values
+
+
+@dataclass
+class Batching:
+    """How one rollout of ``n`` samples is cut: ``mini`` samples per optimizer step, ``micro`` per backward."""
+
+    mini: int
+    micro: int
+
+    @classmethod
+    def from_config(cls, n: int, ppo: PPOConfig, grad_accum: int) -> "Batching":
+        mini = min(n, ppo.mini_batch_size or n)
+        micro = ppo.micro_batch_size or max(1, mini // max(1, grad_accum))
+        return cls(mini=mini, micro=min(micro, mini))
+
+
+def _clip_and_step(model: torch.nn.Module, optim, sched, grad_clip: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip and grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+    optim.step()
+    sched.step()
+    optim.zero_grad(set_to_none=True)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, kl_loss_coef: float,
+                     weight: float, stats: dict) -> torch.Tensor:
+    logp, ent = response_logprobs(actor, mb.input_ids, mb.attention_mask, mb.response_len, temperature,
+                                  with_entropy=True)
+    mask = mb.response_mask
+    pg_loss, pg_stats = rlmath.policy_loss(logp, mb.old_logprobs, mb.advantages, mask, ppo.cliprange,
+                                           ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg)
+    entropy = rlmath.masked_mean(ent, mask)
+    loss = pg_loss - ppo.entropy_coeff * entropy
+    if kl_loss_coef > 0 and mb.ref_logprobs is not None:
+        kl = rlmath.masked_mean(rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator), mask)
+        loss = loss + kl_loss_coef * kl
+        stats["actor/kl_loss"].append(float(kl))
+    (loss * weight).backward()
+    stats["loss/policy"].append(float(pg_loss))
+    stats["entropy/mean"].append(float(entropy))
+    stats["actor/clipfrac"].append(float(pg_stats["clipfrac"]))
+    stats["actor/approx_kl"].append(float(pg_stats["approx_kl"]))
+    return loss
+
+
+def critic_micro_loss(critic, mb: Experience, ppo: PPOConfig, weight: float, stats: dict) -> None:
+    values = response_values(critic, mb.input_ids, mb.attention_mask, mb.response_len)
+    vf_loss, clipfrac = rlmath.value_loss(values, mb.values, mb.returns, mb.response_mask, ppo.cliprange_value)
+    (ppo.vf_coef * vf_loss * weight).backward()
+    stats["loss/value"].append(float(vf_loss))
+    stats["critic/clipfrac"].append(float(clipfrac))
+
+
+def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_clip: float,
+               critic=None, critic_opt=None, critic_sched=None, critic_grad_clip: float = 0.0,
+               ppo: PPOConfig, grad_accum: int, temperature: float, kl_loss_coef: float,
+               generator: Optional[torch.Generator] = None) -> dict[str, float]:
+    """Run ``ppo.ppo_epochs`` passes over ``exp``; return averaged metrics."""
+    cut = Batching.from_config(exp.size, ppo, grad_accum)
+    stats: dict[str, list[float]] = defaultdict(list)
+    actor.train()
+    if critic is not None:
+        critic.train()
+    for _ in range(ppo.ppo_epochs):
+        order = torch.randperm(exp.size, generator=generator)
+        for start in range(0, exp.size - cut.mini + 1, cut.mini):
+            mini_idx = order[start:start + cut.mini]
+            for mstart in range(0, cut.mini, cut.micro):
+                idx = mini_idx[mstart:mstart + cut.micro].to(exp.input_ids.device)
+                mb = exp.select(idx)
+                weight = len(idx) / cut.mini
+                actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats)
+                if critic is not None:
+                    critic_micro_loss(critic, mb, ppo, weight, stats)
+            stats["actor/grad_norm"].append(_clip_and_step(actor, actor_opt, actor_sched, actor_grad_clip))
+            if critic is not None:
+                stats["critic/grad_norm"].append(_clip_and_step(critic, critic_opt, critic_sched, critic_grad_clip))
+    out = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    out["actor/lr"] = float(actor_sched.get_last_lr()[0])
+    out["actor/optimizer_steps"] = float(len(stats["actor/grad_norm"]))
+    return out
