@@ -1,0 +1,350 @@
+"""A Llama-family decoder forward (Llama, Mistral, Qwen2) over weights read from a HF model.
+
+The engine does not call the Hugging Face module: it reads its parameters (RMSNorm, RoPE
+tables, GQA attention, SiLU-gated MLP, Qwen2's q/k/v biases, tied embeddings) and runs two
+shape-static passes of its own over a pre-allocated KV cache:
+
+* :func:`prefill` — left-padded prompts of some slots, positions taken from the attention mask;
+* :func:`decode` — one token for the first ``n`` slots, every slot at its own cache index,
+  free of host synchronisation so that it can be captured in a CUDA graph.
+
+The KV cache is one tensor ``[L, 2, B, KVH, S, D]`` (layers, key/value, slots, kv heads, cache
+length, head dim). Key validity lives in an additive bias ``[B, S]`` (0 or ``-inf``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: RoPE variants whose cos/sin depend on the position alone (a table can be precomputed).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Shapes and constants of a supported decoder."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+    sliding_window: int | None
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")) or "default")
+
+
+def _sliding_window(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    if getattr(config, "model_type", "") == "qwen2":
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            return int(window) if "sliding_attention" in layer_types else None
+        return int(window) if getattr(config, "use_sliding_window", False) else None
+    return int(window)
+
+
+def decoder_spec(model) -> DecoderSpec:
+    """Read the decoder's shapes, raising ``ValueError`` when the engine cannot run ``model``."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"rollout engine: model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"rollout engine: hidden_act {config.hidden_act!r} is not 'silu'")
+    rope_type = _rope_type(config)
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rollout engine: rope_type {rope_type!r} is not one of {STATIC_ROPE_TYPES}")
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(model, "lm_head", None) is None:
+        raise ValueError("rollout engine: expected model.model.layers, model.model.rotary_emb and model.lm_head")
+    attn = layers[0].self_attn
+    if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
+        raise ValueError("rollout engine: per-head q/k norms are not supported")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if attn.q_proj.weight.shape[0] != heads * head_dim or heads % kv_heads:
+        raise ValueError("rollout engine: q_proj shape does not match heads x head_dim")
+    return DecoderSpec(
+        num_layers=len(layers), hidden_size=config.hidden_size, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, vocab_size=model.lm_head.weight.shape[0],
+        rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), sliding_window=_sliding_window(config),
+    )
+
+
+def supports(model, max_seq_len: int | None = None) -> bool:
+    """Whether the engine can run ``model`` (and, given ``max_seq_len``, its sliding window)."""
+    try:
+        spec = decoder_spec(model)
+    except (ValueError, AttributeError, TypeError):
+        return False
+    window = spec.sliding_window
+    return window is None or max_seq_len is None or window >= max_seq_len
+
+
+@torch.no_grad()
+def rope_table(model, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` float32 ``[length, D]`` for positions ``0..length-1``, from the model's own
+    rotary module (so every static RoPE variant and ``rope_theta`` spelling is honoured)."""
+    rotary = model.model.rotary_emb
+    inv = rotary.inv_freq
+    positions = torch.arange(length, device=inv.device)[None]
+    probe = torch.zeros(1, dtype=torch.float32, device=inv.device)
+    cos, sin = rotary(probe, positions)
+    return cos[0].float().to(device), sin[0].float().to(device)
+
+
+def _param(tensor: torch.Tensor | None, dtype, device, share: bool) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    if share:
+        return tensor.detach()
+    return tensor.detach().to(device=device, dtype=dtype, copy=True)
+
+
+def _fused(parts: list[torch.Tensor | None], dtype, device) -> torch.Tensor | None:
+    if parts[0] is None:
+        return None
+    return torch.cat([p.detach().to(device=device, dtype=dtype) for p in parts], dim=0)
+
+
+def _bias(linear) -> torch.Tensor | None:
+    return getattr(linear, "bias", None)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. ``qkv`` and ``gate_up`` hold one fused matrix or the separate ones."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor | None]
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: list[torch.Tensor]
+    gate_up_bias: list[torch.Tensor | None]
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class DecoderWeights:
+    """All weights the engine reads. ``share=True`` references the model's tensors (no copy);
+    otherwise the engine owns copies, with q/k/v and gate/up fused into single matrices."""
+
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights] = field(default_factory=list)
+    share: bool = False
+
+    @classmethod
+    @torch.no_grad()
+    def from_model(cls, model, dtype: torch.dtype, device: torch.device, share: bool) -> "DecoderWeights":
+        inner = model.model
+        embed = _param(inner.embed_tokens.weight, dtype, device, share)
+        tied = model.lm_head.weight is inner.embed_tokens.weight or (
+            model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr())
+        head = embed if tied else _param(model.lm_head.weight, dtype, device, share)
+        out = cls(embed=embed, norm=_param(inner.norm.weight, dtype, device, share), lm_head=head, share=share)
+        for layer in inner.layers:
+            out.layers.append(_layer_weights(layer, dtype, device, share))
+        return out
+
+    @torch.no_grad()
+    def copy_from(self, model) -> None:
+        """Refresh owned copies in place (addresses unchanged, so captured graphs stay valid)."""
+        fresh = DecoderWeights.from_model(model, self.embed.dtype, self.embed.device, share=False)
+        for mine, new in zip(self.tensors(), fresh.tensors()):
+            if mine is not None and mine.data_ptr() != new.data_ptr():
+                mine.copy_(new)
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        out = [self.embed, self.norm, self.lm_head]
+        for lw in self.layers:
+            out += [lw.ln1, lw.ln2, *lw.qkv, *lw.qkv_bias, lw.o, lw.o_bias, *lw.gate_up, *lw.gate_up_bias,
+                    lw.down, lw.down_bias]
+        return out
+
+    def pointers(self) -> list[int]:
+        return [t.data_ptr() for t in self.tensors() if t is not None]
+
+
+def _layer_weights(layer, dtype, device, share: bool) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+    ups = [mlp.gate_proj, mlp.up_proj]
+    if share:
+        qkv = [p.weight.detach() for p in projs]
+        qkv_bias = [_param(_bias(p), dtype, device, True) for p in projs]
+        gate_up = [p.weight.detach() for p in ups]
+        gate_up_bias = [_param(_bias(p), dtype, device, True) for p in ups]
+    else:
+        qkv = [_fused([p.weight for p in projs], dtype, device)]
+        qkv_bias = [_fused([_bias(p) for p in projs], dtype, device)]
+        gate_up = [_fused([p.weight for p in ups], dtype, device)]
+        gate_up_bias = [_fused([_bias(p) for p in ups], dtype, device)]
+    return LayerWeights(
+        ln1=_param(layer.input_layernorm.weight, dtype, device, share),
+        ln2=_param(layer.post_attention_layernorm.weight, dtype, device, share),
+        qkv=qkv, qkv_bias=qkv_bias,
+        o=_param(attn.o_proj.weight, dtype, device, share), o_bias=_param(_bias(attn.o_proj), dtype, device, share),
+        gate_up=gate_up, gate_up_bias=gate_up_bias,
+        down=_param(mlp.down_proj.weight, dtype, device, share),
+        down_bias=_param(_bias(mlp.down_proj), dtype, device, share),
+    )
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama defines it: normalise in float32, cast back, then scale. ``[..., H]``."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the half-split layout. ``x [..., D]``; ``cos``/``sin`` broadcast to it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
+
+
+def _linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    if len(weights) == 1:
+        return F.linear(x, weights[0], biases[0])
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+
+def _mlp(x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    gate_up = _linear_group(x, lw.gate_up, lw.gate_up_bias)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+
+
+def _qkv(x: torch.Tensor, lw: LayerWeights, spec: DecoderSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv = _linear_group(x, lw.qkv, lw.qkv_bias)
+    q_width = spec.num_heads * spec.head_dim
+    kv_width = spec.num_kv_heads * spec.head_dim
+    return qkv.split([q_width, kv_width, kv_width], dim=-1)
+
+
+# ----------------------------------------------------------------------------- passes
+
+@torch.no_grad()
+def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slots: torch.Tensor,
+            ids: torch.Tensor, mask: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    """Run left-padded prompts and write their keys/values to cache rows ``slots``.
+
+    Args:
+        cache: ``[L, 2, B, KVH, S, D]``; rows ``slots``, columns ``0..P-1`` are overwritten.
+        slots: ``[n]`` int64 cache rows. ids, mask: ``[n, P]`` left-padded prompts.
+        cos_table, sin_table: ``[S, D]`` float32.
+    Returns:
+        ``[n, V]`` float32 logits of the last prompt position.
+    """
+    n, width = ids.shape
+    dtype = weights.embed.dtype
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+    cos = cos_table[positions].to(dtype)[:, None]  # [n, 1, P, D]
+    sin = sin_table[positions].to(dtype)[:, None]
+    causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril_()
+    allowed = causal[None] & mask.bool()[:, None, :]
+    allowed |= torch.eye(width, dtype=torch.bool, device=ids.device)  # padded queries see themselves: no NaN
+    allowed = allowed[:, None]  # [n, 1, P, P]
+    x = F.embedding(ids, weights.embed)
+    for index, lw in enumerate(weights.layers):
+        h = rms_norm(x, lw.ln1, spec.rms_eps)
+        q, k, v = _qkv(h, lw, spec)
+        q = rotate(q.view(n, width, heads, dim).transpose(1, 2), cos, sin)
+        k = rotate(k.view(n, width, kv_heads, dim).transpose(1, 2), cos, sin)
+        v = v.view(n, width, kv_heads, dim).transpose(1, 2)
+        cache[index, 0, slots, :, :width] = k
+        cache[index, 1, slots, :, :width] = v
+        if spec.group > 1:
+            k = k.repeat_interleave(spec.group, dim=1)
+            v = v.repeat_interleave(spec.group, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        x = x + F.linear(attn.transpose(1, 2).reshape(n, width, heads * dim), lw.o, lw.o_bias)
+        x = x + _mlp(rms_norm(x, lw.ln2, spec.rms_eps), lw)
+    last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
+    return F.linear(last, weights.lm_head).float()
+
+
+@dataclass
+class DecodeState:
+    """Per-slot device buffers the decode pass reads and advances (all ``[B]`` or ``[B, S]``).
+
+    ``tokens``: last sampled token; ``positions``: its RoPE position; ``cache_index``: the cache
+    column it is written to; ``bias``: additive key mask (0 valid, ``-inf`` not);
+    ``flat_base``: ``[B, KVH]`` row offsets of each slot's heads in a flattened cache layer.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cache_index: torch.Tensor
+    bias: torch.Tensor
+    flat_base: torch.Tensor
+    zero: torch.Tensor
+
+
+@torch.no_grad()
+def decode(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, state: DecodeState, n: int,
+           cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    """One decode step for slots ``0..n-1``; no host synchronisation, fixed shapes.
+
+    Writes each slot's key/value at its ``cache_index``, marks it valid in ``bias``, advances
+    ``positions`` and ``cache_index`` (clamped to ``S-1`` so idle slots stay in bounds).
+
+    Returns:
+        ``[n, V]`` float32 next-token logits.
+    """
+    dtype = weights.embed.dtype
+    heads, kv_heads, dim, group = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    length = cache.shape[4]
+    tokens, positions, cache_index = state.tokens[:n], state.positions[:n], state.cache_index[:n]
+    bias = state.bias[:n]
+    flat = (state.flat_base[:n] + cache_index[:, None]).reshape(-1)  # [n*KVH] rows of a flat layer
+    bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
+    cos = cos_table[positions].to(dtype)[:, None]  # [n, 1, D]
+    sin = sin_table[positions].to(dtype)[:, None]
+    key_bias = bias[:, None, None, :]
+    scale = dim ** -0.5
+    x = F.embedding(tokens, weights.embed)
+    for index, lw in enumerate(weights.layers):
+        h = rms_norm(x, lw.ln1, spec.rms_eps)
+        q, k, v = _qkv(h, lw, spec)
+        q = rotate(q.view(n, heads, dim), cos, sin)
+        k = rotate(k.view(n, kv_heads, dim), cos, sin)
+        k_layer, v_layer = cache[index, 0], cache[index, 1]
+        k_layer.view(-1, dim).index_copy_(0, flat, k.reshape(-1, dim))
+        v_layer.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim))
+        scores = torch.matmul(q.view(n, kv_heads, group, dim), k_layer[:n].transpose(-1, -2))
+        probs = torch.softmax(torch.add(key_bias, scores, alpha=scale), dim=-1)
+        attn = torch.matmul(probs, v_layer[:n]).reshape(n, heads * dim)
+        x = x + F.linear(attn, lw.o, lw.o_bias)
+        x = x + _mlp(rms_norm(x, lw.ln2, spec.rms_eps), lw)
+    logits = F.linear(rms_norm(x, weights.norm, spec.rms_eps), weights.lm_head).float()
+    positions.add_(1).clamp_(max=length - 1)
+    cache_index.add_(1).clamp_(max=length - 1)
+    return logits

@@ -1,0 +1,110 @@
+"""Token sampling on the device: greedy, temperature, top-k and top-p, with seeded generators.
+
+Pure functions over a batch of next-token logits. The returned log-probabilities are always
+those of the *unfiltered* distribution ``log_softmax(logits / temperature)`` (temperature 1 when
+greedy), which is what a trainer recomputes by teacher forcing. Filtering (top-k, top-p) only
+decides which token is drawn.
+
+Sampling uses the exponential-race form of the Gumbel-max trick: ``argmax(z - log(E))`` with
+``E ~ Exp(1)`` draws index ``i`` with probability ``softmax(z)_i``. It needs one random tensor and
+no normalisation, and runs without any host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcore.rollout.base import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (a fresh seed drawn from torch when ``None``)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen
+
+
+def validate_params(params: SamplingParams, vocab_size: int | None = None) -> None:
+    """Raise ``ValueError`` naming the field when ``params`` cannot be honoured."""
+    if params.max_new_tokens < 1:
+        raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.top_k < 0:
+        raise ValueError(f"SamplingParams.top_k must be >= 0, got {params.top_k}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+    if vocab_size is not None:
+        bad = [e for e in params.eos_token_ids if not 0 <= e < vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.eos_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+
+
+def filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the top-k, then the top-p nucleus, of each row.
+
+    Args:
+        scores: ``[B, V]`` temperature-scaled logits (float32).
+    Returns:
+        ``(kept [B, K], index [B, K])``: candidate scores in descending order with filtered
+        entries set to ``-inf``, and their vocabulary indices. ``K = top_k`` when top-k is on,
+        else ``V``. The first candidate of each row is always kept.
+    """
+    vocab = scores.shape[-1]
+    if top_k > 0:
+        kept, index = torch.topk(scores, min(top_k, vocab), dim=-1)
+    else:
+        kept, index = torch.sort(scores, dim=-1, descending=True)
+    if top_p < 1.0:
+        probs = torch.softmax(kept, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = mass_before >= top_p
+        drop[:, 0] = False
+        kept = kept.masked_fill(drop, float("-inf"))
+    return kept, index
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row.
+
+    Args:
+        logits: ``[B, V]`` raw next-token logits (any float dtype; computed in float32).
+        params: temperature / top-k / top-p; greedy when ``temperature <= 0``.
+        generator: random source on ``logits.device`` (unused when greedy).
+    Returns:
+        ``(tokens [B] int64, logprobs [B] float32)`` where ``logprobs`` are the sampled tokens'
+        log-probabilities under ``log_softmax(logits / temperature)``.
+    """
+    scores = logits.float()
+    if params.greedy:
+        tokens = torch.argmax(scores, dim=-1)
+    else:
+        if params.temperature != 1.0:
+            scores = scores / params.temperature
+        if params.top_k > 0 or params.top_p < 1.0:
+            kept, index = filter_top_k_top_p(scores, params.top_k, params.top_p)
+            noise = torch.empty_like(kept).exponential_(generator=generator)
+            choice = torch.argmax(kept - noise.log_(), dim=-1, keepdim=True)
+            tokens = index.gather(-1, choice).squeeze(-1)
+        else:
+            noise = torch.empty_like(scores).exponential_(generator=generator)
+            tokens = torch.argmax(scores - noise.log_(), dim=-1)
+    picked = scores.gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = picked - torch.logsumexp(scores, dim=-1)
+    return tokens, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probabilities of ``tokens`` under ``log_softmax(logits / temperature)``.
+
+    Args:
+        logits: ``[..., V]`` raw logits. tokens: ``[...]`` int64. temperature: ``<= 0`` means 1.
+    Returns:
+        ``[...]`` float32.
+    """
+    scores = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        scores = scores / temperature
+    picked = scores.gather(-1, tokens[..., None]).squeeze(-1)
+    return picked - torch.logsumexp(scores, dim=-1)

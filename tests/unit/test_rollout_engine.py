@@ -1,0 +1,133 @@
+"""The rollout engine against Hugging Face ``generate`` and teacher forcing, on tiny CPU models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlcore.rollout.base import SamplingParams
+from rlcore.rollout.engine import RolloutEngine
+from rlcore.rollout.hf import HFGenerateBackend
+from rlcore.rollout.tiny import tiny_causal_lm
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [5, 6, 7], [100, 101, 102, 103], [50]]
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    return tiny_causal_lm("qwen2")
+
+
+def hf_greedy(model, params=GREEDY, prompts=PROMPTS):
+    return HFGenerateBackend(model).generate(prompts, params)
+
+
+def teacher_forced_logprobs(model, batch, temperature: float) -> torch.Tensor:
+    ids, mask = batch.sequences()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    width = batch.prompt_ids.shape[1]
+    scaled = logits[:, width - 1:-1] / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(scaled, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("qwen2", {}),
+    ("llama", {}),
+    ("mistral", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True, "rope_theta": 500000.0, "num_key_value_heads": 4}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+])
+def test_greedy_matches_hf_generate(family, overrides):
+    model = tiny_causal_lm(family, **overrides)
+    expected = hf_greedy(model)
+    assert len(set(expected.response_ids.flatten().tolist())) > 10  # the model does not just repeat
+    got = RolloutEngine(model, max_batch_size=8, max_seq_len=24).generate(PROMPTS, GREEDY)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.equal(got.prompt_ids, expected.prompt_ids)
+    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+
+
+def test_eos_mid_batch_matches_hf(qwen2):
+    plain = hf_greedy(qwen2)
+    eos = int(plain.response_ids[0, 3])  # a token the greedy path really emits
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_ids=(eos,), pad_token_id=0)
+    expected = hf_greedy(qwen2, params)
+    assert expected.response_mask[0].sum() < 10 and expected.response_mask.sum(-1).max() == expected.response_ids.shape[1]
+    got = RolloutEngine(qwen2, max_batch_size=8, max_seq_len=24).generate(PROMPTS, params)
+    assert torch.equal(got.response_mask, expected.response_mask)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.all(got.logprobs[got.response_mask == 0] == 0)
+
+
+@pytest.mark.parametrize("slots", [3, 1])
+def test_continuous_batching_more_prompts_than_slots(qwen2, slots):
+    plain = hf_greedy(qwen2)
+    eos = int(plain.response_ids[2, 1])
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_ids=(eos,))
+    expected = hf_greedy(qwen2, params)
+    engine = RolloutEngine(qwen2, max_batch_size=slots, max_seq_len=24, admit_fraction=0.0, eos_check_interval=2)
+    got = engine.generate(PROMPTS, params)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.equal(got.response_mask, expected.response_mask)
+    assert got.stats["rollout/prefill_calls"] > 1
+
+
+def test_sampled_logprobs_match_teacher_forcing(qwen2):
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=5)
+    batch = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=24).generate(PROMPTS, params)
+    reference = teacher_forced_logprobs(qwen2, batch, 0.7)
+    mask = batch.response_mask.bool()
+    assert torch.allclose(batch.logprobs[mask], reference[mask], atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy(qwen2):
+    engine = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=24)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20, seed=11)
+    first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20, seed=12))
+    assert torch.equal(first.response_ids, again.response_ids)
+    assert not torch.equal(first.response_ids, other.response_ids)
+    top1 = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.5, top_k=1, seed=3))
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert torch.equal(top1.response_ids, greedy.response_ids)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_sync_weights_follows_training_updates(share):
+    model = tiny_causal_lm("llama")
+    engine = RolloutEngine(model, max_batch_size=4, max_seq_len=24, share_weights=share)
+    before = engine.generate(PROMPTS, GREEDY)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    engine.sync_weights()
+    after = engine.generate(PROMPTS, GREEDY)
+    assert not torch.equal(before.response_ids, after.response_ids)
+    assert torch.equal(after.response_ids, hf_greedy(model).response_ids)
+
+
+def test_bfloat16_engine_runs_and_returns_finite_logprobs(qwen2):
+    engine = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=24, dtype=torch.bfloat16)
+    batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
+    assert batch.response_ids.shape == (len(PROMPTS), 6)
+    assert torch.isfinite(batch.logprobs).all() and (batch.logprobs <= 0).all()
+
+
+def test_supports_and_input_errors(qwen2):
+    assert RolloutEngine.supports(qwen2)
+    assert not RolloutEngine.supports(tiny_causal_lm("gpt2"))
+    windowed = tiny_causal_lm("mistral", sliding_window=8)
+    assert RolloutEngine.supports(windowed, max_seq_len=8) and not RolloutEngine.supports(windowed, max_seq_len=24)
+    with pytest.raises(ValueError, match="sliding_window"):
+        RolloutEngine(windowed, max_batch_size=2, max_seq_len=24)
+    engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate(PROMPTS, GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=2, top_p=0.0))
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=2, eos_token_ids=(10**6,)))
