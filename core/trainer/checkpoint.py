@@ -1,0 +1,380 @@
+"""The default checkpoint policy: when to save, how to write atomically, what to keep, how to resume.
+
+Layout of ``trainer.output_dir``::
+
+    checkpoints/
+      step_00000020/            one complete checkpoint
+        manifest.json           step, world size, format, sha256 + size of every file (written last)
+        actor.pt, actor_optim.pt, critic.pt, critic_optim.pt      "torch" format (one process, no FSDP)
+        dcp/                    "dcp" format: torch.distributed.checkpoint shards of models + optimizers
+        state/rank_00000.pt     small per-rank state: trainer counters, schedulers, KL controller,
+                                data position, RNG streams
+      latest                    name of the newest complete checkpoint (moved last)
+      .tmp-step_00000030/       a save in progress (ignored by resume, removed by the next save)
+    final/                      the exported Hugging Face directory
+
+A save writes into ``.tmp-step_N``, fsyncs every file, writes the manifest, renames the directory
+to ``step_N`` and only then replaces ``latest``. A crash at any point leaves the previous
+checkpoint and pointer intact. Resume verifies the manifest (sizes and checksums) and falls back
+to the previous checkpoint, with a warning, when the newest one is truncated or corrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from rlcore.config.schema import TrainerConfig
+from rlcore.errors import CheckpointError
+from rlcore.protocols import DistInfo, Stateful
+from rlcore.trainer import checkpoint_store as store
+
+log = logging.getLogger(__name__)
+
+#: Free space ``check_output_dir`` asks for before training starts.
+MIN_FREE_BYTES = 256 * 2**20
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# --------------------------------------------------------------------------------------------
+# Preflight
+# --------------------------------------------------------------------------------------------
+
+
+def check_output_dir(trainer: TrainerConfig, min_free_bytes: int = MIN_FREE_BYTES) -> None:
+    """Fail before any model loads when ``trainer.output_dir`` cannot hold checkpoints.
+
+    :raises CheckpointError: the directory cannot be created, is not writable, or is (nearly) full.
+    """
+    path = str(trainer.output_dir)
+    key = f"trainer.output_dir={path!r}"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{key} cannot be created: {e.strerror or e}") from e
+    probe = os.path.join(path, f".rlcore-write-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        what = "is full (no space left on device)" if e.errno == 28 else "is not writable"
+        raise CheckpointError(f"{key} {what}: {e.strerror or e}") from e
+    finally:
+        try:
+            os.remove(probe)
+        except OSError:
+            pass
+    free = store.free_bytes(path)
+    if free is not None and free < min_free_bytes:
+        raise CheckpointError(f"{key} is nearly full: {free / 2**20:.0f} MiB free, checkpoints need at least "
+                              f"{min_free_bytes / 2**20:.0f} MiB; free space or choose another trainer.output_dir")
+
+
+# --------------------------------------------------------------------------------------------
+# Stateful helpers the loop saves
+# --------------------------------------------------------------------------------------------
+
+
+class RNGState:
+    """Random streams of this process: python, numpy, torch CPU, every CUDA device, and named generators.
+
+    The checkpoint policy saves one copy per rank. Extra ``torch.Generator`` objects (e.g. the one
+    shuffling mini-batches) join with :meth:`register` so a resumed run draws the same numbers.
+    """
+
+    def __init__(self, generators: Optional[Mapping[str, torch.Generator]] = None):
+        self.generators: dict[str, torch.Generator] = dict(generators or {})
+
+    def register(self, name: str, generator: torch.Generator) -> torch.Generator:
+        self.generators[name] = generator
+        return generator
+
+    def state_dict(self) -> dict[str, Any]:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "torch": torch.get_rng_state(),
+            "generators": {n: g.get_state() for n, g in self.generators.items()},
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        import numpy as np
+
+        random.setstate(_as_tuple(state["python"]))
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
+        torch.set_rng_state(state["torch"])
+        for name, gen_state in state.get("generators", {}).items():
+            if name in self.generators:
+                self.generators[name].set_state(gen_state)
+            else:
+                log.warning("checkpoint holds RNG generator %r that this run does not register; ignored", name)
+        cuda = state.get("cuda")
+        if cuda is not None and torch.cuda.is_available():
+            if len(cuda) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda)
+            else:
+                log.warning("checkpoint holds CUDA RNG states of %d devices, this process sees %d: "
+                            "CUDA random streams restart from the seed", len(cuda), torch.cuda.device_count())
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+class GracefulExit:
+    """Turn the first SIGTERM/SIGINT into a request to stop after the current step.
+
+    ``with GracefulExit() as stop: ... if stop.requested: save and break``. A second signal gets
+    the handler that was installed before (Ctrl-C raises ``KeyboardInterrupt``, SIGTERM ends the
+    process). In a multi-process job reading :attr:`requested` is a collective (every rank reads
+    it at the same point), so all ranks stop at the same step when any one of them was signalled.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._previous: dict[int, Any] = {}
+        self.signal_name: Optional[str] = None
+
+    def __enter__(self) -> "GracefulExit":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self._flag:
+            log.warning("second %s: stopping now without a checkpoint", name)
+            signal.signal(signum, self._previous.pop(signum, signal.SIG_DFL))
+            os.kill(os.getpid(), signum)
+            return
+        self._flag, self.signal_name = True, name
+        log.warning("received %s: finishing this step, saving a checkpoint and stopping "
+                    "(send it again to stop at once)", name)
+
+    def request(self) -> None:
+        """Ask for a stop as a signal would (tests, notebooks)."""
+        self._flag = True
+
+    @property
+    def requested(self) -> bool:
+        import torch.distributed as tdist
+
+        if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() <= 1:
+            return self._flag
+        flag = torch.tensor([1.0 if self._flag else 0.0], device=store.collective_device())
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        self._flag = bool(flag.item() > 0)
+        return self._flag
+
+
+# --------------------------------------------------------------------------------------------
+# The policy
+# --------------------------------------------------------------------------------------------
+
+
+class DefaultCheckpointPolicy:
+    """Every ``trainer.save_steps`` and at the end; keep ``trainer.save_total_limit``; atomic; verified resume.
+
+    :param trainer: the ``trainer`` section (``output_dir``, ``save_steps``, ``save_total_limit``,
+        ``resume``, ``async_save``, ``seed``).
+    :param dist: rank and world size of this process.
+    """
+
+    def __init__(self, trainer: TrainerConfig, dist: DistInfo):
+        self.cfg = trainer
+        self.dist = dist
+        self.root = Path(trainer.output_dir) / "checkpoints"
+        self._saved: dict[int, str] = {}
+        self._pending: Optional[store.PendingSave] = None
+        self._gloo: Any = None
+
+    # -- when -----------------------------------------------------------------------------------
+    def should_save(self, step: int, *, final: bool = False) -> bool:
+        if final:
+            return step > 0
+        every = int(self.cfg.save_steps)
+        return every > 0 and step > 0 and step % every == 0
+
+    # -- save -----------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Stateful]) -> Optional[str]:
+        """Write ``state`` as checkpoint ``step`` (once per step); return its path on the main rank."""
+        if step <= 0:
+            return None
+        if step in self._saved:
+            return self._saved[step] if self.dist.is_main else None
+        self.wait()
+        name = f"step_{step:08d}"
+        final, tmp = self.root / name, self.root / f".tmp-{name}"
+        if self.dist.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            store.remove_tree(tmp)
+            tmp.mkdir(parents=True)
+        store.barrier()
+        fmt = "dcp" if (self.dist.world_size > 1 or store.any_sharded(state)) else "torch"
+        if fmt == "dcp" and self.cfg.async_save and self._gloo is None:
+            self._gloo = store.new_gloo_group()
+        finish = lambda: self._finalize(step, tmp, final, fmt, state)  # noqa: E731
+        try:
+            self._pending = store.write_state(tmp, state, fmt, self.dist, asynchronous=bool(self.cfg.async_save),
+                                              on_done=finish, process_group=self._gloo)
+        except OSError as e:
+            raise CheckpointError(f"could not write checkpoint {final}: {e}") from e
+        if self._pending is None:
+            finish()
+        self._saved[step] = str(final)
+        return str(final) if self.dist.is_main else None
+
+    def wait(self) -> None:
+        """Block until an asynchronous save in flight is complete (and raise if it failed)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _finalize(self, step: int, tmp: Path, final: Path, fmt: str, state: Mapping[str, Any]) -> None:
+        """Manifest, rename, ``latest`` pointer, rotation. The data of every rank is on disk."""
+        if self.dist.is_main:
+            kinds = {k: store.kind_of(k, v, state) for k, v in state.items()}
+            store.write_manifest(tmp, step=step, world_size=self.dist.world_size, fmt=fmt, kinds=kinds)
+            store.replace_dir(tmp, final)
+            store.write_pointer(self.root / "latest", final.name)
+            self._rotate(keep=final)
+            log.info("checkpoint saved: %s", final)
+        if threading.current_thread() is threading.main_thread():
+            store.barrier()
+
+    def _rotate(self, keep: Path) -> None:
+        limit = int(self.cfg.save_total_limit)
+        complete = list_checkpoints(self.root)
+        for path in complete[limit:] if limit > 0 else []:
+            if path != keep:
+                store.remove_tree(path)
+        for stale in self.root.glob(".t*-step_*"):
+            if stale.name != f".tmp-{keep.name}" and (self._pending is None or not self._pending.running()):
+                store.remove_tree(stale)
+
+    # -- resume ---------------------------------------------------------------------------------
+    def resume(self, state: Mapping[str, Stateful]) -> int:
+        """Load the checkpoint chosen by ``trainer.resume`` into ``state``; return its step (0 = fresh start)."""
+        mode = str(self.cfg.resume or "disable")
+        if mode == "disable":
+            return 0
+        path = self._choose(mode) if self.dist.is_main else None
+        path = store.broadcast_object(path)
+        if path is None:
+            return 0
+        manifest = store.read_manifest(Path(path))
+        self._check_keys(Path(path), manifest, state)
+        saved_ws = int(manifest["world_size"])
+        if saved_ws != self.dist.world_size and self.dist.is_main:
+            log.warning("checkpoint %s was written by %d process(es), this run has %d: model and optimizer "
+                        "state are resharded through torch.distributed.checkpoint; %s", path, saved_ws,
+                        self.dist.world_size, store.RESHARD_NOTE)
+        store.load_state(Path(path), manifest, state, self.dist, seed=int(self.cfg.seed))
+        step = int(manifest["step"])
+        self._saved[step] = path
+        if self.dist.is_main:
+            log.info("resumed from %s (step %d)", path, step)
+        return step
+
+    def _choose(self, mode: str) -> Optional[str]:
+        if mode != "auto":
+            target = resolve_checkpoint_path(Path(mode))
+            problems = store.verify(target)
+            if problems:
+                raise CheckpointError(f"trainer.resume={mode!r}: {target} cannot be used: " + "; ".join(problems))
+            return str(target)
+        for path, problems in self._candidates():
+            if not problems:
+                return str(path)
+            log.warning("checkpoint %s is incomplete or corrupt (%s); falling back to the previous one",
+                        path, "; ".join(problems))
+        if any(self.root.glob("step_*")) if self.root.exists() else False:
+            log.warning("no usable checkpoint in %s: starting from step 0", self.root)
+        return None
+
+    def _candidates(self):
+        """``latest`` first, then older complete checkpoints, newest first, each with its problems."""
+        pointer = store.read_pointer(self.root / "latest")
+        found = list_checkpoints(self.root)
+        order: list[Path] = []
+        if pointer is not None:
+            head = self.root / pointer
+            order.append(head)
+            bound = step_of(head)
+            found = [p for p in found if bound is None or (step_of(p) or 0) < bound]
+        for path in found:
+            if path not in order:
+                order.append(path)
+        for path in order:
+            yield path, store.verify(path)
+
+    def _check_keys(self, path: Path, manifest: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        saved = set(manifest.get("kinds", {}))
+        missing = sorted(set(state) - saved)
+        if missing:
+            raise CheckpointError(f"checkpoint {path} has no state for {missing} (it holds {sorted(saved)}): "
+                                  "the run's setup differs from the saved one (e.g. a critic was added); "
+                                  "set trainer.resume=disable or use a matching config")
+        extra = sorted(saved - set(state))
+        if extra and self.dist.is_main:
+            log.warning("checkpoint %s holds %s that this run does not use; ignored", path, extra)
+
+    # -- export ---------------------------------------------------------------------------------
+    def export(self, model: torch.nn.Module, tokenizer: Any, name: str = "final") -> Optional[str]:
+        """Write ``model`` (gathered from its shards when FSDP-wrapped) and ``tokenizer`` as a HF directory."""
+        self.wait()
+        return store.export_hf(model, tokenizer, Path(self.cfg.output_dir) / name, self.dist)
+
+
+def step_of(path: Path) -> Optional[int]:
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Renamed (finished) checkpoint directories under ``root``, newest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=lambda p: step_of(p) or 0, reverse=True)
+
+
+def resolve_checkpoint_path(path: Path) -> Path:
+    """A checkpoint directory given directly, or the ``latest`` one of a run or ``checkpoints`` directory."""
+    for root in (path, path / "checkpoints"):
+        pointer = store.read_pointer(root / "latest")
+        if pointer is not None:
+            return root / pointer
+    if not path.exists():
+        raise CheckpointError(f"trainer.resume={str(path)!r}: no such checkpoint directory")
+    return path
+
+
+__all__ = ["DefaultCheckpointPolicy", "RNGState", "GracefulExit", "check_output_dir", "list_checkpoints",
+           "resolve_checkpoint_path", "MIN_FREE_BYTES"]
