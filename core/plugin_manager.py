@@ -196,8 +196,15 @@ class RLCorePluginManager(pluggy.PluginManager):
             raise PluginError(f"'{hook_name}' is not a factory hook")
         caller = getattr(self.hook, hook_name)
         answers: list[tuple[str, Any]] = []
-        for impl in caller.get_hookimpls():
+        impls = caller.get_hookimpls()
+        # Selected plugins first: a default is only called when no selected plugin answers, so it
+        # never builds a component (e.g. a whole dataset) that is then thrown away.
+        ordered = ([i for i in impls if self.get_name(i.plugin) not in self.default_names]
+                   + [i for i in impls if self.get_name(i.plugin) in self.default_names])
+        for impl in ordered:
             name = self.get_name(impl.plugin) or repr(impl.plugin)
+            if name in self.default_names and answers:
+                break
             others = [p for p in self.get_plugins() if p is not impl.plugin]
             result = self.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
             if result:

@@ -1,0 +1,139 @@
+"""Turning prompts into token ids, and the length policy shared by every dataset.
+
+A prompt is plain text, or a list of chat messages (``{"role": ..., "content": ...}``) rendered with
+the tokenizer's chat template and a generation prompt. Plain text is tokenized with the tokenizer's
+special tokens (a BOS where the model has one); a rendered chat already holds them.
+
+The length policy: a prompt longer than ``max_prompt_length`` is dropped when
+``filter_overlong_prompts`` is on (datasets that can drop rows: the default provider, ``streaming``),
+otherwise truncated on the ``left`` or ``right``, or rejected (``error``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlcore.config.schema import DataConfig
+from rlcore.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def render_prompts(prompts: Sequence[Any], tokenizer: Any, where: str) -> tuple[list[str], list[bool]]:
+    """Render each prompt to text; return the texts and which ones were chats.
+
+    :param where: names the source (file and column) in errors.
+    :raises DataError: a value that is neither text nor chat messages, or chats without a chat template.
+    """
+    texts: list[str] = []
+    chats: list[bool] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            texts.append(p)
+            chats.append(False)
+        elif is_chat(p):
+            if not getattr(tokenizer, "chat_template", None):
+                raise DataError(f"{where}: row {i} holds chat messages but the tokenizer has no chat template; "
+                                "give plain-text prompts or a tokenizer with a chat_template")
+            texts.append(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False))
+            chats.append(True)
+        else:
+            raise DataError(f"{where}: row {i} holds a {type(p).__name__} ({str(p)[:60]!r}); "
+                            "expected text or a list of chat messages")
+    return texts, chats
+
+
+def encode_prompts(prompts: Sequence[Any], tokenizer: Any, where: str) -> tuple[list[str], list[list[int]]]:
+    """Render and tokenize a batch of prompts; return ``(texts, input_ids)``."""
+    texts, chats = render_prompts(prompts, tokenizer, where)
+    ids: list[list[int]] = [[] for _ in texts]
+    for flag in (False, True):
+        idx = [i for i, c in enumerate(chats) if c == flag]
+        if idx:
+            enc = tokenizer([texts[i] for i in idx], add_special_tokens=not flag)["input_ids"]
+            for i, e in zip(idx, enc):
+                ids[i] = list(e)
+    return texts, ids
+
+
+@dataclass
+class LengthStats:
+    """What the length policy did to a batch (counts)."""
+
+    rows: int = 0
+    dropped: int = 0
+    truncated: int = 0
+    longest: int = 0
+
+    def add(self, other: "LengthStats") -> None:
+        self.rows += other.rows
+        self.dropped += other.dropped
+        self.truncated += other.truncated
+        self.longest = max(self.longest, other.longest)
+
+
+def apply_length_policy(ids: list[list[int]], config: DataConfig, where: str, *,
+                        can_drop: bool = True) -> tuple[list[int], list[list[int]], LengthStats]:
+    """Apply ``max_prompt_length`` to a batch.
+
+    :returns: indices of the rows kept, their (possibly truncated) ids, and the counts.
+    :raises DataError: overlong rows under ``truncation=error`` (when they are not filtered).
+    """
+    limit = int(config.max_prompt_length)
+    stats = LengthStats(rows=len(ids), longest=max((len(x) for x in ids), default=0))
+    over = [i for i, x in enumerate(ids) if len(x) > limit]
+    if not over:
+        return list(range(len(ids))), ids, stats
+    if config.filter_overlong_prompts and can_drop:
+        drop = set(over)
+        keep = [i for i in range(len(ids)) if i not in drop]
+        stats.dropped = len(over)
+        return keep, [ids[i] for i in keep], stats
+    if config.truncation == "error":
+        raise DataError(f"{where}: {len(over)} of {len(ids)} prompt(s) exceed data.max_prompt_length={limit} tokens "
+                        f"(longest {stats.longest}, first at row {over[0]}); set data.truncation=left|right"
+                        + ("" if can_drop else " (rows of a custom dataset cannot be filtered)")
+                        + " or raise data.max_prompt_length")
+    out = list(ids)
+    for i in over:
+        out[i] = ids[i][-limit:] if config.truncation == "left" else ids[i][:limit]
+    stats.truncated = len(over)
+    return list(range(len(ids))), out, stats
+
+
+def ensure_input_ids(rows: list[dict], tokenizer: Any, config: DataConfig) -> list[dict]:
+    """Give every row ``input_ids`` (rows of custom datasets often hold only text) within the length limit.
+
+    Rows are never dropped here (every rank must keep its batch size): overlong prompts are truncated
+    by ``data.truncation`` or rejected when it is ``error``.
+    """
+    key = config.prompt_key
+    todo = [i for i, r in enumerate(rows) if r.get("input_ids") is None]
+    out = [dict(r) for r in rows]
+    if todo:
+        missing = [i for i in todo if key not in rows[i]]
+        if missing:
+            raise DataError(f"dataset row has no column '{key}' (data.prompt_key) and no input_ids; "
+                            f"columns: {', '.join(sorted(rows[missing[0]]))}")
+        texts, ids = encode_prompts([rows[i][key] for i in todo], tokenizer, f"column '{key}'")
+        for i, t, x in zip(todo, texts, ids):
+            out[i][key], out[i]["input_ids"] = t, x
+    ids = [list(r["input_ids"]) for r in out]
+    _, ids, stats = apply_length_policy(ids, config, f"column '{key}'", can_drop=False)
+    if stats.truncated:
+        log.info("truncated %d of %d prompt(s) to %d tokens (%s)", stats.truncated, len(rows),
+                 config.max_prompt_length, config.truncation)
+    for r, x in zip(out, ids):
+        r["input_ids"] = x
+    return out
+
+
+def list_collate(batch: list) -> list:
+    """DataLoader collate that keeps rows as a list of dicts."""
+    return list(batch)

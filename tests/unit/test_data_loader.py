@@ -1,0 +1,126 @@
+"""PromptLoader: seeded epochs, one share per rank, workers, exact resume, iterable datasets."""
+
+from __future__ import annotations
+
+import pytest
+from torch.utils.data import IterableDataset
+
+from rlcore.config.schema import DataConfig
+from rlcore.data.loader import PromptLoader, epoch_indices
+from rlcore.data.provider import RowsDataset
+from rlcore.errors import DataError
+from rlcore.protocols import DistInfo
+
+ROWS = RowsDataset([{"prompt": f"p{i}", "id": i, "input_ids": [i]} for i in range(50)])
+
+
+def ids(batch):
+    return [r["id"] for r in batch]
+
+
+def take(loader, n):
+    return [ids(loader.next_batch()) for _ in range(n)]
+
+
+def test_epochs_cover_each_row_once_and_reshuffle():
+    loader = PromptLoader(ROWS, DataConfig(), batch_size=8, seed=3, dist=DistInfo())
+    epoch0 = take(loader, 6)  # 50 rows -> 6 whole batches, 2 rows dropped
+    assert loader.epoch == 0
+    flat0 = [i for b in epoch0 for i in b]
+    assert len(set(flat0)) == 48
+    epoch1 = take(loader, 6)
+    assert loader.epoch == 1 and len({i for b in epoch1 for i in b}) == 48
+    assert epoch1 != epoch0
+    same_seed = PromptLoader(ROWS, DataConfig(), batch_size=8, seed=3, dist=DistInfo())
+    assert take(same_seed, 6) == epoch0
+    other_seed = PromptLoader(ROWS, DataConfig(), batch_size=8, seed=4, dist=DistInfo())
+    assert take(other_seed, 6) != epoch0
+
+
+def test_no_shuffle_keeps_order():
+    loader = PromptLoader(ROWS, DataConfig(shuffle=False), batch_size=5, seed=0, dist=DistInfo())
+    assert take(loader, 2) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
+def test_ranks_get_disjoint_equal_shares():
+    shares = [epoch_indices(50, 4, seed=1, epoch=2, dist=DistInfo(rank=r, world_size=3), shuffle=True)
+              for r in range(3)]
+    assert [len(s) for s in shares] == [16, 16, 16]
+    assert len(set().union(*map(set, shares))) == 48
+    loaders = [PromptLoader(ROWS, DataConfig(), 4, 1, DistInfo(rank=r, world_size=3)) for r in range(3)]
+    seen = [i for ld in loaders for b in take(ld, 4) for i in b]
+    assert len(seen) == len(set(seen)) == 48
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_with_the_same_batches(workers):
+    cfg = DataConfig(num_workers=workers, prefetch_factor=2)
+    loader = PromptLoader(ROWS, cfg, batch_size=7, seed=5, dist=DistInfo())
+    take(loader, 9)  # into epoch 1
+    state = loader.state_dict()
+    expected = take(loader, 8)
+    resumed = PromptLoader(ROWS, cfg, batch_size=7, seed=0, dist=DistInfo())
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1 and take(resumed, 8) == expected
+
+
+def test_too_small_for_a_batch():
+    with pytest.raises(DataError, match=r"50 rows: 12 per rank for 4 rank\(s\), fewer than one batch of 16"):
+        PromptLoader(ROWS, DataConfig(), 16, 0, DistInfo(rank=0, world_size=4))
+
+
+class Unsharded(IterableDataset):
+    """Like the seed's example: yields every row in every worker and on every rank."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield {"prompt": f"p{i}", "id": i}
+
+
+def one_epoch(loader):
+    """Ids of every batch of the loader's current epoch."""
+    out, epoch = [], loader.epoch
+    while True:
+        batch = loader.next_batch()
+        if loader.epoch != epoch:
+            return out
+        out += ids(batch)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unsharded_iterable_is_split_over_ranks_and_workers(workers):
+    cfg = DataConfig(num_workers=workers, prefetch_factor=2)
+    shares = [one_epoch(PromptLoader(Unsharded(41), cfg, 1, 0, DistInfo(rank=r, world_size=2))) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(41))
+    assert abs(len(shares[0]) - len(shares[1])) <= max(1, workers)
+
+
+def test_iterable_resume_has_no_loss_or_duplicate():
+    cfg = DataConfig(num_workers=2, prefetch_factor=2)
+    loader = PromptLoader(Unsharded(40), cfg, 4, 0, DistInfo())
+    before = take(loader, 3)
+    state = loader.state_dict()
+    assert state["kind"] == "iterable" and state["positions"]
+    resumed = PromptLoader(Unsharded(40), cfg, 4, 0, DistInfo())
+    resumed.load_state_dict(state)
+    after = one_epoch(resumed)
+    flat = [i for b in before for i in b] + after
+    assert sorted(flat) == list(range(40))
+
+
+def test_state_of_another_kind_is_rejected():
+    loader = PromptLoader(ROWS, DataConfig(), 4, 0, DistInfo())
+    with pytest.raises(DataError, match="saved for a iterable dataset"):
+        loader.load_state_dict({"kind": "iterable", "epoch": 0})
+
+
+def test_changed_dataset_restarts_the_epoch(caplog):
+    loader = PromptLoader(ROWS, DataConfig(shuffle=False), 5, 0, DistInfo())
+    take(loader, 3)
+    state = loader.state_dict()
+    bigger = PromptLoader(RowsDataset(ROWS.rows + ROWS.rows[:5]), DataConfig(shuffle=False), 5, 0, DistInfo())
+    bigger.load_state_dict(state)
+    assert ids(bigger.next_batch()) == [0, 1, 2, 3, 4] and "changed since the checkpoint" in caplog.text
