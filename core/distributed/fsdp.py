@@ -1,0 +1,240 @@
+"""FSDP2 (``fully_shard``) for the actor, critic and reference models.
+
+``fsdp.sharding_strategy`` maps onto FSDP2 like this:
+
+=============== ===================================== ==============================
+strategy        device mesh                           ``reshard_after_forward``
+=============== ===================================== ==============================
+FULL_SHARD      1-D, all ranks                        True
+SHARD_GRAD_OP   1-D, all ranks                        False (weights stay gathered
+                                                      from forward to backward)
+NO_SHARD        2-D ``(world, 1)``: pure replication  False
+HYBRID_SHARD    2-D ``(world / s, s)``: shard inside  True
+                groups of ``s`` ranks, replicate
+                across groups (``s`` = GPUs per node)
+=============== ===================================== ==============================
+
+Each decoder layer is one FSDP unit and the root holds the rest (embeddings, final norm, head).
+``use_orig_params`` needs no handling: FSDP2 always exposes the original parameters (as DTensors).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from rlcore.config.schema import FSDPConfig
+from rlcore.errors import ConfigError
+from rlcore.protocols import DistInfo
+
+log = logging.getLogger(__name__)
+
+#: sharding_strategy -> reshard_after_forward of the FSDP units.
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Names of the module lists that hold decoder blocks in common architectures.
+LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "decoder_layers")
+
+
+def check_fsdp_config(fsdp: FSDPConfig, key: str = "fsdp") -> None:
+    """Raise :class:`ConfigError` listing every unknown value of ``fsdp``."""
+    problems = []
+    if fsdp.sharding_strategy not in RESHARD_AFTER_FORWARD:
+        problems.append(f"'{key}.sharding_strategy' = {fsdp.sharding_strategy!r}: use one of "
+                        f"{', '.join(RESHARD_AFTER_FORWARD)}")
+    for name in ("param_dtype", "reduce_dtype"):
+        if getattr(fsdp, name) not in DTYPES:
+            problems.append(f"'{key}.{name}' = {getattr(fsdp, name)!r}: use one of {', '.join(DTYPES)}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def device_type(dist: DistInfo) -> str:
+    return "cuda" if dist.device.type == "cuda" else "cpu"
+
+
+def hybrid_shard_size(world_size: int) -> int:
+    """Shard-group size of HYBRID_SHARD: the processes of one node (``LOCAL_WORLD_SIZE``) when that
+    divides the world, else the whole world."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return local if 0 < local <= world_size and world_size % local == 0 else world_size
+
+
+def build_mesh(strategy: str, dist: DistInfo, shard_size: Optional[int] = None):
+    """The device mesh of ``strategy`` over all ranks (see the module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.world_size
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return init_device_mesh(device_type(dist), (world,), mesh_dim_names=("shard",))
+    size = 1 if strategy == "NO_SHARD" else (shard_size or hybrid_shard_size(world))
+    if size < 1 or world % size:
+        raise ConfigError([f"HYBRID_SHARD: shard group size {size} does not divide the world size {world}"])
+    return init_device_mesh(device_type(dist), (world // size, size), mesh_dim_names=("replicate", "shard"))
+
+
+def mixed_precision(fsdp: FSDPConfig):
+    """FSDP2 ``MixedPrecisionPolicy``: compute in ``param_dtype``, reduce gradients in ``reduce_dtype``.
+    fp32 means "no cast" (the weights' own dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param = None if fsdp.param_dtype == "fp32" else DTYPES[fsdp.param_dtype]
+    reduce = DTYPES[fsdp.reduce_dtype] if param is not None or fsdp.reduce_dtype != "fp32" else None
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to wrap one by one: classes named in Hugging Face ``_no_split_modules``,
+    else the children of the first module list called ``layers``/``h``/``blocks``."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        if found:
+            return found
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in LAYER_LIST_NAMES:
+            return list(m)
+    return []
+
+
+def apply_fsdp(model: nn.Module, fsdp: FSDPConfig, dist: DistInfo, mesh=None) -> nn.Module:
+    """Shard ``model`` in place with ``fully_shard``: each decoder layer, then the root.
+
+    :param model: a module on ``dist.device`` (full weights; identical on every rank).
+    :param fsdp: the role's effective FSDP settings.
+    :param dist: this rank.
+    :param mesh: a 1-D (shard) or 2-D (replicate, shard) device mesh; default: built from
+        ``fsdp.sharding_strategy`` over all ranks.
+    :returns: the same module object, now an ``FSDPModule`` whose parameters are DTensor shards.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    check_fsdp_config(fsdp)
+    mesh = mesh if mesh is not None else build_mesh(fsdp.sharding_strategy, dist)
+    reshard = RESHARD_AFTER_FORWARD[fsdp.sharding_strategy]
+    offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if fsdp.cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=mesh, mp_policy=mixed_precision(fsdp), offload_policy=offload)
+    layers = decoder_layers(model)
+    if not layers:
+        log.warning("%s: no decoder layers found; sharding the whole model as one unit", type(model).__name__)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """Every ``fully_shard``-ed submodule of ``model`` (root included), in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def gather_units(units: Sequence[nn.Module]) -> None:
+    """Gather the full weights of every FSDP unit and keep them gathered through forward passes."""
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+
+
+def release_units(units: Sequence[nn.Module], reshard_after_forward: bool) -> None:
+    """Undo :func:`gather_units`: shard again and restore ``reshard_after_forward``."""
+    for unit in reversed(units):
+        unit.reshard()
+        unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute activations in the backward pass, in the non-reentrant form FSDP2 composes with.
+
+    Hugging Face models use their own switch; other models get each decoder layer wrapped.
+    """
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+        return model
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    layers = set(map(id, decoder_layers(model)))
+    if not layers:
+        raise ConfigError([f"gradient_checkpointing: {type(model).__name__} has no decoder layers to checkpoint"])
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in layers)
+    return model
+
+
+def _load_structure(load_fn: Callable[[], nn.Module]) -> nn.Module:
+    """The model of ``load_fn`` without its weights where the loader allows (meta device)."""
+    try:
+        with torch.device("meta"):
+            return load_fn()
+    except Exception as e:  # some loaders refuse the meta device: load for real, the weights are overwritten
+        log.debug("loading on the meta device failed (%s); loading normally", e)
+        return load_fn()
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    out = []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+@torch.no_grad()
+def broadcast_module(model: nn.Module, src: int = 0) -> None:
+    """Overwrite every parameter and buffer with rank ``src``'s values (names must match on every rank)."""
+    import torch.distributed as tdist
+
+    for _, t in _tensors(model):
+        tdist.broadcast(t.data, src=src)
+
+
+def load_model_for_role(load_fn: Callable[[], nn.Module], fsdp: FSDPConfig, dist: DistInfo) -> nn.Module:
+    """Load one role's model so that every rank holds the same weights, honouring ``fsdp.sync_module_states``.
+
+    * ``sync_module_states: true`` — rank 0 calls ``load_fn()``; the other ranks build the structure
+      (on the meta device when the loader allows), then receive every tensor from rank 0.
+    * ``sync_module_states: false`` — every rank calls ``load_fn()`` (the same checkpoint path).
+
+    :param load_fn: returns the model on ``dist.device``, e.g.
+        ``lambda: load_causal_lm(path, dtype, device)``.
+    :returns: the full (not yet sharded) model; hand it to the reshard policy's ``prepare``.
+    """
+    from rlcore.distributed.init import is_initialized
+
+    if not dist.distributed or not fsdp.sync_module_states or not is_initialized():
+        return load_fn()
+    if dist.is_main:
+        model = load_fn()
+    else:
+        model = _load_structure(load_fn)
+        if any(t.is_meta for _, t in _tensors(model)):
+            model = model.to_empty(device=dist.device)
+            if hasattr(model, "tie_weights"):
+                model.tie_weights()
+    names = [n for n, _ in _tensors(model)]
+    from rlcore.distributed.init import all_gather_object
+
+    if any(other != names for other in all_gather_object(names)):
+        raise ConfigError(["fsdp.sync_module_states: the ranks built models with different parameters; "
+                           "every rank must load the same architecture"])
+    broadcast_module(model, src=0)
+    return model
+
+
+def sharded_parameters(model: nn.Module) -> Sequence[torch.Tensor]:
+    """Local shards of every parameter (what this rank stores)."""
+    out = []
+    for p in model.parameters():
+        out.append(p.to_local() if hasattr(p, "to_local") else p)
+    return out

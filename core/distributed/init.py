@@ -1,0 +1,188 @@
+"""Process-group lifecycle: start (under ``torchrun``), stop, and the few collectives the loop needs.
+
+A run started by ``torchrun`` (or by :func:`rlcore.distributed.launch.maybe_launch`) finds
+``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` in its environment; :func:`init_distributed` then joins
+the process group (NCCL on CUDA, gloo on CPU) and pins this process to its local GPU. Without them
+the run is a single process and every helper here is a cheap no-op.
+
+Failure handling: every collective has a timeout (``RLCORE_DIST_TIMEOUT_S``, default 600 s), and a
+rank that raises writes its traceback to torchrun's error file, so the launcher stops the other
+ranks and names the failing one (see ``docs/distributed.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as tdist
+
+from rlcore.errors import PlacementError
+from rlcore.protocols import DistInfo
+
+log = logging.getLogger(__name__)
+
+ENV_TIMEOUT = "RLCORE_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+DEVICE_PREFS = ("auto", "cpu", "cuda")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise PlacementError(f"environment variable {name}={raw!r} is not an integer") from e
+
+
+def collective_timeout() -> timedelta:
+    """The process-group timeout: ``RLCORE_DIST_TIMEOUT_S`` seconds (default 600)."""
+    raw = os.environ.get(ENV_TIMEOUT, "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError as e:
+        raise PlacementError(f"environment variable {ENV_TIMEOUT}={raw!r} is not a number of seconds") from e
+    if seconds <= 0:
+        raise PlacementError(f"environment variable {ENV_TIMEOUT} must be > 0, got {raw!r}")
+    return timedelta(seconds=seconds)
+
+
+def _pick_device(device_pref: str, local_rank: int, distributed: bool) -> torch.device:
+    pref = (device_pref or "auto").split(":")[0]
+    if pref not in DEVICE_PREFS:
+        raise PlacementError(f"trainer.device = {device_pref!r}: use one of {', '.join(DEVICE_PREFS)}")
+    if pref == "cpu" or (pref == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise PlacementError(f"trainer.device = {device_pref!r} but no CUDA GPU is available")
+    if not distributed:
+        index = int(device_pref.split(":")[1]) if ":" in device_pref else torch.cuda.current_device()
+        return torch.device("cuda", index)
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise PlacementError(f"LOCAL_RANK {local_rank} has no GPU: this node has {count} "
+                             f"(start at most {count} processes per node, e.g. torchrun --nproc_per_node={count})")
+    return torch.device("cuda", local_rank)
+
+
+def _install_error_file_hook() -> None:
+    """Write an uncaught exception to torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so the
+    launcher's summary names this rank as the root cause and shows its traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    previous = sys.excepthook
+
+    def hook(etype, value, tb):  # pragma: no cover - runs in a dying worker
+        if etype.__name__ != "SignalException":  # stopped by the launcher: not a root cause
+            try:
+                write_error_file(path, value, "".join(traceback.format_exception(etype, value, tb)))
+            except OSError:
+                pass
+        previous(etype, value, tb)
+
+    sys.excepthook = hook
+
+
+def write_error_file(path: str, error: BaseException, callstack: str) -> None:
+    """The JSON record torch elastic reads back from a failed worker."""
+    record = {"message": {"message": f"{type(error).__name__}: {error}",
+                          "extraInfo": {"py_callstack": callstack, "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+
+def init_distributed(device_pref: str = "auto") -> DistInfo:
+    """Join the process group when started by torchrun (``WORLD_SIZE`` > 1); else describe one process.
+
+    :param device_pref: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+    :returns: this process's :class:`~rlcore.protocols.DistInfo`.
+    :raises PlacementError: a device that does not exist, or more local ranks than GPUs.
+    """
+    world = _env_int("WORLD_SIZE", 1)
+    if world <= 1:
+        return DistInfo(device=_pick_device(device_pref, 0, distributed=False))
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    device = _pick_device(device_pref, local_rank, distributed=True)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not tdist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": collective_timeout()}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        tdist.init_process_group(**kwargs)
+    _install_error_file_hook()
+    info = DistInfo(rank=tdist.get_rank(), world_size=tdist.get_world_size(), local_rank=local_rank, device=device)
+    if info.is_main:
+        log.info("process group: %d ranks, backend %s, timeout %.0f s", info.world_size,
+                 tdist.get_backend(), collective_timeout().total_seconds())
+    return info
+
+
+def is_initialized() -> bool:
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def destroy() -> None:
+    """Leave the process group (no-op in a single process)."""
+    if is_initialized():
+        tdist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if is_initialized():
+        tdist.barrier()
+
+
+def _collective_device() -> torch.device:
+    if is_initialized() and "nccl" in str(tdist.get_backend()).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_mean(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Average a flat ``name -> number`` mapping over ranks; a name missing on some rank averages the others.
+
+    Every rank must call it; the result is the same on every rank.
+    """
+    if not is_initialized() or tdist.get_world_size() == 1:
+        return {k: float(v) for k, v in metrics.items()}
+    names: list[list[str]] = [None] * tdist.get_world_size()  # type: ignore[list-item]
+    tdist.all_gather_object(names, sorted(metrics))
+    keys = sorted(set().union(*names))
+    dev = _collective_device()
+    values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
+    counts = torch.tensor([1.0 if k in metrics else 0.0 for k in keys], dtype=torch.float64, device=dev)
+    both = torch.stack([values, counts])
+    tdist.all_reduce(both)
+    mean = both[0] / both[1].clamp(min=1.0)
+    return {k: float(v) for k, v in zip(keys, mean.tolist())}
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (picklable objects only); returns ``obj`` in a single process."""
+    if not is_initialized() or tdist.get_world_size() == 1:
+        return obj
+    box = [obj if tdist.get_rank() == src else None]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` in a single process)."""
+    if not is_initialized() or tdist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,57 @@
+"""``rlcore train trainer.nproc_per_node=N``: start torch's own elastic launcher on this node.
+
+This is exactly ``torchrun --standalone --nproc_per_node=N -m rlcore train <same arguments>``:
+torch elastic starts, watches and stops the worker processes; rlcore adds no process management.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+from rlcore.errors import RLCoreError
+
+log = logging.getLogger(__name__)
+
+#: Set by torchrun in every worker; its presence means "already launched".
+LAUNCHED_MARKERS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+
+
+def under_launcher() -> bool:
+    """True inside a process started by torchrun (or another launcher that set ``WORLD_SIZE``)."""
+    return any(os.environ.get(k) for k in LAUNCHED_MARKERS) or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def launcher_args(nproc_per_node: int, argv: Sequence[str], monitor_interval: float = 0.5) -> list[str]:
+    """The ``torch.distributed.run`` command line that re-runs ``rlcore train <argv>`` in ``nproc_per_node`` processes."""
+    return ["--standalone", f"--nproc_per_node={int(nproc_per_node)}", f"--monitor_interval={monitor_interval}",
+            "-m", "rlcore", "train", *[str(a) for a in argv]]
+
+
+def maybe_launch(nproc_per_node: int, argv: Sequence[str]) -> bool:
+    """Start ``nproc_per_node`` workers with torch elastic when asked and not already a worker.
+
+    :param nproc_per_node: ``trainer.nproc_per_node``.
+    :param argv: the arguments after ``rlcore train`` (config file and overrides), passed unchanged.
+    :returns: True when the workers ran and all succeeded (the caller then exits); False when this
+        process should train itself (``nproc_per_node`` <= 1, or already under torchrun).
+    :raises RLCoreError: a worker failed; the message names the first failing rank and its exit code.
+    """
+    n = int(nproc_per_node)
+    if n < 1:
+        raise RLCoreError(f"trainer.nproc_per_node must be >= 1, got {n}")
+    if n == 1 or under_launcher():
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(launcher_args(n, argv))
+    log.info("starting %d worker processes with torch.distributed.run (torchrun)", n)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise RLCoreError(f"distributed training failed: rank {rank} exited with code {failure.exitcode} "
+                          f"({failure.message or 'see its traceback above'}); the other ranks were stopped") from e
+    return True
