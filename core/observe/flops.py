@@ -1,0 +1,104 @@
+"""Model FLOPs and device peak FLOPs, for the ``perf/mfu`` metric.
+
+MFU here is *training-equivalent*: the FLOPs of one forward and backward pass over every token
+of the step (``6 * matmul_params + attention``, as in the PaLM paper's appendix), divided by the
+step's wall time and the device's dense bf16 peak. Generation and the extra forward passes of
+RL (old/reference log-probs, values) are not counted separately, so the number is comparable
+across algorithms and with pre-training MFU figures.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Dense bf16 tensor-core peak per GPU, in FLOP/s, matched against the CUDA device name
+#: (first match wins, so more specific names come first).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989.4e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIE", 756e12),
+    ("H100", 989.4e12),
+    ("H800", 989.4e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 383e12),
+)
+
+
+def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def matmul_params(model_config: Any) -> float:
+    """Weights that take part in a matmul per token (embedding lookup excluded, LM head included).
+
+    Reads Hugging Face config names (``hidden_size``/``n_embd``, ``num_hidden_layers``/``n_layer``,
+    ``num_key_value_heads``, ``intermediate_size``, MoE ``num_experts_per_tok``).
+    """
+    d = int(_get(model_config, "hidden_size", "n_embd", "d_model"))
+    layers = int(_get(model_config, "num_hidden_layers", "n_layer", "num_layers"))
+    heads = int(_get(model_config, "num_attention_heads", "n_head"))
+    kv_heads = int(_get(model_config, "num_key_value_heads", default=heads))
+    head_dim = int(_get(model_config, "head_dim", default=d // heads))
+    vocab = int(_get(model_config, "vocab_size", default=0))
+    attn = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # q, o, k, v
+    experts = int(_get(model_config, "num_experts_per_tok", default=1))
+    ff = _get(model_config, "moe_intermediate_size") if experts > 1 else None
+    ff = int(ff or _get(model_config, "intermediate_size", "n_inner", "ffn_dim", default=4 * d))
+    act = str(_get(model_config, "hidden_act", "activation_function", default="silu"))
+    gated = act in ("silu", "swiglu", "geglu") or "llama" in str(_get(model_config, "model_type", default=""))
+    mlp = (3 if gated else 2) * d * ff * experts
+    return float(layers * (attn + mlp) + d * vocab)
+
+
+def estimate_flops(model_config: Any, n_tokens: float, seq_len: int) -> float:
+    """FLOPs of one forward + backward pass over ``n_tokens`` tokens in sequences of ``seq_len``.
+
+    ``6 * N * tokens`` for the matmuls plus ``12 * layers * heads * head_dim * seq_len * tokens``
+    for attention scores and values.
+    """
+    layers = int(_get(model_config, "num_hidden_layers", "n_layer", "num_layers"))
+    d = int(_get(model_config, "hidden_size", "n_embd", "d_model"))
+    heads = int(_get(model_config, "num_attention_heads", "n_head"))
+    head_dim = int(_get(model_config, "head_dim", default=d // heads))
+    dense = 6.0 * matmul_params(model_config) * float(n_tokens)
+    attention = 12.0 * layers * heads * head_dim * float(seq_len) * float(n_tokens)
+    return dense + attention
+
+
+def peak_flops(device: Union[torch.device, str, None]) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of ``device``; None for a CPU or an unknown accelerator (MFU is then omitted)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(dev)
+    return peak_flops_for_name(name)
+
+
+def peak_flops_for_name(name: str) -> Optional[float]:
+    upper = name.upper()
+    for key, value in PEAK_BF16_FLOPS:
+        if key in upper:
+            return value
+    log.info("no peak FLOPs known for %r: perf/mfu is not reported", name)
+    return None

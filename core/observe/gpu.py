@@ -1,0 +1,263 @@
+"""GPU utilisation and memory sampled with NVML (``nvidia-ml-py``) in a background thread.
+
+The seed's health rule: during training utilisation stays within 85-95% with no long dips under
+70%. :func:`summarize` turns samples into ``gpu/util_mean``, ``gpu/util_p10``, the longest dip
+under 70% and a ``gpu/healthy`` flag (mean >= 85 and p10 >= 70). Without a GPU or NVML the
+monitor is disabled: ``available`` is False and summaries are empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+HEALTHY_MEAN = 85.0
+DIP_UNDER = 70.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading of one GPU."""
+
+    util: float  # percent
+    mem_used_gb: float
+    mem_total_gb: float
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated ``q``-th percentile (0-100) of a non-empty sequence."""
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def longest_run_below(values: Sequence[float], threshold: float) -> int:
+    """Length of the longest run of consecutive values under ``threshold``."""
+    best = run = 0
+    for v in values:
+        run = run + 1 if v < threshold else 0
+        best = max(best, run)
+    return best
+
+
+def summarize(util: Sequence[float], mem_used_gb: Sequence[float], interval_s: float) -> dict[str, float]:
+    """Summary metrics of one device's utilisation (%) and memory (GB) samples taken every ``interval_s``."""
+    if not util:
+        return {}
+    mean = sum(util) / len(util)
+    p10 = percentile(util, 10)
+    return {
+        "gpu/util_mean": mean,
+        "gpu/util_p10": p10,
+        "gpu/util_min": float(min(util)),
+        "gpu/dip_frac": sum(u < DIP_UNDER for u in util) / len(util),
+        "gpu/longest_dip_s": longest_run_below(util, DIP_UNDER) * interval_s,
+        "gpu/mem_used_gb_max": float(max(mem_used_gb)) if mem_used_gb else 0.0,
+        "gpu/samples": float(len(util)),
+        "gpu/healthy": 1.0 if (mean >= HEALTHY_MEAN and p10 >= DIP_UNDER) else 0.0,
+    }
+
+
+class NVMLReader:
+    """Reads utilisation and memory of a set of NVML devices."""
+
+    def __init__(self, indices: Optional[Sequence[int]] = None):
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        if count == 0:
+            raise RuntimeError("NVML sees no GPU")
+        self.indices = list(indices) if indices is not None else list(range(count))
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices]
+        self.names = [_text(pynvml.nvmlDeviceGetName(h)) for h in self._handles]
+
+    def read(self) -> list[Sample]:
+        out = []
+        for h in self._handles:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(h)
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(h)
+            out.append(Sample(float(util.gpu), mem.used / 1e9, mem.total / 1e9))
+        return out
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutting down twice is harmless
+            pass
+
+
+def _text(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def local_nvml_index() -> Optional[int]:
+    """The NVML index of this process's current CUDA device (honouring numeric ``CUDA_VISIBLE_DEVICES``)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        current = torch.cuda.current_device()
+    except Exception:  # noqa: BLE001
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return current
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if current < len(ids) and ids[current].isdigit():
+        return int(ids[current])
+    return None
+
+
+def open_reader(indices: Optional[Sequence[int]] = None) -> tuple[Optional[NVMLReader], str]:
+    """An NVML reader, or None and the reason none is available."""
+    try:
+        return NVMLReader(indices), ""
+    except ImportError:
+        return None, "nvidia-ml-py (pynvml) is not installed"
+    except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, driver not loaded, no device
+        return None, f"NVML is not usable here ({e})"
+
+
+class GPUMonitor:
+    """Sample GPUs every ``interval_s`` seconds in a daemon thread between :meth:`start` and :meth:`stop`.
+
+    :param interval_s: seconds between samples; <= 0 disables the monitor.
+    :param devices: NVML indices to watch; None = this process's CUDA device, or every GPU when
+        the process has no CUDA context.
+    :param reader_factory: builds the reader (tests pass a fake); default NVML.
+    """
+
+    def __init__(self, interval_s: float = 0.5, devices: Optional[Sequence[int]] = None,
+                 reader_factory: Optional[Callable[[], object]] = None):
+        self.interval_s = float(interval_s)
+        self.devices = devices
+        self._factory = reader_factory
+        self._reader: Optional[object] = None
+        self.reason = "disabled (interval <= 0)" if self.interval_s <= 0 else ""
+        self._util: list[list[float]] = []
+        self._mem: list[list[float]] = []
+        self._mark = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def available(self) -> bool:
+        return self._reader is not None
+
+    def start(self) -> None:
+        if self.interval_s <= 0 or self._thread is not None:
+            return
+        if self._factory is not None:
+            self._reader = self._factory()
+        else:
+            index = local_nvml_index() if self.devices is None else None
+            devices = [index] if index is not None else self.devices
+            self._reader, self.reason = open_reader(devices)
+        if self._reader is None:
+            log.info("GPU monitor off: %s", self.reason)
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="rlcore-gpu-monitor", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample_once()
+            self._stop.wait(self.interval_s)
+
+    def sample_once(self) -> None:
+        """Take one reading of every watched device (the thread calls this)."""
+        try:
+            samples = self._reader.read()  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - a transient NVML error must not kill training
+            log.debug("GPU sample failed: %s", e)
+            return
+        with self._lock:
+            while len(self._util) < len(samples):
+                self._util.append([])
+                self._mem.append([])
+            for i, s in enumerate(samples):
+                self._util[i].append(s.util)
+                self._mem[i].append(s.mem_used_gb)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=max(1.0, 2 * self.interval_s))
+            self._thread = None
+        close = getattr(self._reader, "close", None)
+        if close is not None:
+            close()
+
+    def _summary(self, start: int) -> dict[str, float]:
+        with self._lock:
+            util = [u for dev in self._util for u in dev[start:]]
+            mem = [m for dev in self._mem for m in dev[start:]]
+        return summarize(util, mem, self.interval_s)
+
+    def summary(self) -> dict[str, float]:
+        """Summary over the whole run (every watched device pooled); {} when unavailable."""
+        return self._summary(0) if self.available else {}
+
+    def interval_summary(self) -> dict[str, float]:
+        """Summary of the samples since the previous call (for per-logged-step metrics)."""
+        if not self.available:
+            return {}
+        with self._lock:
+            start, self._mark = self._mark, max((len(d) for d in self._util), default=0)
+        return self._summary(start)
+
+
+def format_sample_line(names: Sequence[str], samples: Sequence[Sample], elapsed_s: float) -> str:
+    parts = [f"gpu{i} {s.util:3.0f}% {s.mem_used_gb:6.1f}/{s.mem_total_gb:.0f} GB" for i, s in enumerate(samples)]
+    return f"{elapsed_s:7.1f}s  " + "  |  ".join(parts)
+
+
+def run_monitor(interval_s: float, count: int, printer: Callable[[str], None] = print,
+                reader: Optional[object] = None) -> int:
+    """``rlcore monitor``: print a line per sample and a health summary; 0 when no GPU is present."""
+    reason = ""
+    if reader is None:
+        reader, reason = open_reader()
+    if reader is None:
+        printer(f"no GPU to monitor: {reason}")
+        return 0
+    names = getattr(reader, "names", [])
+    if names:
+        printer("watching " + ", ".join(f"gpu{i}={n}" for i, n in enumerate(names)))
+    util: list[float] = []
+    mem: list[float] = []
+    t0, n = time.monotonic(), 0
+    try:
+        while count <= 0 or n < count:
+            samples = reader.read()  # type: ignore[attr-defined]
+            util += [s.util for s in samples]
+            mem += [s.mem_used_gb for s in samples]
+            printer(format_sample_line(names, samples, time.monotonic() - t0))
+            n += 1
+            if count <= 0 or n < count:
+                time.sleep(interval_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        getattr(reader, "close", lambda: None)()
+    s = summarize(util, mem, interval_s)
+    if s:
+        verdict = "healthy" if s["gpu/healthy"] else "below the 85-95% band or dipping under 70%"
+        printer(f"mean {s['gpu/util_mean']:.1f}%  p10 {s['gpu/util_p10']:.1f}%  "
+                f"max memory {s['gpu/mem_used_gb_max']:.1f} GB  -> {verdict}")
+    return 0

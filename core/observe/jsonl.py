@@ -1,0 +1,60 @@
+"""Metrics as JSON lines: one object per logged step, appended and flushed at once."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Iterator, Mapping, Optional
+
+
+def _clean(value: Any) -> Any:
+    """Strict JSON: numbers stay numbers, NaN and infinities become null, tensors become floats."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return str(value)
+
+
+def make_record(step: int, metrics: Mapping[str, Any], split: str, **extra: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {"step": int(step), "split": split, "time": round(time.time(), 3)}
+    record.update({k: _clean(v) for k, v in extra.items()})
+    record.update({k: _clean(v) for k, v in metrics.items()})
+    return record
+
+
+class JsonlWriter:
+    """Appends records to ``path`` (a resumed run keeps its earlier lines)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._f: Optional[Any] = open(path, "a", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path} is closed")
+        self._f.write(json.dumps(record, allow_nan=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
+    """Records of ``path``; a torn last line (the process was killed mid-write) is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue

@@ -1,0 +1,97 @@
+"""The sparse-logging plugin: JSONL, console line for the seed's grep, quiet default console, per-run state."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import subprocess
+
+import pytest
+
+import rlcore.plugins.sparse_logging as sparse
+from rlcore.observe.console import LOGGER_NAME
+from rlcore.protocols import DistInfo
+
+
+def _metrics(ms):
+    return {"reward/mean": 0.25, "kl/mean": 0.001, "time/step_s": ms / 1000, "time/generate_s": 0.5,
+            "perf/mfu": float("nan")}
+
+
+def test_hooks_write_jsonl_console_and_restore_the_default_console(tmp_path, capsys):
+    console = logging.getLogger(LOGGER_NAME)
+    before = console.level
+    sparse.rlcore_train_start(run_dir=str(tmp_path), dist=DistInfo(), config={})
+    assert console.level == logging.WARNING  # the default line is quiet while the plugin prints
+    sparse.rlcore_metrics(step=10, metrics=_metrics(1142), split="train")
+    sparse.rlcore_metrics(step=20, metrics=_metrics(987.4), split="train")
+    sparse.rlcore_metrics(step=20, metrics={"reward_mean": 0.5}, split="val")
+    sparse.rlcore_train_end(step=20, status="completed", summary={"after/reward_mean": 0.5})
+    assert console.level == before and sparse._RUN.current is None
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in records] == [(10, "train"), (20, "train"), (20, "val"), (20, "summary")]
+    assert records[0]["reward/mean"] == 0.25 and records[0]["perf/mfu"] is None  # strict JSON
+    assert records[-1]["status"] == "completed"
+    out = capsys.readouterr().out
+    log = tmp_path / "train.log"
+    log.write_text("noise line\n" + out)
+    cmd = f"grep 'step.*took' {log} | awk '{{print $NF}}' | sed 's/ms//g'"
+    assert subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.split() == ["1142", "987"]
+
+
+def test_non_main_rank_writes_nothing(tmp_path):
+    logger = sparse.SparseLogger(str(tmp_path), is_main=False)
+    logger.metrics(1, _metrics(5), "train")
+    logger.close(1, "completed", {})
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_each_run_gets_fresh_state_and_appends_on_resume(tmp_path):
+    stream = io.StringIO()
+    for step in (1, 2):
+        logger = sparse.SparseLogger(str(tmp_path), tensorboard=False, stream=stream)
+        logger.metrics(step, _metrics(10), "train")
+        logger.close(step, "interrupted", {})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 1, 2, 2]
+    assert stream.getvalue().count("took 10ms") == 2
+
+
+def test_tensorboard_scalars_through_a_writer(tmp_path):
+    from rlcore.observe.tensorboard import TensorBoardSink
+
+    class Writer:
+        def __init__(self):
+            self.scalars, self.closed = [], False
+
+        def add_scalar(self, tag, value, step):
+            self.scalars.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    w = Writer()
+    sink = TensorBoardSink(str(tmp_path), writer=w)
+    sink.write(3, {"a": 1.0, "b": float("inf"), "c": "text", "d": True}, "train")
+    sink.write(3, {"reward_mean": 0.5}, "val")
+    sink.close()
+    assert w.scalars == [("a", 1.0, 3), ("val/reward_mean", 0.5, 3)] and w.closed
+
+
+def test_real_tensorboard_when_installed(tmp_path):
+    pytest.importorskip("torch.utils.tensorboard", reason="tensorboard is not installed")
+    logger = sparse.SparseLogger(str(tmp_path), stream=io.StringIO())
+    logger.metrics(1, _metrics(10), "train")
+    logger.close(1, "completed", {})
+    assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_plugin_loads_by_name():
+    from rlcore.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(["sparse-logging"])
+    assert "sparse-logging" in [i.name for i in pm.infos()]

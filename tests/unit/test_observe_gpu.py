@@ -1,0 +1,85 @@
+"""GPU monitor: summary math, background sampling with a fake NVML reader, clean behaviour without a GPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rlcore.observe import gpu
+from rlcore.observe.gpu import GPUMonitor, Sample, longest_run_below, percentile, run_monitor, summarize
+
+
+def test_percentile_and_dips():
+    assert percentile([5.0], 10) == 5.0
+    assert percentile(list(range(11)), 10) == pytest.approx(1.0)
+    assert percentile([0, 100], 50) == pytest.approx(50.0)
+    assert longest_run_below([90, 60, 50, 90, 65, 90], 70) == 2
+    assert longest_run_below([], 70) == 0
+
+
+def test_summary_applies_the_seed_health_rule():
+    steady = summarize([90.0] * 20, [10.0] * 20, 0.5)
+    assert steady["gpu/util_mean"] == 90.0 and steady["gpu/healthy"] == 1.0
+    dips = summarize([95.0] * 16 + [20.0] * 4, [1.0] * 20, 0.5)  # mean 80, p10 under 70
+    assert dips["gpu/healthy"] == 0.0 and dips["gpu/longest_dip_s"] == 2.0
+    assert dips["gpu/dip_frac"] == pytest.approx(0.2) and dips["gpu/util_p10"] < 70
+    assert summarize([], [], 0.5) == {}
+
+
+class FakeReader:
+    names = ["Fake GPU"]
+
+    def __init__(self, utils):
+        self.utils = list(utils)
+        self.closed = False
+
+    def read(self):
+        u = self.utils.pop(0) if len(self.utils) > 1 else self.utils[0]
+        return [Sample(u, 40.0 + u / 100, 80.0)]
+
+    def close(self):
+        self.closed = True
+
+
+def test_monitor_samples_in_background_and_summarises_windows():
+    reader = FakeReader([90.0] * 3 + [50.0] * 1000)
+    mon = GPUMonitor(0.01, reader_factory=lambda: reader)
+    mon.start()
+    assert mon.available
+    deadline = time.monotonic() + 10
+    while mon.summary().get("gpu/samples", 0) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first = mon.interval_summary()
+    second_wait = time.monotonic() + 10
+    while not mon.interval_summary() and time.monotonic() < second_wait:
+        time.sleep(0.01)
+    mon.stop()
+    assert reader.closed
+    whole = mon.summary()
+    assert whole["gpu/samples"] >= 6 and whole["gpu/mem_used_gb_max"] == pytest.approx(40.9)
+    assert first["gpu/util_mean"] > whole["gpu/util_mean"] - 1e-9  # the early window holds the 90% samples
+    assert whole["gpu/healthy"] == 0.0
+
+
+def test_disabled_or_without_nvml_is_empty(monkeypatch):
+    off = GPUMonitor(0)
+    off.start()
+    off.stop()
+    assert not off.available and off.summary() == {} and off.interval_summary() == {}
+    monkeypatch.setattr(gpu, "open_reader", lambda devices=None: (None, "no NVML here"))
+    mon = GPUMonitor(0.1)
+    mon.start()
+    mon.stop()
+    assert not mon.available and mon.reason == "no NVML here" and mon.summary() == {}
+
+
+def test_run_monitor_prints_samples_and_a_verdict(monkeypatch):
+    lines = []
+    assert run_monitor(0.001, 3, lines.append, reader=FakeReader([92.0, 88.0, 90.0])) == 0
+    assert lines[0] == "watching gpu0=Fake GPU" and len(lines) == 5
+    assert "gpu0  92%" in lines[1] and lines[-1].endswith("-> healthy")
+    monkeypatch.setattr(gpu, "open_reader", lambda devices=None: (None, "NVML is not usable here (x)"))
+    lines.clear()
+    assert run_monitor(0.01, 2, lines.append) == 0
+    assert lines == ["no GPU to monitor: NVML is not usable here (x)"]

@@ -1,0 +1,102 @@
+"""Step profiler traces and the communication-share report."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from rlcore.observe.profile_report import (
+    analyze_events,
+    analyze_trace,
+    merge,
+    subtract,
+    verdict,
+)
+from rlcore.observe.profiler import StepProfiler
+
+
+def test_interval_algebra():
+    assert merge([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+    assert subtract([(0, 10)], [(2, 3), (5, 7)]) == [(0, 2), (3, 5), (7, 10)]
+    assert subtract([(0, 2), (4, 6)], [(1, 5)]) == [(0, 1), (5, 6)]
+
+
+def _x(name, cat, ts, dur, pid=0, tid=7):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+
+
+def test_gpu_timeline_partition():
+    events = [
+        _x("ProfilerStep#1", "user_annotation", 0, 100, pid=1, tid=1),
+        _x("sm90_gemm_bf16", "kernel", 0, 40),
+        _x("ncclDevKernel_AllGather_RING_LL", "kernel", 30, 20, tid=9),  # 10 us overlap with the gemm
+        _x("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 60, 10),
+        _x("elementwise_kernel", "kernel", 65, 10),  # 5 us under the memcpy
+    ]
+    b = analyze_events(events)
+    assert b.mode == "gpu" and b.window_us == 100
+    assert b.us == {"communication": 20, "memcpy": 10, "compute": 35, "idle": 35}
+    assert b.overlapped_us == 10 and b.share("communication") == pytest.approx(0.2)
+    assert list(b.top_comm) == ["ncclDevKernel_AllGather_RING_LL"]
+
+
+def test_cpu_timeline_counts_gloo_threads_and_skips_step_annotations():
+    events = [
+        _x("ProfilerStep#3", "user_annotation", 0, 200),
+        _x("aten::mm", "cpu_op", 0, 50),
+        _x("aten::addmm", "cpu_op", 10, 20),  # nested: counted once
+        _x("c10d::allreduce_", "cpu_op", 50, 5),
+        _x("gloo:all_reduce", "user_annotation", 52, 48, tid=99),
+        _x("aten::copy_", "cpu_op", 120, 30),
+        _x("aten::broadcast_tensors", "cpu_op", 150, 10),  # a compute op despite its name
+    ]
+    b = analyze_events(events)
+    assert b.mode == "cpu"
+    assert b.us == {"communication": 50, "memcpy": 30, "compute": 60, "idle": 60}
+    assert "gloo:all_reduce" in b.top_comm
+
+
+def test_verdict_thresholds():
+    assert verdict(0.05)[0] == "OK"
+    assert verdict(0.15)[0] == "WARN"
+    assert verdict(0.25)[0] == "INVESTIGATE"
+
+
+def _work(x):
+    for _ in range(3):
+        x = torch.tanh(x @ x.T)[:, :16]
+    return x
+
+
+def test_step_profiler_writes_one_trace_after_warmup(tmp_path):
+    prof = StepProfiler(True, 2, str(tmp_path), rank=3)
+    for step in range(5, 10):
+        prof.step_start(step)
+        _work(torch.randn(32, 16))
+        prof.step_end(step)
+    prof.close()
+    assert prof.paths == [str(tmp_path / "profile" / "rank3.steps6-7.pt.trace.json")]
+    with open(prof.paths[0]) as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert any(str(n).startswith("ProfilerStep#") for n in names) and "aten::mm" in names
+    b = analyze_trace(prof.paths[0])
+    assert b.mode == "cpu" and b.us["communication"] == 0 and b.us["compute"] > 0
+    assert sum(b.us.values()) == pytest.approx(b.window_us)
+
+
+def test_disabled_profiler_and_early_close(tmp_path):
+    off = StepProfiler(False, 5, str(tmp_path))
+    off.step_start(1)
+    off.step_end(1)
+    off.close()
+    assert off.paths == [] and not (tmp_path / "profile").exists()
+    short = StepProfiler(True, 5, str(tmp_path), rank=0)
+    for step in (1, 2, 3):  # the run ends inside the recorded window: the partial trace is kept
+        short.step_start(step)
+        _work(torch.randn(8, 16))
+        short.step_end(step)
+    short.close()
+    assert len(short.paths) == 1 and os.path.getsize(short.paths[0]) > 0
