@@ -156,10 +156,12 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
 
     Hugging Face models use their own switch; other models get each decoder layer wrapped.
     """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        return model
     if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(model, "config"):
-            model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 

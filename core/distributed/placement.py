@@ -1,8 +1,14 @@
-"""Placement policies: which device each role uses in this process."""
+"""Placement: which ranks hold each role (actor, critic, ref, reward) and which device it uses there.
+
+The default keeps every role on every rank (colocated). ``PlacementRequest.rank_groups`` splits
+roles over pools of ranks instead, e.g. ``{"actor": [0, 1, 2], "critic": [0, 1, 2], "reward": [3]}``:
+a role named there lives only on its ranks, a role not named stays on every rank. The request is
+checked against the world size when the policy is built, and every problem is reported at once.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -29,27 +35,108 @@ def parse_device(spec: str, local: torch.device) -> torch.device:
     return dev
 
 
+def check_rank_groups(groups: Mapping[str, Sequence[int]], world_size: int) -> dict[str, list[int]]:
+    """Validate role -> ranks pools against ``world_size``; return them as sorted lists.
+
+    :raises PlacementError: listing every unknown role, empty pool, non-integer or out-of-range
+        rank, repeated rank, and every rank left without any role.
+    """
+    problems: list[str] = []
+    out: dict[str, list[int]] = {}
+    for role, ranks in groups.items():
+        if role not in ROLES:
+            problems.append(f"unknown role '{role}' in placement rank groups (roles: {', '.join(ROLES)})")
+            continue
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+            problems.append(f"role '{role}': rank group must be a list of ranks, got {ranks!r}")
+            continue
+        bad_type = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
+        if bad_type:
+            problems.append(f"role '{role}': ranks must be integers, got {bad_type}")
+            continue
+        if not ranks:
+            problems.append(f"role '{role}': empty rank group (leave the role out to keep it on every rank)")
+        out_of_range = sorted(r for r in ranks if not 0 <= r < world_size)
+        if out_of_range:
+            problems.append(f"role '{role}' placed on ranks {out_of_range}, but the world size is {world_size} "
+                            f"(ranks 0..{world_size - 1})")
+        if len(set(ranks)) != len(ranks):
+            problems.append(f"role '{role}': rank group {list(ranks)} repeats a rank")
+        out[role] = sorted(set(ranks))
+    if groups and not problems:
+        everywhere = [r for r in ROLES if r not in out]
+        idle = [r for r in range(world_size) if not everywhere and not any(r in g for g in out.values())]
+        if idle:
+            problems.append(f"rank(s) {idle} hold no role; give every rank of the {world_size} a role "
+                            "or start fewer processes")
+    if problems:
+        raise PlacementError("invalid placement:\n" + "\n".join(f"  - {p}" for p in problems))
+    return out
+
+
 class ColocatedPlacement:
-    """Every role on every rank, on the device given per role (default: this rank's device)."""
+    """The default placement policy: every role on every rank, on the device given per role
+    (default: this rank's device); with ``request.rank_groups``, roles split over rank pools.
+
+    :param request: devices per role and optional rank pools.
+    :param dist: this rank and the world size.
+    :raises PlacementError: a device that does not exist or pools that do not fit the world.
+    """
 
     def __init__(self, request: PlacementRequest, dist: DistInfo):
         self.request = request
         self.dist = dist
         self._devices = {role: parse_device(getattr(request, role), dist.device) for role in ROLES}
-        for role, ranks in request.rank_groups.items():
-            if role not in ROLES:
-                raise PlacementError(f"unknown role '{role}' in placement rank groups (roles: {', '.join(ROLES)})")
-            bad = [r for r in ranks if not 0 <= r < dist.world_size]
-            if bad:
-                raise PlacementError(f"role '{role}' placed on ranks {bad}, but the world size is {dist.world_size}")
+        self._groups = check_rank_groups(request.rank_groups, dist.world_size)
+        self._process_groups: dict[str, Any] = {}
+
+    @property
+    def split(self) -> bool:
+        """True when some role lives on a subset of the ranks."""
+        return any(len(g) < self.dist.world_size for g in self._groups.values())
+
+    def _check_role(self, role: str) -> None:
+        if role not in ROLES:
+            raise PlacementError(f"unknown role '{role}' (roles: {', '.join(ROLES)})")
 
     def device_for(self, role: str) -> torch.device:
-        if role not in self._devices:
-            raise PlacementError(f"unknown role '{role}' (roles: {', '.join(ROLES)})")
+        """The device ``role`` computes on in this process (asking on a rank without the role is an error)."""
+        self._check_role(role)
+        if not self.holds(role):
+            raise PlacementError(f"role '{role}' is not placed on rank {self.dist.rank} "
+                                 f"(its ranks: {self.ranks_for(role)})")
         return self._devices[role]
 
     def ranks_for(self, role: str) -> Sequence[int]:
-        return list(self.request.rank_groups.get(role, range(self.dist.world_size)))
+        """The global ranks that hold ``role``."""
+        self._check_role(role)
+        return list(self._groups.get(role, range(self.dist.world_size)))
+
+    def holds(self, role: str) -> bool:
+        """Whether this rank holds ``role``."""
+        return self.dist.rank in self.ranks_for(role)
 
     def offload(self, role: str) -> bool:
+        """Whether ``role``'s weights rest in CPU memory between uses (the reward model with ``reward_offload``)."""
+        self._check_role(role)
         return role == "reward" and self.request.reward_offload
+
+    def process_group(self, role: str) -> Optional[Any]:
+        """The process group of ``role``'s ranks (None = the default group of all ranks).
+
+        Every rank must call this for the same roles in the same order the first time (groups are
+        created collectively); later calls return the cached group.
+        """
+        ranks = self.ranks_for(role)
+        if len(ranks) == self.dist.world_size:
+            return None
+        key = ",".join(map(str, ranks))
+        if key not in self._process_groups:
+            import torch.distributed as tdist
+
+            self._process_groups[key] = tdist.new_group(ranks=ranks)
+        return self._process_groups[key]
+
+    def describe(self) -> dict[str, list[int]]:
+        """``role -> ranks`` for every role (for logs)."""
+        return {role: list(self.ranks_for(role)) for role in ROLES}

@@ -1,0 +1,89 @@
+"""Placement policy: colocated by default, split rank pools validated against the world size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlcore.distributed.placement import ColocatedPlacement, check_rank_groups, parse_device
+from rlcore.errors import PlacementError
+from rlcore.protocols import DistInfo, PlacementPolicy, PlacementRequest
+
+
+def policy(groups=None, rank=0, world=4, **devices):
+    return ColocatedPlacement(PlacementRequest(rank_groups=groups or {}, **devices),
+                              DistInfo(rank=rank, world_size=world))
+
+
+def test_colocated_by_default():
+    p = policy()
+    assert isinstance(p, PlacementPolicy)
+    assert not p.split
+    for role in ("actor", "critic", "ref", "reward"):
+        assert p.ranks_for(role) == [0, 1, 2, 3]
+        assert p.device_for(role) == torch.device("cpu")
+        assert p.holds(role)
+    assert p.process_group("actor") is None
+
+
+def test_split_pools_per_rank():
+    groups = {"actor": [0, 1, 2], "critic": [2, 1, 0], "reward": [3]}
+    on_reward_rank, on_actor_rank = policy(groups, rank=3), policy(groups, rank=1)
+    assert on_reward_rank.split
+    assert on_reward_rank.ranks_for("critic") == [0, 1, 2]
+    assert on_reward_rank.ranks_for("ref") == [0, 1, 2, 3]  # not named: every rank
+    assert on_reward_rank.holds("reward") and not on_reward_rank.holds("actor")
+    assert on_actor_rank.holds("actor") and not on_actor_rank.holds("reward")
+    assert on_reward_rank.device_for("reward") == torch.device("cpu")
+    with pytest.raises(PlacementError, match="role 'actor' is not placed on rank 3"):
+        on_reward_rank.device_for("actor")
+    assert on_actor_rank.describe()["reward"] == [3]
+
+
+@pytest.mark.parametrize("groups, message", [
+    ({"reward": [4]}, r"role 'reward' placed on ranks \[4\], but the world size is 4"),
+    ({"reward": [-1]}, r"ranks \[-1\]"),
+    ({"actor": []}, "empty rank group"),
+    ({"actor": [0, 0, 1]}, "repeats a rank"),
+    ({"policy": [0]}, "unknown role 'policy'"),
+    ({"actor": "0,1"}, "must be a list of ranks"),
+    ({"actor": [0.5]}, "ranks must be integers"),
+    ({"actor": [0], "critic": [0], "ref": [0], "reward": [1]}, r"rank\(s\) \[2, 3\] hold no role"),
+])
+def test_invalid_pools_are_clear_errors(groups, message):
+    with pytest.raises(PlacementError, match=message):
+        policy(groups)
+
+
+def test_every_problem_reported_at_once():
+    with pytest.raises(PlacementError) as info:
+        check_rank_groups({"actor": [9], "judge": [0], "critic": []}, 2)
+    text = str(info.value)
+    assert "ranks [9]" in text and "unknown role 'judge'" in text and "empty rank group" in text
+
+
+def test_unknown_role_and_offload():
+    p = policy(reward_offload=True)
+    assert p.offload("reward") and not p.offload("actor")
+    with pytest.raises(PlacementError, match="unknown role 'judge'"):
+        p.ranks_for("judge")
+
+
+def test_device_strings():
+    local = torch.device("cpu")
+    assert parse_device("auto", local) == local
+    assert parse_device("cpu", local) == torch.device("cpu")
+    with pytest.raises(PlacementError, match="is not a device"):
+        parse_device("tpu-ish:x", local)
+    if not torch.cuda.is_available():
+        with pytest.raises(PlacementError, match="no CUDA GPU"):
+            parse_device("cuda:0", local)
+
+
+def test_default_plugin_builds_it(rlcore_pm):
+    p = rlcore_pm.build("rlcore_placement_policy", request=PlacementRequest(rank_groups={"reward": [1]}),
+                        dist=DistInfo(rank=1, world_size=2))
+    assert p.ranks_for("reward") == [1] and p.holds("reward")
+    with pytest.raises(PlacementError, match="world size is 2"):
+        rlcore_pm.build("rlcore_placement_policy", request=PlacementRequest(rank_groups={"reward": [2]}),
+                        dist=DistInfo(rank=0, world_size=2))
