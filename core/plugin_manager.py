@@ -153,7 +153,8 @@ class RLCorePluginManager(pluggy.PluginManager):
             mgr = NamedExtensionManager(GROUP, names=from_eps, on_load_failure_callback=on_failure,
                                         on_missing_entrypoints_callback=on_missing, name_order=True)
             for ext in mgr.extensions:
-                loaded[ext.name] = (ext.plugin, _distribution_of(ext.entry_point))
+                # stevedore caches entry points without their distribution: take it from metadata.
+                loaded[ext.name] = (ext.plugin, _distribution_of(eps.get(ext.name, ext.entry_point)))
         for n in names:
             if n not in loaded:
                 try:

@@ -1,0 +1,120 @@
+"""User dataset classes from ``data.custom_cls``: the seed's StreamingRLHFDataset as written, packages, errors."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from rlcore.config.schema import CustomClsConfig, DataConfig
+from rlcore.data.collate import ensure_input_ids
+from rlcore.data.custom import load_custom_class
+from rlcore.data.loader import PromptLoader
+from rlcore.data.provider import build_dataset, check_data_files
+from rlcore.data.synthetic import write_parquet_shards
+from rlcore.errors import DataError
+from rlcore.protocols import DistInfo
+
+# The seed article's example, line for line (its one comment translated).
+SEED_DATASET = '''\
+from datasets import load_dataset
+from torch.utils.data import IterableDataset
+
+
+class StreamingRLHFDataset(IterableDataset):
+    def __init__(self, data_files, prompt_key="prompt", **kwargs):
+        self.data_files = data_files if isinstance(data_files, list) else [data_files]
+        self.prompt_key = prompt_key
+
+    def __iter__(self):
+        for file in self.data_files:
+            # streamed: the file is never held in memory
+            ds = load_dataset("parquet", data_files=file, split="train", streaming=True)
+            for sample in ds:
+                yield {self.prompt_key: sample[self.prompt_key]}
+'''
+
+
+@pytest.fixture
+def seed_config(tmp_path):
+    script = tmp_path / "streaming_dataset.py"
+    script.write_text(SEED_DATASET)
+    files = write_parquet_shards(str(tmp_path / "parquet"), [11, 6], words=(1, 5))
+    return DataConfig(train_files=files, max_prompt_length=16,
+                      custom_cls=CustomClsConfig(path=str(script), name="StreamingRLHFDataset"))
+
+
+def test_seed_streaming_dataset_runs_as_written(seed_config, tiny_tokenizer):
+    check_data_files(seed_config)
+    ds = build_dataset(seed_config, tiny_tokenizer, "train", DistInfo())
+    assert type(ds).__name__ == "StreamingRLHFDataset" and ds.data_files == list(seed_config.train_files)
+    loader = PromptLoader(ds, seed_config, batch_size=4, seed=0, dist=DistInfo())
+    batches = [ensure_input_ids(loader.next_batch(), tiny_tokenizer, seed_config) for _ in range(4)]
+    assert loader.epoch == 0 and all(len(b) == 4 for b in batches)
+    for row in batches[0]:
+        assert set(row) == {"prompt", "input_ids"}
+        assert row["input_ids"] == tiny_tokenizer(row["prompt"])["input_ids"]
+    loader.next_batch()  # 17 rows -> 4 whole batches, then the next epoch
+    assert loader.epoch == 1
+
+
+def test_seed_dataset_is_split_over_ranks(seed_config, tiny_tokenizer):
+    prompts = []
+    for rank in range(2):
+        ds = build_dataset(seed_config, tiny_tokenizer, "train", DistInfo(rank=rank, world_size=2))
+        loader = PromptLoader(ds, seed_config, batch_size=1, seed=0, dist=DistInfo(rank=rank, world_size=2))
+        prompts += [loader.next_batch()[0]["prompt"] for _ in range(8)]
+    all_prompts = [r["prompt"] for r in build_dataset(seed_config, tiny_tokenizer, "train", DistInfo())]
+    assert sorted(prompts) == sorted(all_prompts[:16])  # rank r takes rows r, r+2, …
+
+
+def test_pkg_module_and_kwargs(tmp_path, monkeypatch, tiny_tokenizer):
+    pkg = tmp_path / "site" / "mydata_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "prompts.py").write_text(textwrap.dedent('''
+        class Repeat:
+            def __init__(self, data_files, prompt_key="prompt", times=1):
+                self.rows = [{prompt_key: "a b", "n": i} for i in range(times)]
+            def __len__(self):
+                return len(self.rows)
+            def __getitem__(self, i):
+                return self.rows[i]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    cfg = DataConfig(prompt_key="q", custom_cls=CustomClsConfig(path="pkg://mydata_pkg.prompts", name="Repeat",
+                                                                kwargs={"times": 3}))
+    ds = build_dataset(cfg, tiny_tokenizer, "train", DistInfo())
+    assert len(ds) == 3 and ds[2] == {"q": "a b", "n": 2}
+    assert len(build_dataset(cfg, tiny_tokenizer, "val", DistInfo())) == 0
+    with pytest.raises(DataError, match=r"Repeat\(data_files, prompt_key='prompt', \*\*\['nope'\]\) failed"):
+        build_dataset(DataConfig(custom_cls=CustomClsConfig(path=cfg.custom_cls.path, name="Repeat",
+                                                            kwargs={"nope": 1})), tiny_tokenizer, "train", DistInfo())
+
+
+def test_custom_class_errors(tmp_path):
+    with pytest.raises(DataError, match=r"data.custom_cls.path: file not found: .*missing\.py"):
+        load_custom_class(CustomClsConfig(path=str(tmp_path / "missing.py"), name="X"))
+    with pytest.raises(DataError, match="cannot import module 'no_such_module_xyz'"):
+        load_custom_class(CustomClsConfig(path="pkg://no_such_module_xyz", name="X"))
+    mod = tmp_path / "ds.py"
+    mod.write_text("class Alpha:\n    pass\n\nclass Beta:\n    pass\n")
+    with pytest.raises(DataError, match=r"no class 'Gamma' in .*ds\.py; classes defined there: Alpha, Beta"):
+        load_custom_class(CustomClsConfig(path=str(mod), name="Gamma"))
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(DataError, match=r"importing .*broken\.py failed: RuntimeError: boom"):
+        check_data_files(DataConfig(custom_cls=CustomClsConfig(path=str(broken), name="X")))
+
+
+def test_ensure_input_ids_truncates_or_rejects(tiny_tokenizer):
+    rows = [{"prompt": "a b c d e f", "x": 1}, {"prompt": "a", "input_ids": [5, 6, 7, 8]}]
+    left = ensure_input_ids(rows, tiny_tokenizer, DataConfig(max_prompt_length=3, truncation="left"))
+    full = tiny_tokenizer("a b c d e f")["input_ids"]
+    assert left[0]["input_ids"] == full[-3:] and left[0]["x"] == 1 and left[1]["input_ids"] == [6, 7, 8]
+    right = ensure_input_ids(rows, tiny_tokenizer, DataConfig(max_prompt_length=3, truncation="right"))
+    assert right[0]["input_ids"] == full[:3] and "input_ids" not in rows[0]
+    with pytest.raises(DataError, match=r"2 of 2 prompt\(s\) exceed data.max_prompt_length=3 .*cannot be filtered"):
+        ensure_input_ids(rows, tiny_tokenizer, DataConfig(max_prompt_length=3))
+    with pytest.raises(DataError, match=r"no column 'prompt' .* columns: q"):
+        ensure_input_ids([{"q": "a"}], tiny_tokenizer, DataConfig())
