@@ -52,7 +52,8 @@ class Trainer:
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
-        self._gen = torch.Generator().manual_seed(int(self.tcfg.seed))
+        # Shuffles mini-batches; registered so a checkpoint restores its stream.
+        self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
 
     # ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -80,6 +81,7 @@ class Trainer:
             if status != "failed":
                 with self.timer("checkpoint"):
                     c.checkpoint.save(self.state.step, c.stateful(self.state))
+                getattr(c.checkpoint, "wait", lambda: None)()  # an asynchronous save must land before exit
             c.profiler.close()
         after = self.evaluate("after")
         summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},
@@ -132,6 +134,7 @@ class Trainer:
         self.hook.rlcore_step_end(step=step, metrics=m)
         c.profiler.step_end(step)
         if step % self.tcfg.log_steps == 0 or step == self.tcfg.max_steps:
+            m.update(c.gpu_monitor.interval_summary())
             self.hook.rlcore_metrics(step=step, metrics=c.reduce_metrics(m), split="train")
         if self.tcfg.eval_steps and step % self.tcfg.eval_steps == 0 and c.val_rows:
             self.evaluate("step")
