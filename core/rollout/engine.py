@@ -26,7 +26,7 @@ import torch
 
 from rlcore.rollout import llama
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad, mask_after_eos
-from rlcore.rollout.sampling import make_generator, sample_next, validate_params
+from rlcore.rollout.sampling import Sampler, validate_params
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,13 @@ class _Graphs:
 
     def run(self, n: int) -> torch.Tensor:
         if n not in self.graphs:
-            self.graphs[n] = self._capture(n)
+            try:
+                self.graphs[n] = self._capture(n)
+            except RuntimeError as error:  # capture refused (driver, allocator): run eagerly instead
+                log.warning("rollout engine: CUDA graph capture failed (%s); decoding without graphs", error)
+                self.engine._graphs = None
+                self.engine.use_cuda_graphs = False
+                return self.engine._decode_eager(n)
         graph, logits = self.graphs[n]
         graph.replay()
         return logits
@@ -97,12 +103,15 @@ class RolloutEngine:
             (or when nothing is running), so prefill runs in groups, not one prompt a step.
         eos_check_interval: decode steps between host reads of the finished flags.
         max_prefill_tokens: bound on ``prompts x width`` per prefill call (activation memory).
+        fused_sampling: on CUDA, sample unfiltered (no top-k/top-p) steps with the one-pass
+            Triton kernel (:mod:`rlcore.rollout.fused_sampling`), checked once against PyTorch.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, use_cuda_graphs: bool = True,
                  graph_batch_buckets: Sequence[int] = DEFAULT_BUCKETS, share_weights: bool | None = None,
-                 admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536):
+                 admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
+                 fused_sampling: bool = True):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -125,6 +134,7 @@ class RolloutEngine:
         self.admit_fraction = float(admit_fraction)
         self.eos_check_interval = max(1, int(eos_check_interval))
         self.max_prefill_tokens = int(max_prefill_tokens)
+        self.fused_sampling = bool(fused_sampling)
         self._allocate()
         self._graphs = _Graphs(self) if self.use_cuda_graphs else None
         log.info("rollout engine: %d layers, %d slots x %d tokens, %s on %s, cuda graphs %s",
@@ -185,10 +195,12 @@ class RolloutEngine:
             positions=torch.zeros(b, dtype=torch.long, device=dev),
             cache_index=torch.zeros(b, dtype=torch.long, device=dev),
             bias=torch.zeros(b, s, dtype=self.dtype, device=dev),
-            flat_base=(slot_rows + torch.arange(spec.num_kv_heads, device=dev)[None]) * s,
+            flat_base=((torch.arange(2, device=dev)[:, None, None] * b * spec.num_kv_heads + slot_rows[None]
+                        + torch.arange(spec.num_kv_heads, device=dev)[None, None]) * s),
             zero=torch.zeros(1, 1, dtype=self.dtype, device=dev),
         )
-        self.cos, self.sin = llama.rope_table(self.model, s, dev)
+        cos, sin = llama.rope_table(self.model, s, dev)
+        self.cos, self.sin = cos, llama.signed_sin(sin)
 
     def _decode_eager(self, n: int) -> torch.Tensor:
         return llama.decode(self.weights, self.spec, self.cache, self.state, n, self.cos, self.sin)
@@ -237,7 +249,7 @@ class _Run:
         self.eng, self.params = engine, params
         self.prompts = [list(p) for p in prompts]
         dev, cap, width = engine.device, engine.max_batch_size, params.max_new_tokens
-        self.gen = make_generator(params.seed, dev)
+        self.sample = Sampler(params, dev, fused=engine.fused_sampling)
         self.queue = deque(range(len(prompts)))
         self.slot_req: list[int | None] = [None] * cap
         self.slot_count = [0] * cap
@@ -285,7 +297,7 @@ class _Run:
         slots = free[:take]
         reqs = [self.queue.popleft() for _ in range(take)]
         logits = self.eng._prefill(slots, [self.prompts[r] for r in reqs], self.params.pad_token_id)
-        tokens, logprobs = sample_next(logits, self.params, self.gen)
+        tokens, logprobs = self.sample(logits)
         rows = torch.tensor(slots, dtype=torch.long, device=self.eng.device)
         self.eng.state.tokens[rows] = tokens
         self.done[rows] = torch.isin(tokens, self.eos) if self.eos.numel() else False
@@ -332,7 +344,7 @@ class _Run:
             live = self.live()
             n = self.eng._bucket(live[-1] + 1)
             logits = self.eng._decode(n)
-            tokens, logprobs = sample_next(logits, self.params, self.gen)
+            tokens, logprobs = self.sample(logits)
             self.eng.state.tokens[:n].copy_(tokens)
             self._record(n, tokens, logprobs)
             self.steps += 1

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_FUSED_RMS_NORM = hasattr(F, "rms_norm")
 #: RoPE variants whose cos/sin depend on the position alone (a table can be precomputed).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -216,17 +217,29 @@ def _layer_weights(layer, dtype, device, share: bool) -> LayerWeights:
 # ----------------------------------------------------------------------------- building blocks
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Llama defines it: normalise in float32, cast back, then scale. ``[..., H]``."""
+    """RMSNorm as Llama defines it: normalise in float32, cast back, then scale. ``[..., H]``.
+
+    On CUDA the fused ATen kernel is used (one launch instead of eight; the weight is applied
+    before the final rounding, a last-bit difference in half precision)."""
+    if x.is_cuda and _FUSED_RMS_NORM:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the half-split layout. ``x [..., D]``; ``cos``/``sin`` broadcast to it."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the half-split layout (three kernels).
+
+    ``x [..., D]``; ``cos`` and ``sin_signed`` (see :func:`signed_sin`) broadcast to it.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 def _linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
@@ -235,10 +248,19 @@ def _linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
     return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
 
-def _mlp(x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-    gate_up = _linear_group(x, lw.gate_up, lw.gate_up_bias)
+def _residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """``residual + x @ weight.T (+ bias)``; the add rides in the GEMM epilogue. ``[..., in] -> [..., out]``."""
+    out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
+    out = out.view(residual.shape)
+    return out if bias is None else out + bias
+
+
+def _mlp_residual(x: torch.Tensor, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    """``x + down(silu(gate(h)) * up(h))``."""
+    gate_up = _linear_group(h, lw.gate_up, lw.gate_up_bias)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+    return _residual_linear(x, F.silu(gate) * up, lw.down, lw.down_bias)
 
 
 def _qkv(x: torch.Tensor, lw: LayerWeights, spec: DecoderSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,26 +280,25 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
     Args:
         cache: ``[L, 2, B, KVH, S, D]``; rows ``slots``, columns ``0..P-1`` are overwritten.
         slots: ``[n]`` int64 cache rows. ids, mask: ``[n, P]`` left-padded prompts.
-        cos_table, sin_table: ``[S, D]`` float32.
+        cos_table, sin_table: ``[S, D]`` float32 (``sin_table`` from :func:`signed_sin`).
     Returns:
-        ``[n, V]`` float32 logits of the last prompt position.
+        ``[n, V]`` logits (compute dtype) of the last prompt position.
     """
     n, width = ids.shape
     dtype = weights.embed.dtype
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
-    cos = cos_table[positions].to(dtype)[:, None]  # [n, 1, P, D]
-    sin = sin_table[positions].to(dtype)[:, None]
+    cos = cos_table[positions].to(dtype)[:, :, None]  # [n, P, 1, D]
+    sin = sin_table[positions].to(dtype)[:, :, None]
     causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril_()
     allowed = causal[None] & mask.bool()[:, None, :]
     allowed |= torch.eye(width, dtype=torch.bool, device=ids.device)  # padded queries see themselves: no NaN
     allowed = allowed[:, None]  # [n, 1, P, P]
     x = F.embedding(ids, weights.embed)
     for index, lw in enumerate(weights.layers):
-        h = rms_norm(x, lw.ln1, spec.rms_eps)
-        q, k, v = _qkv(h, lw, spec)
-        q = rotate(q.view(n, width, heads, dim).transpose(1, 2), cos, sin)
-        k = rotate(k.view(n, width, kv_heads, dim).transpose(1, 2), cos, sin)
+        q, k, v = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
+        q = rotate(q.view(n, width, heads, dim), cos, sin).transpose(1, 2)
+        k = rotate(k.view(n, width, kv_heads, dim), cos, sin).transpose(1, 2)
         v = v.view(n, width, kv_heads, dim).transpose(1, 2)
         cache[index, 0, slots, :, :width] = k
         cache[index, 1, slots, :, :width] = v
@@ -285,10 +306,10 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
             k = k.repeat_interleave(spec.group, dim=1)
             v = v.repeat_interleave(spec.group, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        x = x + F.linear(attn.transpose(1, 2).reshape(n, width, heads * dim), lw.o, lw.o_bias)
-        x = x + _mlp(rms_norm(x, lw.ln2, spec.rms_eps), lw)
+        x = _residual_linear(x, attn.transpose(1, 2).reshape(n, width, heads * dim), lw.o, lw.o_bias)
+        x = _mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw)
     last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
-    return F.linear(last, weights.lm_head).float()
+    return F.linear(last, weights.lm_head)
 
 
 @dataclass
@@ -297,7 +318,8 @@ class DecodeState:
 
     ``tokens``: last sampled token; ``positions``: its RoPE position; ``cache_index``: the cache
     column it is written to; ``bias``: additive key mask (0 valid, ``-inf`` not);
-    ``flat_base``: ``[B, KVH]`` row offsets of each slot's heads in a flattened cache layer.
+    ``flat_base``: ``[2, B, KVH]`` row of each slot's key and value heads in a layer's cache
+    flattened to ``[2·B·KVH·S, D]``.
     """
 
     tokens: torch.Tensor
@@ -315,16 +337,18 @@ def decode(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, stat
 
     Writes each slot's key/value at its ``cache_index``, marks it valid in ``bias``, advances
     ``positions`` and ``cache_index`` (clamped to ``S-1`` so idle slots stay in bounds).
+    About 18 kernels a layer: norm, qkv, rope (q and k together), one cache write, four for
+    attention, o-proj + residual, norm, gate/up, silu, mul, down + residual.
 
     Returns:
-        ``[n, V]`` float32 next-token logits.
+        ``[n, V]`` next-token logits in the compute dtype (the sampler reads them in float32).
     """
     dtype = weights.embed.dtype
     heads, kv_heads, dim, group = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.group
     length = cache.shape[4]
     tokens, positions, cache_index = state.tokens[:n], state.positions[:n], state.cache_index[:n]
     bias = state.bias[:n]
-    flat = (state.flat_base[:n] + cache_index[:, None]).reshape(-1)  # [n*KVH] rows of a flat layer
+    flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
     cos = cos_table[positions].to(dtype)[:, None]  # [n, 1, D]
     sin = sin_table[positions].to(dtype)[:, None]
@@ -332,19 +356,18 @@ def decode(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, stat
     scale = dim ** -0.5
     x = F.embedding(tokens, weights.embed)
     for index, lw in enumerate(weights.layers):
-        h = rms_norm(x, lw.ln1, spec.rms_eps)
-        q, k, v = _qkv(h, lw, spec)
-        q = rotate(q.view(n, heads, dim), cos, sin)
-        k = rotate(k.view(n, kv_heads, dim), cos, sin)
-        k_layer, v_layer = cache[index, 0], cache[index, 1]
-        k_layer.view(-1, dim).index_copy_(0, flat, k.reshape(-1, dim))
-        v_layer.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim))
-        scores = torch.matmul(q.view(n, kv_heads, group, dim), k_layer[:n].transpose(-1, -2))
+        qkv = _linear_group(rms_norm(x, lw.ln1, spec.rms_eps), lw.qkv, lw.qkv_bias)
+        qk = rotate(qkv[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
+        v = qkv[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
+        layer = cache[index]  # [2, B, KVH, S, D]
+        layer.view(-1, dim).index_copy_(0, flat, torch.cat((qk[:, heads:], v)).view(-1, dim))
+        q = qk[:, :heads].reshape(n, kv_heads, group, dim)
+        scores = torch.matmul(q, layer[0, :n].transpose(-1, -2))  # [n, KVH, G, S]
         probs = torch.softmax(torch.add(key_bias, scores, alpha=scale), dim=-1)
-        attn = torch.matmul(probs, v_layer[:n]).reshape(n, heads * dim)
-        x = x + F.linear(attn, lw.o, lw.o_bias)
-        x = x + _mlp(rms_norm(x, lw.ln2, spec.rms_eps), lw)
-    logits = F.linear(rms_norm(x, weights.norm, spec.rms_eps), weights.lm_head).float()
+        attn = torch.matmul(probs, layer[1, :n]).view(n, heads * dim)
+        x = _residual_linear(x, attn, lw.o, lw.o_bias)
+        x = _mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw)
+    logits = F.linear(rms_norm(x, weights.norm, spec.rms_eps), weights.lm_head)
     positions.add_(1).clamp_(max=length - 1)
     cache_index.add_(1).clamp_(max=length - 1)
     return logits

@@ -12,9 +12,16 @@ no normalisation, and runs without any host synchronisation.
 
 from __future__ import annotations
 
+import logging
+import random
+
 import torch
 
+from rlcore.rollout import fused_sampling
 from rlcore.rollout.base import SamplingParams
+
+log = logging.getLogger(__name__)
+_FUSED_OK: dict[str, bool] = {}
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
@@ -108,3 +115,45 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         scores = scores / temperature
     picked = scores.gather(-1, tokens[..., None]).squeeze(-1)
     return picked - torch.logsumexp(scores, dim=-1)
+
+
+def _fused_self_check(device: torch.device) -> bool:
+    """Run the fused kernel once against :func:`sample_next`; remember the verdict per device."""
+    key = str(device)
+    if key not in _FUSED_OK:
+        try:
+            logits = torch.randn(3, 5000, device=device) * 4
+            tokens, logprobs = fused_sampling.sample_rows(logits, 0.0, 0)
+            ref_tokens, ref_logprobs = sample_next(logits, SamplingParams(temperature=0.0), None)
+            drawn, drawn_lp = fused_sampling.sample_rows(logits, 0.7, 1)
+            ok = (torch.equal(tokens, ref_tokens) and torch.allclose(logprobs, ref_logprobs, atol=1e-3)
+                  and torch.allclose(drawn_lp, token_logprobs(logits, drawn, 0.7), atol=1e-3))
+        except Exception as error:  # noqa: BLE001 - any failure means: use the PyTorch path
+            log.warning("fused sampler unavailable on %s (%s); using the PyTorch sampler", device, error)
+            ok = False
+        if not ok:
+            log.warning("fused sampler disagrees with the PyTorch sampler on %s; not using it", device)
+        _FUSED_OK[key] = bool(ok)
+    return _FUSED_OK[key]
+
+
+class Sampler:
+    """Per-call sampler: seeded device generator plus, for the one-pass CUDA kernel, a seeded
+    host stream of per-step seeds (so no step waits for the device)."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str, *, fused: bool = True):
+        self.params = params
+        self.device = torch.device(device)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self.generator = make_generator(seed, self.device)
+        self.host = random.Random(seed)
+        plain = params.top_k == 0 and params.top_p >= 1.0
+        self.fused = bool(fused and plain and fused_sampling.available(self.device)
+                          and _fused_self_check(self.device))
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, V]`` logits -> ``(tokens [B], logprobs [B])`` as :func:`sample_next` defines them."""
+        if self.fused:
+            temperature = 0.0 if self.params.greedy else self.params.temperature
+            return fused_sampling.sample_rows(logits, temperature, self.host.getrandbits(31))
+        return sample_next(logits, self.params, self.generator)

@@ -1,0 +1,104 @@
+"""Helpers shared by the benchmark scripts: importing rlcore from a checkout, device ceilings, timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_rlcore() -> None:
+    """Make ``rlcore`` importable from a source checkout that is not installed (``core/`` is ``rlcore``)."""
+    try:
+        import rlcore  # noqa: F401
+        return
+    except ImportError:
+        pass
+    spec = importlib.util.spec_from_file_location("rlcore", os.path.join(ROOT, "core", "__init__.py"),
+                                                  submodule_search_locations=[os.path.join(ROOT, "core")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rlcore"] = module
+    spec.loader.exec_module(module)
+
+
+def environment() -> dict[str, Any]:
+    """Versions, device and commit, for the results file."""
+    import transformers
+
+    info: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(),
+                            "torch": torch.__version__, "transformers": transformers.__version__}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    sms=props.multi_processor_count)
+    try:
+        info["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    return info
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Wall seconds of ``fn()`` with device synchronisation on both sides."""
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - start, out
+
+
+def cuda_ms(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def device_ceilings() -> dict[str, float]:
+    """Measured copy bandwidth (bytes read + written per second) and dense bf16 matmul rate."""
+    src = torch.randn(2**28, device="cuda")  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src))
+    bandwidth = 2 * src.numel() * 4 / (ms / 1e3)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: a @ b)
+    flops = 2 * 8192**3 / (ms / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": bandwidth, "bf16_matmul_flops": flops}
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    os.replace(tmp, path)
