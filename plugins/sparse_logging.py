@@ -49,7 +49,9 @@ class SparseLogger:
         self.stream = stream
         self.jsonl: Optional[JsonlWriter] = None
         self.tb: Any = None
-        self._console_level: Optional[int] = None
+        console = logging.getLogger(LOGGER_NAME)
+        self._console_level: Optional[int] = console.level
+        console.setLevel(logging.WARNING)
         if not is_main:
             return
         self.jsonl = JsonlWriter(os.path.join(run_dir, METRICS_FILE))
@@ -57,9 +59,6 @@ class SparseLogger:
             from rlcore.observe.tensorboard import open_tensorboard
 
             self.tb = open_tensorboard(os.path.join(run_dir, "tensorboard"))
-        console = logging.getLogger(LOGGER_NAME)
-        self._console_level = console.level
-        console.setLevel(logging.WARNING)
 
     def metrics(self, step: int, metrics: Mapping[str, Any], split: str) -> None:
         if not self.is_main:

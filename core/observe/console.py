@@ -38,7 +38,14 @@ def format_metrics(step: int, metrics: Mapping[str, Any], split: str, keys: Any 
     return f"[{split}] step {step}: " + " ".join(shown) + took_suffix(step, metrics)
 
 
+def is_main_process() -> bool:
+    """Rank 0 of an initialised process group, or a single process."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def print_metrics(step: int, metrics: Mapping[str, Any], split: str) -> None:
-    """Log the line of :func:`format_metrics` at INFO on the ``rlcore.metrics`` logger."""
-    if log.isEnabledFor(logging.INFO):
+    """Log the line of :func:`format_metrics` at INFO on the ``rlcore.metrics`` logger (main rank only)."""
+    if log.isEnabledFor(logging.INFO) and is_main_process():
         log.info(format_metrics(step, metrics, split))
