@@ -52,6 +52,8 @@ def maybe_launch(nproc_per_node: int, argv: Sequence[str]) -> bool:
         run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise RLCoreError(f"distributed training failed: rank {rank} exited with code {failure.exitcode} "
-                          f"({failure.message or 'see its traceback above'}); the other ranks were stopped") from e
+        detail = failure.message if failure.message and "enable traceback" not in failure.message else ""
+        raise RLCoreError(f"distributed training failed: rank {rank} exited with code {failure.exitcode}"
+                          f"{': ' + detail if detail else ' (its error is printed above)'}; "
+                          "the other ranks were stopped") from e
     return True

@@ -151,9 +151,9 @@ class TensorParallelReplica:
         self.module = meta_skeleton(model, dtype)
         tied = self._tied_head(self.module)
         parallelize_module(self.module, tp_mesh, {name: styles[kind] for name, kind in plan.items()})
-        if tied:
-            self.module.get_output_embeddings().weight = self.module.get_input_embeddings().weight
+        self._retie(tied)
         self.module.to_empty(device=device)
+        self._retie(tied)  # materialising plain (not DTensor) parameters may create new objects
         with torch.no_grad():
             own = dict(model.named_buffers())
             for name, buf in self.module.named_buffers():
@@ -164,6 +164,10 @@ class TensorParallelReplica:
         self.loaded = True
         self.release()
         self.module.eval()
+
+    def _retie(self, tied: bool) -> None:
+        if tied:
+            self.module.get_output_embeddings().weight = self.module.get_input_embeddings().weight
 
     @staticmethod
     def _tied_head(module: nn.Module) -> bool:
@@ -182,7 +186,7 @@ class TensorParallelReplica:
         :param aligned: the training mesh's shard dimension is this replica's mesh, so each weight
             is one ``redistribute`` on that mesh; else each weight is gathered and sliced.
         """
-        source = dict(trained.named_parameters())
+        source = dict(trained.named_parameters(remove_duplicate=False))
         coordinate = self.mesh.get_local_rank()
         for (name, param), local, nbytes in zip(self.params, self.locals, self.nbytes):
             local.untyped_storage().resize_(nbytes)

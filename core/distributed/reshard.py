@@ -91,6 +91,43 @@ def gathered(model: torch.nn.Module, timer: SwitchTimer, reshard_after_forward: 
             release_units(units, reshard_after_forward)
 
 
+def has_dtensor_params(module: torch.nn.Module) -> bool:
+    """True when some parameter of ``module`` is a DTensor (a sharded or tensor-parallel layout)."""
+    return any(type(p).__name__ == "DTensor" or hasattr(p, "device_mesh") for p in module.parameters())
+
+
+class GenerationBackends:
+    """Rollout backends keyed by the module a policy's ``generation()`` yields.
+
+    Call :meth:`get` inside ``generation()``: the first call for a module builds its backend there
+    (so an engine copies or references the gathered weights, never the shards); later calls refresh
+    it with ``sync_weights()``. A module with DTensor weights (a tensor-parallel replica) gets the
+    Hugging Face ``generate`` backend, which runs DTensor layers as they are.
+
+    :param make_backend: ``make_backend(module, kind) -> RolloutBackend`` with ``kind`` the
+        configured ``actor.rollout_backend`` or ``"hf"``.
+    :param kind: the configured backend kind.
+    :param prebuilt: ``{id(module): backend}`` already built for the training module (single process).
+    """
+
+    def __init__(self, make_backend: Callable[[torch.nn.Module, str], object], kind: str = "auto",
+                 prebuilt: dict[int, object] | None = None):
+        self.make_backend, self.kind = make_backend, kind
+        self._backends: dict[int, object] = dict(prebuilt or {})
+        self._fresh: set[int] = set(self._backends)
+
+    def get(self, module: torch.nn.Module):
+        key = id(module)
+        if key not in self._backends:
+            kind = "hf" if has_dtensor_params(module) else self.kind
+            self._backends[key] = self.make_backend(module, kind)
+        elif key in self._fresh:
+            self._fresh.discard(key)
+        else:
+            self._backends[key].sync_weights()
+        return self._backends[key]
+
+
 class FSDPReshardPolicy:
     """Single process: the model is used as is. Several processes: ``fully_shard`` (per
     ``fsdp.sharding_strategy``) for training; for generation every FSDP unit is gathered once,

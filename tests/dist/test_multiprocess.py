@@ -59,10 +59,10 @@ STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 
 def test_two_processes(tmp_path, tiny_model_dir):
     cases = STRATEGIES + ["FULL_SHARD-bf16", "FULL_SHARD-offload", "FULL_SHARD-ckpt",
-                          "remesh-t2-g1", "remesh-t2-g2", "remesh-t1-g2", "sync", "data"]
+                          "remesh-t2-g1", "remesh-t2-g2", "remesh-t1-g2", "remesh-t2-g2-v129", "sync", "data"]
     recs = run_worker(tmp_path, 2, cases, tiny_model_dir)
     for name in STRATEGIES + ["FULL_SHARD-offload", "FULL_SHARD-ckpt", "remesh-t2-g1", "remesh-t2-g2",
-                              "remesh-t1-g2"]:
+                              "remesh-t1-g2", "remesh-t2-g2-v129"]:
         assert_matches_reference(name, recs[name])
     assert_matches_reference("FULL_SHARD-bf16", recs["FULL_SHARD-bf16"], tol=BF16_TOL, tokens=False)
     assert "reshard/gen_weights_gb" in recs["remesh-t2-g2"]["stats"]

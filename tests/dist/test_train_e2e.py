@@ -1,0 +1,66 @@
+"""The whole trainer in two processes: ``torchrun -m rlcore train`` and ``rlcore train trainer.nproc_per_node=2``."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+COMMON = ["trainer.max_steps=2", "trainer.device=cpu", "trainer.progress=false", "trainer.eval_samples=8"]
+
+
+def loop_uses_reshard_contract() -> bool:
+    """The loop generates through ``ReshardPolicy.generate_distributed`` (docs/distributed.md)."""
+    try:
+        from rlcore.trainer import loop
+    except ImportError:
+        return False
+    return "generate_distributed" in inspect.getsource(loop)
+
+
+needs_loop = pytest.mark.skipif(not loop_uses_reshard_contract(),
+                                reason="the trainer loop does not generate through generate_distributed yet")
+
+
+def run(cmd: list[str], cwd, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLCORE_DIST_TIMEOUT_S="120", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_trained(proc: subprocess.CompletedProcess, out_dir) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert (out_dir / "checkpoints" / "step_00000002").is_dir(), os.listdir(out_dir)
+    assert (out_dir / "final" / "config.json").is_file()
+
+
+@needs_loop
+def test_torchrun_two_processes(tmp_path):
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={out}"], tmp_path)
+    assert_trained(proc, out)
+
+
+@needs_loop
+def test_nproc_per_node_starts_the_elastic_launcher_with_remesh(tmp_path):
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={out}",
+                "trainer.nproc_per_node=2", "plugins=[remesh]", "actor.remeshing.enabled=true",
+                "actor.remeshing.training_shard_size=2", "actor.remeshing.generation_shard_size=2"], tmp_path)
+    assert_trained(proc, out)
+    assert "starting 2 worker processes" in proc.stderr + proc.stdout
+
+
+def test_worker_failure_fails_the_launch_with_a_clear_error(tmp_path):
+    proc = run([sys.executable, "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={tmp_path / 'run'}",
+                "trainer.nproc_per_node=2", "plugins=[remesh]", "actor.remeshing.enabled=true",
+                "actor.remeshing.training_shard_size=3"], tmp_path, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-4000:]
+    assert "'actor.remeshing.training_shard_size' = 3 does not divide the world size 2" in text
+    assert "distributed training failed: rank" in text and "the other ranks were stopped" in text
