@@ -164,6 +164,8 @@ def measure_scoring(args: argparse.Namespace, device: torch.device, rm_shape: di
     out["rm_params_b"] = sum(p.numel() for p in rm.module.parameters()) / 1e9
     out["rm_resident_gb"] = (allocated(device) - before) / GB
     resident = ResidentScorer(rm, device)
+    small = rollout_batch(rm_shape, max(args.cpu_samples, 4), args.prompt_len, args.new_tokens)
+    ref = torch.tensor(resident(small).scores)
     reset_peak(device)
     rest = allocated(device)
     out["resident_score_s"] = timed(lambda: resident(batch), device)
@@ -186,11 +188,14 @@ def measure_scoring(args: argparse.Namespace, device: torch.device, rm_shape: di
     out["swapped_scoring_peak_gb"] = (peak(device) - rest) / GB
     out["copy_gb_per_s"] = out["rm_resident_gb"] / out["swap_copy_s"] if out["swap_copy_s"] > 0 else 0.0
 
+    out["max_abs_diff_swapped"] = float((torch.tensor(swapped(small).scores) - ref).abs().max())
     cpu = ResidentScorer(rm, torch.device("cpu"))  # the weights already rest on the CPU
-    small = rollout_batch(rm_shape, args.cpu_samples, args.prompt_len, args.new_tokens)
+    few = rollout_batch(rm_shape, args.cpu_samples, args.prompt_len, args.new_tokens)
     t = time.perf_counter()
-    cpu(small)
+    cpu_scores = torch.tensor(cpu(few).scores)
     out["cpu_score_s_per_sample"] = (time.perf_counter() - t) / args.cpu_samples
+    out["max_abs_diff_cpu"] = float((cpu_scores - ref[:args.cpu_samples]).abs().max())
+    out["score_scale"] = float(ref.abs().mean())
     out["cpu_score_s"] = out["cpu_score_s_per_sample"] * args.score_batch
     del resident, swapped, cpu, rm
     gc.collect()
