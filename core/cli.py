@@ -111,7 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         for key, why in inert_keys(cfg, names, dist.world_size):
             log.warning("config key '%s' has no effect in this run: %s", key, why)
         if is_demo(args.config, args.overrides):
-            log.warning("no data or model given: running the built-in demo (tiny model, echo task)")
+            log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
     from rlcore.trainer.loop import Trainer
 
     trainer = Trainer(cfg, pm, dist)

@@ -1,8 +1,9 @@
 """The built-in demo: a tiny model, a tokenizer trained on the spot, and a task a policy can learn from scratch.
 
-Task ("echo"): a prompt is a few random letters, e.g. ``"c k a f"``; the rule reward is the share of
-the first :data:`ECHO_LEN` response tokens equal to the prompt's last letter. A random policy scores
-about ``1 / vocabulary``; a trained one approaches 1. Nothing is downloaded: the tokenizer is
+Task ("alphabet"): a prompt is a few random letters, e.g. ``"c k a f"``; the response should continue
+the (cyclic) alphabet from the prompt's last letter: ``"g h i j"``. The rule reward is the share of the
+first :data:`ANSWER_LEN` response letters that are right. A freshly initialised model scores near 0
+(with tied embeddings it tends to repeat its input instead); a trained one approaches 1. Nothing is downloaded: the tokenizer is
 trained with ``tokenizers`` and the model built from a ``transformers`` config, both saved as a
 normal Hugging Face directory and loaded back through ``from_pretrained``.
 """
@@ -14,7 +15,7 @@ import random
 from typing import Any, Sequence
 
 LETTERS = tuple("abcdefghijkl")
-ECHO_LEN = 4
+ANSWER_LEN = 4
 SPECIALS = ("<pad>", "<eos>", "<unk>")
 TRAIN_PROMPTS = 4096
 VAL_PROMPTS = 256
@@ -32,21 +33,23 @@ DEMO_OVERRIDES = (
     "actor.lr=2e-3",
     "actor.warmup_steps=5",
     "critic.lr=2e-3",
-    "trainer.max_steps=60",
+    "trainer.max_steps=80",
     "trainer.log_steps=10",
     "trainer.eval_samples=128",
     "trainer.output_dir=runs/demo",
+    "trainer.resume=disable",
     "data.max_prompt_length=16",
 )
 
 
 def build_tokenizer(save_dir: str):
     """Train a word-level tokenizer over the demo alphabet and save it as a HF tokenizer directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIALS), min_frequency=1)
     rng = random.Random(0)
     corpus = [" ".join(rng.choice(LETTERS) for _ in range(8)) for _ in range(200)]
@@ -91,23 +94,24 @@ def _prompt(rng: random.Random) -> str:
 
 
 def demo_rows(split: str, n: int | None = None) -> list[dict[str, Any]]:
-    """Rows of the echo task; ``train`` and ``val`` use different seeds."""
+    """Rows of the alphabet task; ``train`` and ``val`` use different seeds."""
     seed, default_n = (1, TRAIN_PROMPTS) if split == "train" else (2, VAL_PROMPTS)
     rng = random.Random(seed)
     rows = []
     for _ in range(n or default_n):
         prompt = _prompt(rng)
-        rows.append({"prompt": prompt, "ground_truth": prompt.split()[-1], "data_source": "demo_echo"})
+        rows.append({"prompt": prompt, "ground_truth": " ".join(expected_answer(prompt)),
+                     "data_source": "demo_alphabet"})
     return rows
 
 
 class DemoDataset:
-    """Map-style dataset of the echo task (rows carry ``input_ids``)."""
+    """Map-style dataset of the alphabet task (rows carry ``input_ids``)."""
 
     def __init__(self, tokenizer: Any, split: str):
         self.rows = demo_rows(split)
         for row in self.rows:
-            row["input_ids"] = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            row["input_ids"] = tokenizer.convert_tokens_to_ids(row["prompt"].split())
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -120,11 +124,31 @@ def demo_dataset(tokenizer: Any, split: str) -> DemoDataset:
     return DemoDataset(tokenizer, split)
 
 
-def echo_score(prompts: Sequence[str], responses: Sequence[str], **_: Any) -> list[float]:
-    """Share of the first ``ECHO_LEN`` response tokens equal to the prompt's last letter (batched)."""
+def expected_answer(prompt: str) -> list[str]:
+    """The ``ANSWER_LEN`` letters that follow the prompt's last letter in the cyclic alphabet."""
+    last = prompt.split()[-1]
+    start = LETTERS.index(last)
+    return [LETTERS[(start + k) % len(LETTERS)] for k in range(1, ANSWER_LEN + 1)]
+
+
+def alphabet_score(prompts: Sequence[str], responses: Sequence[str], **_: Any) -> list[float]:
+    """Share of the first ``ANSWER_LEN`` response letters that follow the letter before them (batched).
+
+    The letter before the first one is the prompt's last letter, so a perfect answer to ``"c k a f"`` is
+    ``"g h i j"``. Each position is judged on its own (``"g x i j"`` scores 0.5: ``x`` and ``i`` are wrong,
+    ``j`` follows ``i``). Letters are single characters, so the score does not depend on how a tokenizer
+    joins them when decoding.
+    """
     scores = []
     for prompt, response in zip(prompts, responses):
-        target = prompt.split()[-1] if prompt.split() else ""
-        words = response.split()[:ECHO_LEN]
-        scores.append(sum(w == target for w in words) / ECHO_LEN)
+        words = prompt.split()
+        if not words or words[-1] not in LETTERS:
+            scores.append(0.0)
+            continue
+        prev, hits = words[-1], 0
+        for ch in [c for c in response if not c.isspace()][:ANSWER_LEN]:
+            if prev in LETTERS and ch == LETTERS[(LETTERS.index(prev) + 1) % len(LETTERS)]:
+                hits += 1
+            prev = ch
+        scores.append(hits / ANSWER_LEN)
     return scores
