@@ -7,9 +7,9 @@ batches) or estimated from the model config (:func:`estimate_sample_bytes`). If 
 runs out of memory, :class:`AdaptiveMicroBatch` halves the micro-batch and retries the failed
 chunk, so no sample is lost, and keeps the smaller size for later calls.
 
-On CPU there is no device memory to read: :func:`auto_rollout_batch_size` returns
-:data:`CPU_DEFAULT_BATCH_SIZE` (16), enough for the CPU demo and tests, small enough to keep
-a 2-core machine responsive.
+On CPU there is no device memory to read: :func:`auto_rollout_batch_size` plans
+:data:`CPU_DEFAULT_BATCH_SIZE` (16) samples, i.e. ``16 // n`` prompts of ``n`` samples (at least
+one), enough for the CPU demo and tests, small enough to keep a 2-core machine responsive.
 """
 
 from __future__ import annotations
@@ -84,35 +84,54 @@ def _round(value: int, multiple_of: int, minimum: int, maximum: int | None) -> i
     return int(value)
 
 
-def auto_rollout_batch_size(*, sample_bytes: int, device: torch.device | str | None = None,
-                            free_bytes: int | None = None, fraction: float = MEMORY_FRACTION,
+def _sample_bytes(sample_bytes: int | None, config, model_path: str | None, max_len: int | None,
+                  dtype_bytes: int) -> int:
+    if sample_bytes is not None:
+        if sample_bytes <= 0:
+            raise ValueError(f"auto_rollout_batch_size: sample_bytes must be > 0, got {sample_bytes}")
+        return int(sample_bytes)
+    if config is None and model_path is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+    if config is None or not max_len:
+        raise ValueError("auto_rollout_batch_size: give sample_bytes, or a model config / model_path and max_len")
+    return estimate_sample_bytes(config, int(max_len), dtype_bytes=dtype_bytes)
+
+
+def auto_rollout_batch_size(*, device: torch.device | str | None = None, n: int = 1, sample_bytes: int | None = None,
+                            model_path: str | None = None, config=None, max_len: int | None = None,
+                            dtype_bytes: int = 2, free_bytes: int | None = None, fraction: float = MEMORY_FRACTION,
                             multiple_of: int = 1, minimum: int = 1, maximum: int | None = None) -> int:
-    """Rollout batch size ``≈ free memory × fraction ÷ sample_bytes``.
+    """Prompts per rollout, each sampled ``n`` times: ``free memory × fraction ÷ sample bytes ÷ n``.
 
     Args:
-        sample_bytes: generation memory of one sample (measured or estimated).
-        device: the generation device; CPU (or no CUDA) gives :data:`CPU_DEFAULT_BATCH_SIZE`.
+        device: the generation device; CPU (or no CUDA) gives ``CPU_DEFAULT_BATCH_SIZE // n`` (at least 1).
+        n: samples per prompt.
+        sample_bytes: generation memory of one sample (e.g. from :func:`measure_sample_bytes`);
+            otherwise estimated by :func:`estimate_sample_bytes` from ``config`` (or the config
+            at ``model_path``) and ``max_len`` (prompt + new tokens) at ``dtype_bytes``.
         free_bytes: free device memory (default: read from the device).
         fraction: share of the free memory generation may take.
-        multiple_of: round down to a multiple (e.g. samples per prompt); never below it.
-        minimum, maximum: clamp.
+        multiple_of, minimum, maximum: round down to a multiple, then clamp (in prompts).
     """
-    if sample_bytes <= 0:
-        raise ValueError(f"auto_rollout_batch_size: sample_bytes must be > 0, got {sample_bytes}")
+    if n < 1:
+        raise ValueError(f"auto_rollout_batch_size: n must be >= 1, got {n}")
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"auto_rollout_batch_size: fraction must be in (0, 1], got {fraction}")
     dev = torch.device(device) if device is not None else None
     on_gpu = free_bytes is not None or (dev is not None and dev.type == "cuda" and torch.cuda.is_available())
     if not on_gpu:
-        size = _round(CPU_DEFAULT_BATCH_SIZE, multiple_of, minimum, maximum)
-        log.info("ppo.rollout_batch_size=auto on CPU -> %d (fixed default)", size)
+        size = _round(max(1, CPU_DEFAULT_BATCH_SIZE // n), multiple_of, minimum, maximum)
+        log.info("ppo.rollout_batch_size=auto on CPU -> %d prompts x %d samples (fixed default)", size, n)
         return size
+    per_sample = _sample_bytes(sample_bytes, config, model_path, max_len, dtype_bytes)
     if free_bytes is None:
         free_bytes, _total = torch.cuda.mem_get_info(dev)
-    raw = int(free_bytes * fraction // sample_bytes)
+    raw = int(free_bytes * fraction // per_sample) // n
     size = _round(raw, multiple_of, minimum, maximum)
-    log.info("ppo.rollout_batch_size=auto -> %d (free %.1f GiB x %.2f / %.1f MiB per sample)",
-             size, free_bytes / 2**30, fraction, sample_bytes / 2**20)
+    log.info("ppo.rollout_batch_size=auto -> %d prompts x %d samples (free %.1f GiB x %.2f / %.1f MiB per sample)",
+             size, n, free_bytes / 2**30, fraction, per_sample / 2**20)
     return size
 
 

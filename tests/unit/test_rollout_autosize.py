@@ -25,6 +25,18 @@ def test_rule_uses_free_memory_times_fraction_over_sample_bytes():
 def test_cpu_gets_the_documented_default():
     assert auto_rollout_batch_size(sample_bytes=1000, device="cpu") == CPU_DEFAULT_BATCH_SIZE
     assert auto_rollout_batch_size(sample_bytes=1000, device="cpu", multiple_of=6) == 12
+    assert auto_rollout_batch_size(device="cpu", n=4) == CPU_DEFAULT_BATCH_SIZE // 4
+
+
+def test_prompts_from_a_saved_config_and_samples_per_prompt(tmp_path):
+    config = tiny_config("qwen2")
+    config.save_pretrained(tmp_path)
+    per_sample = estimate_sample_bytes(config, 96)
+    free = 1000 * per_sample
+    assert auto_rollout_batch_size(model_path=str(tmp_path), max_len=96, free_bytes=free, n=4) == 150
+    assert auto_rollout_batch_size(config=config, max_len=96, free_bytes=free) == 600
+    with pytest.raises(ValueError, match="max_len"):
+        auto_rollout_batch_size(config=config, free_bytes=free)
 
 
 def test_bad_arguments_raise():
