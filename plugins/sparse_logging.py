@@ -22,9 +22,9 @@ import os
 import sys
 from typing import Any, Mapping, Optional, TextIO
 
-from rlcore.hookspecs import hookimpl
 from rlcore.observe.console import LOGGER_NAME, format_metrics
 from rlcore.observe.jsonl import JsonlWriter, make_record
+from rlcore.observe.sink import SinkHooks
 
 METRICS_FILE = "metrics.jsonl"
 #: Metrics shown on the console line (the JSONL holds all of them).
@@ -84,31 +84,10 @@ class SparseLogger:
             self._console_level = None
 
 
-class _Registry:
-    """Holds the logger of the run in progress; reset at every train start."""
-
-    def __init__(self) -> None:
-        self.current: Optional[SparseLogger] = None
+def _make(run_dir: str, dist: Any, config: Mapping[str, Any]) -> SparseLogger:
+    return SparseLogger(run_dir, is_main=bool(getattr(dist, "is_main", True)))
 
 
-_RUN = _Registry()
-
-
-@hookimpl
-def rlcore_train_start(run_dir, dist, config):
-    if _RUN.current is not None:  # a previous run in this process did not end cleanly
-        _RUN.current.close(0, "failed", {})
-    _RUN.current = SparseLogger(run_dir, is_main=bool(getattr(dist, "is_main", True)))
-
-
-@hookimpl
-def rlcore_metrics(step, metrics, split):
-    if _RUN.current is not None:
-        _RUN.current.metrics(step, metrics, split)
-
-
-@hookimpl
-def rlcore_train_end(step, status, summary):
-    if _RUN.current is not None:
-        _RUN.current.close(step, status, summary)
-        _RUN.current = None
+#: The logger of the run in progress (rebuilt at every train start); the hooks delegate to it.
+RUN = SinkHooks(_make)
+rlcore_train_start, rlcore_metrics, rlcore_train_end = RUN.hooks()

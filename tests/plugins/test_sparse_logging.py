@@ -28,7 +28,7 @@ def test_hooks_write_jsonl_console_and_restore_the_default_console(tmp_path, cap
     sparse.rlcore_metrics(step=20, metrics=_metrics(987.4), split="train")
     sparse.rlcore_metrics(step=20, metrics={"reward_mean": 0.5}, split="val")
     sparse.rlcore_train_end(step=20, status="completed", summary={"after/reward_mean": 0.5})
-    assert console.level == before and sparse._RUN.current is None
+    assert console.level == before and sparse.RUN.current is None
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["split"]) for r in records] == [(10, "train"), (20, "train"), (20, "val"), (20, "summary")]
     assert records[0]["reward/mean"] == 0.25 and records[0]["perf/mfu"] is None  # strict JSON
@@ -95,3 +95,30 @@ def test_plugin_loads_by_name():
 
     pm = build_plugin_manager(["sparse-logging"])
     assert "sparse-logging" in [i.name for i in pm.infos()]
+
+
+def test_sink_hooks_close_a_stale_sink_and_build_a_new_one_per_run():
+    from rlcore.observe.sink import SinkHooks
+
+    events = []
+
+    class Sink:
+        def __init__(self, name):
+            self.name = name
+
+        def metrics(self, step, metrics, split):
+            events.append((self.name, "metrics", step))
+
+        def close(self, step, status, summary):
+            events.append((self.name, status, step))
+
+    runs = iter(["first", "second"])
+    start, record, end = SinkHooks(lambda run_dir, dist, config: Sink(next(runs))).hooks()
+    start(run_dir="r", dist=DistInfo(), config={})
+    record(step=1, metrics={}, split="train")
+    start(run_dir="r", dist=DistInfo(), config={})  # the first run never ended
+    record(step=2, metrics={}, split="train")
+    end(step=2, status="completed", summary={})
+    record(step=3, metrics={}, split="train")  # after the end: dropped
+    assert events == [("first", "metrics", 1), ("first", "failed", 0), ("second", "metrics", 2),
+                      ("second", "completed", 2)]

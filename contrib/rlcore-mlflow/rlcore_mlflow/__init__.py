@@ -21,7 +21,7 @@ import re
 from typing import Any, Iterator, Mapping, Optional
 
 from rlcore.errors import PluginError
-from rlcore.hookspecs import hookimpl
+from rlcore.observe.sink import SinkHooks
 
 __version__ = "0.1.0"
 RUN_ID_FILE = "mlflow_run_id"
@@ -63,7 +63,7 @@ def _import_mlflow() -> Any:
 
 
 class MlflowSink:
-    """The MLflow run of one training run (created at train start, closed at train end)."""
+    """The MLflow run of one training run: a sink of :mod:`rlcore.observe.sink`."""
 
     def __init__(self, run_dir: str, config: Mapping[str, Any], settings: Mapping[str, Any]):
         self.mlflow = _import_mlflow()
@@ -100,7 +100,7 @@ class MlflowSink:
         for i in range(0, len(keys), BATCH):
             self.mlflow.log_params({k: params[k] for k in keys[i:i + BATCH]})
 
-    def log(self, step: int, metrics: Mapping[str, Any], split: str) -> None:
+    def metrics(self, step: int, metrics: Mapping[str, Any], split: str) -> None:
         values = numeric(metrics, "" if split == "train" else f"{split}/")
         if values:
             self.mlflow.log_metrics(values, step=int(step))
@@ -112,30 +112,13 @@ class MlflowSink:
         self.mlflow.end_run(status=STATUS.get(status, "FAILED"))
 
 
-class _Current:
-    """The sink of the run in progress in this process (replaced at every train start)."""
-
-    sink: Optional[MlflowSink] = None
-
-
-@hookimpl
-def rlcore_train_start(run_dir, dist, config):
-    if _Current.sink is not None:
-        _Current.sink.close(0, "failed", {})
-        _Current.sink = None
-    if getattr(dist, "is_main", True):
-        settings = dict((config.get("plugin_config") or {}).get("mlflow") or {})
-        _Current.sink = MlflowSink(run_dir, config, settings)
+def _make(run_dir: str, dist: Any, config: Mapping[str, Any]) -> Optional[MlflowSink]:
+    if not getattr(dist, "is_main", True):
+        return None
+    settings = dict((config.get("plugin_config") or {}).get("mlflow") or {})
+    return MlflowSink(run_dir, config, settings)
 
 
-@hookimpl
-def rlcore_metrics(step, metrics, split):
-    if _Current.sink is not None:
-        _Current.sink.log(step, metrics, split)
-
-
-@hookimpl
-def rlcore_train_end(step, status, summary):
-    if _Current.sink is not None:
-        sink, _Current.sink = _Current.sink, None
-        sink.close(step, status, summary)
+#: The MLflow run in progress (rebuilt at every train start); the hooks delegate to it.
+RUN = SinkHooks(_make)
+rlcore_train_start, rlcore_metrics, rlcore_train_end = RUN.hooks()
