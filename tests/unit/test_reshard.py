@@ -126,3 +126,26 @@ def test_slice_rollout_drops_padding_the_rows_do_not_need():
     assert second.stats == {"rollout/seconds": 1.0}
     both = slice_rollout(batch, 0, 2)
     assert torch.equal(both.prompt_ids, batch.prompt_ids) and torch.equal(both.response_mask, batch.response_mask)
+
+
+class FakeBackend:
+    def __init__(self, module, kind):
+        self.module, self.kind, self.syncs = module, kind, 0
+
+    def sync_weights(self):
+        self.syncs += 1
+
+
+def test_generation_backends_build_inside_the_layout_then_refresh(tiny):
+    from rlcore.distributed.reshard import GenerationBackends, has_dtensor_params
+
+    assert not has_dtensor_params(tiny)
+    made = []
+    backends = GenerationBackends(lambda m, kind: made.append(FakeBackend(m, kind)) or made[-1], "engine")
+    first = backends.get(tiny)
+    assert made == [first] and first.kind == "engine" and first.syncs == 0
+    assert backends.get(tiny) is first and first.syncs == 1
+    prebuilt = FakeBackend(tiny, "auto")
+    backends = GenerationBackends(lambda m, kind: pytest.fail("must not build"), "auto", {id(tiny): prebuilt})
+    assert backends.get(tiny) is prebuilt and prebuilt.syncs == 0  # built for the current weights already
+    assert backends.get(tiny) is prebuilt and prebuilt.syncs == 1
