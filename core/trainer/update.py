@@ -52,10 +52,10 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
     if kl_loss_coef > 0 and mb.ref_logprobs is not None:
         kl = rlmath.masked_mean(rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator), mask)
         loss = loss + kl_loss_coef * kl
-        stats["actor/kl_loss"].append(float(kl))
+        stats["actor/kl_loss"].append(float(kl.detach()))
     (loss * weight).backward()
-    stats["loss/policy"].append(float(pg_loss))
-    stats["entropy/mean"].append(float(entropy))
+    stats["loss/policy"].append(float(pg_loss.detach()))
+    stats["entropy/mean"].append(float(entropy.detach()))
     stats["actor/clipfrac"].append(float(pg_stats["clipfrac"]))
     stats["actor/approx_kl"].append(float(pg_stats["approx_kl"]))
     return loss
@@ -65,7 +65,7 @@ def critic_micro_loss(critic, mb: Experience, ppo: PPOConfig, weight: float, sta
     values = response_values(critic, mb.input_ids, mb.attention_mask, mb.response_len)
     vf_loss, clipfrac = rlmath.value_loss(values, mb.values, mb.returns, mb.response_mask, ppo.cliprange_value)
     (ppo.vf_coef * vf_loss * weight).backward()
-    stats["loss/value"].append(float(vf_loss))
+    stats["loss/value"].append(float(vf_loss.detach()))
     stats["critic/clipfrac"].append(float(clipfrac))
 
 
