@@ -132,6 +132,11 @@ def print_summary(summary: dict, run_dir: str) -> None:
         if not k.endswith("reward_mean"):
             print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
     print(f"run directory: {run_dir}")
+    from rlcore.observe.plot import dashboard_line
+
+    line = dashboard_line(run_dir)
+    if line:
+        print(line)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,7 @@ DEMO_OVERRIDES = (
     "trainer.log_steps=10",
     "trainer.eval_samples=128",
     "trainer.output_dir=runs/demo",
+    "plugins=[sparse-logging]",
     "trainer.resume=disable",
     "data.max_prompt_length=16",
 )

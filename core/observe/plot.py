@@ -14,8 +14,10 @@ from typing import Any, Optional, Sequence
 from rlcore.errors import RLCoreError
 from rlcore.observe.jsonl import read_jsonl
 
-PHASES = ("generate", "reward", "ref_logprob", "old_logprob", "values", "advantages", "update_actor",
-          "update_critic", "reshard", "checkpoint")
+#: Stacked in the step-time panel (disjoint parts of ``time/step_s``).
+PHASE_KEYS = tuple(f"time/{p}_s" for p in ("generate", "reward", "ref_logprob", "old_logprob", "values",
+                                           "advantages", "update_actor", "update_critic", "reshard",
+                                           "checkpoint"))
 METRICS_FILE = "metrics.jsonl"
 DASHBOARD_FILE = "dashboard.png"
 
@@ -69,8 +71,8 @@ def _legend(ax: Any, **kw: Any) -> None:
         ax.legend(**kw)
 
 
-def _empty(ax: Any, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+def _empty(ax: Any, what: str, why: str = "") -> None:
+    ax.text(0.5, 0.5, f"no {what} recorded{why}", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
 def _reward(ax: Any, train: Sequence[dict], val: Sequence[dict]) -> None:
@@ -90,8 +92,12 @@ def _kl(ax: Any, train: Sequence[dict]) -> None:
     ax.set_title("KL to reference")
     if not _line(ax, train, "kl/mean", "kl/mean"):
         _empty(ax, "KL")
-    _line(ax, train, "entropy/mean", "entropy/mean", alpha=0.6)
-    _legend(ax, fontsize=7)
+    _legend(ax, fontsize=7, loc="upper left")
+    xs, entropy = series(train, "entropy/mean")
+    if xs:
+        twin = ax.twinx()
+        twin.plot(xs, entropy, color="tab:orange", alpha=0.6, label="entropy/mean")
+        _legend(twin, fontsize=7, loc="upper right")
 
 
 def _length(ax: Any, train: Sequence[dict]) -> None:
@@ -113,11 +119,11 @@ def _times(ax: Any, train: Sequence[dict]) -> None:
     ax.set_title("step time by phase (s)")
     steps = [r["step"] for r in train]
     stacks, labels = [], []
-    for phase in PHASES:
-        values = [float(r.get(f"time/{phase}_s") or 0.0) for r in train]
+    for key in PHASE_KEYS:
+        values = [float(r.get(key) or 0.0) for r in train]
         if any(values):
             stacks.append(values)
-            labels.append(phase)
+            labels.append(key.split("/", 1)[1][:-2])
     if steps and stacks:
         ax.stackplot(steps, stacks, labels=labels, alpha=0.8)
         _line(ax, train, "time/step_s", "total", color="black", linewidth=1)
@@ -133,7 +139,7 @@ def _gpu(ax: Any, train: Sequence[dict]) -> None:
     drawn = _line(ax, train, "gpu/util_mean", "mean")
     drawn |= _line(ax, train, "gpu/util_p10", "p10", alpha=0.7)
     if not drawn:
-        _empty(ax, "GPU utilisation (no GPU, or the monitor was off)")
+        _empty(ax, "GPU utilisation", "\n(no GPU, or trainer.gpu_monitor=false)")
     ax.set_ylim(0, 105)
     _legend(ax, fontsize=7)
 
@@ -172,3 +178,16 @@ def plot_run(run_dir: str, out: Optional[str] = None) -> str:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def dashboard_line(run_dir: str) -> Optional[str]:
+    """One line for the end-of-run summary: where the dashboard is, or why it was not drawn.
+
+    None when the run wrote no ``metrics.jsonl`` (no file sink was selected).
+    """
+    if not os.path.isfile(os.path.join(run_dir, METRICS_FILE)):
+        return None
+    try:
+        return f"dashboard: {plot_run(run_dir)}"
+    except RLCoreError as e:
+        return f"dashboard not drawn: {e}"
