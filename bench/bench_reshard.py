@@ -52,14 +52,7 @@ from rlcore.protocols import DistInfo  # noqa: E402
 from rlcore.rollout.base import SamplingParams  # noqa: E402
 from rlcore.rollout.hf import HFGenerateBackend  # noqa: E402
 
-SHAPES = {
-    "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                       intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                       intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=128, tie_word_embeddings=True),
-}
+from bench_rollout import SHAPES  # noqa: E402  (Qwen2-0.5B / 1.5B / tiny shapes, shared with the rollout benchmark)
 
 
 #: 32 new tokens, greedy, no EOS: every layout generates the same number of tokens.
