@@ -56,6 +56,21 @@ def _schema_keys(cls: type, prefix: str = "") -> dict[str, bool]:
 SCHEMA_KEYS = _schema_keys(RLCoreConfig)
 
 
+def _list_keys(cls: type, prefix: str = "") -> set[str]:
+    """Dotted keys typed as lists: a single string given for them is taken as a one-item list."""
+    out: set[str] = set()
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out |= _list_keys(type(default), f"{prefix}{f.name}.")
+        elif str(f.type).startswith("list"):
+            out.add(f"{prefix}{f.name}")
+    return out
+
+
+LIST_KEYS = _list_keys(RLCoreConfig)
+
+
 def _flatten(d: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
     if isinstance(d, dict) and d and not (prefix.rstrip(".") and SCHEMA_KEYS.get(prefix.rstrip("."))):
         for k, v in d.items():
@@ -65,16 +80,20 @@ def _flatten(d: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
 
 
 def suggest(key: str) -> str | None:
-    """The nearest valid dotted key to ``key``, if any is close."""
-    parent = key.rsplit(".", 1)[0] if "." in key else ""
-    siblings = [k for k in SCHEMA_KEYS if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
-    match = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
-    if not match:
-        match = difflib.get_close_matches(key, list(SCHEMA_KEYS), n=1, cutoff=0.75)
-    if not match:
-        leaf = key.rsplit(".", 1)[-1]
-        same_leaf = [k for k in SCHEMA_KEYS if k.rsplit(".", 1)[-1] == leaf]
-        match = same_leaf[:1]
+    """The nearest valid dotted key to ``key``, if any is close.
+
+    Tried in order: the same leaf name in another section (``trainer.kl_coeff`` -> ``ppo.kl_coeff``),
+    a similar leaf in the same section (``data.trian_files`` -> ``data.train_files``), any similar key.
+    """
+    parent, _, leaf = key.rpartition(".")
+    same_leaf = [k for k in SCHEMA_KEYS if k.rpartition(".")[2] == leaf]
+    if same_leaf:
+        return same_leaf[0]
+    siblings = {k.rpartition(".")[2]: k for k in SCHEMA_KEYS if k.rpartition(".")[0] == parent}
+    match = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    if match:
+        return siblings[match[0]]
+    match = difflib.get_close_matches(key, list(SCHEMA_KEYS), n=1, cutoff=0.75)
     return match[0] if match else None
 
 
@@ -130,6 +149,8 @@ def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> No
         if msg:
             errors.append(f"{origin}: {msg}")
             continue
+        if key in LIST_KEYS and isinstance(value, str):
+            value = [value]
         try:
             OmegaConf.update(base, key, value, merge=True, force_add=SCHEMA_KEYS.get(key, True))
         except OmegaConfBaseException as e:

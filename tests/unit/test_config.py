@@ -1,0 +1,128 @@
+"""Typed config: YAML + overrides, struct mode with suggestions, all errors at once, seed keys accepted."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlcore.config import SCHEMA_KEYS, load_config, suggest
+from rlcore.config.inert import inert_keys
+from rlcore.config.schema import FSDPConfig, RoleFSDPConfig, resolve_fsdp
+from rlcore.errors import ConfigError
+
+SEED_KEYS = [
+    "data.train_files", "data.val_files", "data.cache_dir", "data.num_workers", "data.prefetch_factor",
+    "data.filter_overlong_prompts", "data.max_prompt_length", "data.custom_cls.path", "data.custom_cls.name",
+    "actor.remeshing.enabled", "actor.remeshing.generation_shard_size", "actor.remeshing.training_shard_size",
+    "actor.fsdp.use_orig_params", "actor.fsdp.sharding_strategy", "actor.fsdp.cpu_offload", "actor.device",
+    "critic.device", "reward_model.device", "reward_model.dtype", "reward_model.offload",
+    "ppo.rollout_batch_size", "ppo.generation.batch_size", "ppo.generation.max_new_tokens",
+    "ppo.generation.temperature", "ppo.generation.top_p", "ppo.kl_coeff", "ppo.cliprange_value",
+    "trainer.save_steps", "trainer.log_steps", "trainer.enable_profiling", "trainer.profile_steps",
+    "trainer.gradient_accumulation_steps", "trainer.max_steps", "trainer.eval_steps",
+    "fsdp.sync_module_states", "fsdp.use_orig_params", "fsdp.sharding_strategy", "fsdp.cpu_offload",
+]
+
+
+@pytest.mark.parametrize("key", SEED_KEYS)
+def test_every_seed_key_exists(key):
+    assert key in SCHEMA_KEYS
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("ppo:\n  kl_coeff: 0.3\n  generation:\n    top_p: 0.9\ntrainer:\n  max_steps: 7\n")
+    cfg = load_config([str(f)], ["ppo.kl_coeff=0.05", "data.train_files=[a.parquet,b.parquet]"])
+    assert cfg.ppo.kl_coeff == 0.05
+    assert cfg.ppo.generation.top_p == 0.9
+    assert cfg.trainer.max_steps == 7
+    assert list(cfg.data.train_files) == ["a.parquet", "b.parquet"]
+
+
+def test_single_string_for_a_list_key():
+    cfg = load_config([], ["data.val_files=/x/val.parquet"])
+    assert list(cfg.data.val_files) == ["/x/val.parquet"]
+
+
+def test_unknown_key_names_the_nearest_valid_one():
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["data.trian_files=x"])
+    assert "data.trian_files" in str(e.value)
+    assert "data.train_files" in str(e.value)
+
+
+def test_all_errors_are_reported_together(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("actor:\n  remeshing:\n    enabeld: true\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([str(f)], ["trainer.max_stepz=3", "trainer.max_steps=abc"])
+    problems = e.value.problems
+    assert len(problems) == 3
+    text = str(e.value)
+    assert "actor.remeshing.enabled" in text and "trainer.max_steps" in text and str(f) in text
+
+
+def test_value_checks_name_the_key():
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["algorithm.adv_estimator=ppo2", "ppo.generation.top_p=1.5"])
+    text = str(e.value)
+    assert "'algorithm.adv_estimator'" in text and "gae, grpo, rloo" in text
+    assert "'ppo.generation.top_p'" in text
+
+
+def test_grpo_needs_several_samples():
+    with pytest.raises(ConfigError, match="ppo.generation.n"):
+        load_config([], ["algorithm.adv_estimator=grpo", "ppo.generation.n=1"])
+
+
+def test_rollout_batch_size_accepts_auto_only_as_string():
+    assert load_config([], ["ppo.rollout_batch_size=auto"]).ppo.rollout_batch_size == "auto"
+    with pytest.raises(ConfigError, match="rollout_batch_size"):
+        load_config([], ["ppo.rollout_batch_size=lots"])
+
+
+def test_missing_and_broken_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([str(tmp_path / "nope.yaml")])
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        load_config([str(bad)])
+
+
+def test_free_form_sections_accept_any_key():
+    cfg = load_config([], ["plugin_config.myplugin.depth=3", "reward.weights.exact_match=1.0"])
+    assert cfg.plugin_config.myplugin.depth == 3
+    assert cfg.reward.weights.exact_match == 1.0
+
+
+def test_struct_mode_after_loading():
+    cfg = load_config([])
+    with pytest.raises(Exception):
+        cfg.data.nonexistent = 1
+
+
+def test_suggest_leaf_typo_in_other_section():
+    assert suggest("trainer.kl_coeff") == "ppo.kl_coeff"
+
+
+def test_role_fsdp_inherits_global():
+    merged = resolve_fsdp(FSDPConfig(sharding_strategy="HYBRID_SHARD", cpu_offload=True),
+                          RoleFSDPConfig(cpu_offload=False))
+    assert merged.sharding_strategy == "HYBRID_SHARD" and merged.cpu_offload is False
+
+
+def test_inert_keys_are_reported_with_a_reason():
+    cfg = load_config([], ["actor.remeshing.enabled=true", "fsdp.sync_module_states=false",
+                           "algorithm.adv_estimator=grpo", "ppo.generation.n=2", "critic.lr=0.1"])
+    inert = dict(inert_keys(cfg, plugins=[], world_size=1))
+    assert "remesh" in inert["actor.remeshing.enabled"]
+    assert "single process" in inert["fsdp.sync_module_states"]
+    assert "critic" in inert["critic.lr"]
+    # with the plugin and several ranks the same keys are live
+    live = dict(inert_keys(cfg, plugins=["remesh"], world_size=4))
+    assert "actor.remeshing.enabled" not in live and "fsdp.sync_module_states" not in live
+
+
+def test_config_is_plain_yaml_round_trip():
+    cfg = load_config([], ["ppo.kl_coeff=0.2"])
+    again = OmegaConf.create(OmegaConf.to_yaml(cfg))
+    assert again.ppo.kl_coeff == 0.2
