@@ -81,7 +81,7 @@ def check_output_dir(trainer: TrainerConfig, min_free_bytes: int = MIN_FREE_BYTE
 
 
 # --------------------------------------------------------------------------------------------
-# Stateful helpers the loop saves
+# Stateful objects the loop saves
 # --------------------------------------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ RESHARD_NOTE = ("per-rank data positions and RNG streams cannot be split across 
 
 
 # --------------------------------------------------------------------------------------------
-# torch.distributed helpers (no-ops in a single process)
+# torch.distributed utilities (no-ops in a single process)
 # --------------------------------------------------------------------------------------------
 
 

@@ -87,7 +87,12 @@ def test_real_tensorboard_when_installed(tmp_path):
     logger = sparse.SparseLogger(str(tmp_path), stream=io.StringIO())
     logger.metrics(1, _metrics(10), "train")
     logger.close(1, "completed", {})
-    assert any((tmp_path / "tensorboard").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25)]
+    assert "perf/mfu" not in events.Tags()["scalars"]  # NaN is not written
 
 
 def test_plugin_loads_by_name():

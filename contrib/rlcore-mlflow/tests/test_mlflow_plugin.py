@@ -1,4 +1,4 @@
-"""The mlflow plugin: name and config helpers always; the MLflow round trip only when the client is installed."""
+"""The mlflow plugin: name and config functions always; the MLflow round trip only when the client is installed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ CONFIG = {"trainer": {"max_steps": 3, "output_dir": "x"}, "ppo": {"kl_coeff": 0.
           "plugins": ["mlflow"], "data": {"train_files": ["a" * 900]}}
 
 
-def test_helpers():
+def test_names_params_and_values():
     assert rlcore_mlflow.metric_name("reward/mean") == "reward/mean"
     assert rlcore_mlflow.metric_name("score/exact@1(x)") == "score/exact_1_x_"
     params = dict(rlcore_mlflow.flatten(CONFIG))
