@@ -211,7 +211,14 @@ def main() -> int:
     results = []
     for shape in args.shapes.split(","):
         for name in layouts:
-            rec = measure(shape, name, dist, args.repeats, args.seq)
+            try:
+                rec = measure(shape, name, dist, args.repeats, args.seq)
+            except Exception as e:  # keep measuring the other layouts; the record says what failed
+                import traceback
+
+                rec = {"shape": shape, "layout": name, "error": f"{type(e).__name__}: {e}",
+                       "traceback": traceback.format_exc()[-2000:]}
+                gc.collect()
             results.append(rec)
             if dist.is_main:
                 print(rec, flush=True)

@@ -148,6 +148,7 @@ class TensorParallelReplica:
             plan = {k: v for k, v in plan.items() if v not in ("embedding", "head")}
         self.mesh = tp_mesh
         self.dtype = dtype
+        self.device = device
         self.module = meta_skeleton(model, dtype)
         tied = self._tied_head(self.module)
         parallelize_module(self.module, tp_mesh, {name: styles[kind] for name, kind in plan.items()})
@@ -193,6 +194,8 @@ class TensorParallelReplica:
             src = source[name]
             if self.dtype is not None and src.dtype != self.dtype:
                 src = src.to(self.dtype)
+            if src.device != self.device:  # CPU-offloaded training shards
+                src = src.to(self.device, non_blocking=True)
             target = param.placements[0] if hasattr(param, "placements") else None
             if aligned and hasattr(src, "redistribute"):
                 from torch.distributed.tensor import Replicate
