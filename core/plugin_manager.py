@@ -143,13 +143,16 @@ class RLCorePluginManager(pluggy.PluginManager):
         loaded: dict[str, Any] = {}
         if from_eps:
             def on_failure(_mgr: Any, ep: metadata.EntryPoint, err: BaseException) -> None:
-                dist, _ = _distribution_of(ep)
+                dist, _ = _distribution_of(eps.get(ep.name, ep))
                 raise PluginError(f'Error importing plugin "{ep.name}" (distribution {dist}): '
                                   f"{type(err).__name__}: {err}") from err
 
             def on_missing(missing: Iterable[str]) -> None:
                 raise PluginError("plugins not found: " + ", ".join(missing))
 
+            # stevedore memoises entry points per process; re-read them so that what it loads
+            # agrees with the names checked above (a distribution may have been installed since).
+            NamedExtensionManager.ENTRY_POINT_CACHE.pop(GROUP, None)
             mgr = NamedExtensionManager(GROUP, names=from_eps, on_load_failure_callback=on_failure,
                                         on_missing_entrypoints_callback=on_missing, name_order=True)
             for ext in mgr.extensions:

@@ -1,0 +1,76 @@
+"""The rlcore command: errors before any model loads, config printing, plugin listing."""
+
+import subprocess
+import sys
+
+import pytest
+
+from rlcore.testing import run_cli
+
+
+@pytest.fixture(autouse=True)
+def _no_model_loading(monkeypatch):
+    """Any attempt to load a model in these tests is a failure: errors must come first."""
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the error was raised")
+
+    monkeypatch.setattr("rlcore.trainer.models.load_causal_lm", boom)
+
+
+def test_unknown_plugin_fails_before_loading_a_model():
+    code, out, err = run_cli(["train", "--plugins", "nosuch"])
+    assert code != 0
+    assert "unknown plugin 'nosuch'" in err and "available plugins:" in err and "streaming" in err
+    assert len(err.splitlines()) < 25  # one screen
+
+
+def test_misspelled_key_points_to_the_right_one():
+    code, out, err = run_cli(["train", "data.trian_files=x"])
+    assert code != 0
+    assert "data.train_files" in err
+
+
+def test_missing_data_file_is_named(tmp_path):
+    missing = tmp_path / "nope.parquet"
+    code, out, err = run_cli(["train", f"data.train_files=[{missing}]"])
+    assert code != 0 and "nope.parquet" in err
+
+
+def test_missing_model_dir_is_named(tmp_path):
+    code, out, err = run_cli(["validate", f"actor.model_path={tmp_path}/none"])
+    assert code != 0 and "actor.model_path" in err
+
+
+def test_config_prints_resolved_yaml_with_demo_preset():
+    code, out, err = run_cli(["config", "ppo.kl_coeff=0.3", "--plugins", "sparse-logging"])
+    assert code == 0
+    assert "kl_coeff: 0.3" in out
+    assert "- sparse-logging" in out
+    assert "max_new_tokens: 6" in out  # the demo preset applies when no data is given
+
+
+def test_config_from_seed_template():
+    code, out, err = run_cli(["config", "--config_path", "examples/fast_train_config.yaml"])
+    assert code == 0, err
+    assert "generation_shard_size: 2" in out and "sync_module_states: false" in out
+
+
+def test_validate_ok(tmp_path):
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run"])
+    assert code == 0, err
+    assert "config OK" in out
+
+
+def test_plugins_lists_name_distribution_version_hooks():
+    code, out, err = run_cli(["plugins"])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["name", "distribution", "version", "default"]
+    row = next(line for line in lines if line.startswith("defaults"))
+    assert "rlcore" in row and "yes" in row and "dataset_provider" in row
+    assert any(line.startswith("streaming") for line in lines)
+
+
+def test_python_dash_m_entry():
+    proc = subprocess.run([sys.executable, "-m", "rlcore", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "rlcore" in proc.stdout
