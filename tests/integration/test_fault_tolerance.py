@@ -183,6 +183,29 @@ def test_corrupt_latest_falls_back_and_world_size_changes_reshard(tmp_path, refe
     assert model.config.num_hidden_layers >= 1
 
 
+def test_sigterm_finishes_the_step_saves_and_stops(tmp_path, demo_model):
+    run_dir = _new_run(tmp_path, "terminated", demo_model)
+    cmd = [sys.executable, "-m", "rlcore", "train", *ARGS, f"trainer.output_dir={run_dir}", "trainer.max_steps=50",
+           "trainer.save_steps=0"]
+    log_path = tmp_path / "terminated.log"
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while p.poll() is None and time.monotonic() < deadline:
+            if metrics.exists() and '"split": "train"' in metrics.read_text():
+                break
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        code = p.wait(timeout=300)
+    out = log_path.read_text()
+    assert code == 0, out[-4000:]
+    assert "received SIGTERM" in out
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert last["split"] == "summary" and last["status"] == "interrupted" and last["step"] < 50
+    assert _latest(run_dir) == f"step_{last['step']:08d}"
+
+
 def test_unwritable_or_full_output_dir_fails_before_models_load(tmp_path, monkeypatch):
     from rlcore.testing import run_cli
     from rlcore.trainer import checkpoint_store
