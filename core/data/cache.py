@@ -23,6 +23,8 @@ from rlcore.errors import DataError
 #: Bump when the table layout changes: every older entry becomes a miss.
 CACHE_VERSION = 1
 _EDGE_BYTES = 64 * 1024
+#: A failure marker older than this (seconds) when a rank starts waiting belongs to an earlier run.
+STALE_MARKER_S = 120.0
 
 
 def file_fingerprint(path: str) -> dict[str, Any]:
@@ -111,12 +113,12 @@ def wait_for_entry(final: str, timeout_s: float, poll_s: float = 1.0) -> bool:
     :raises DataError: the building process recorded a failure.
     """
     deadline = time.monotonic() + timeout_s
-    marker = failure_marker(final)
+    marker, since = failure_marker(final), time.time() - STALE_MARKER_S
     while time.monotonic() < deadline:
         if os.path.exists(final):
             return True
         failed = read_json(marker)
-        if failed:
+        if failed and failed.get("time", 0) >= since:  # older markers are left from earlier runs
             raise DataError(failed.get("error", "building the data cache failed on another rank"))
         time.sleep(poll_s)
     return os.path.exists(final)

@@ -144,13 +144,25 @@ def load_prompt_table(infos: Sequence[FileInfo], config: DataConfig, tokenizer: 
     final, stats_path = dcache.entry_paths(config.cache_dir, entry_key)
     if not os.path.exists(final) and dist.world_size > 1 and dist.local_rank != 0:
         dcache.wait_for_entry(final, CACHE_WAIT_S)  # local rank 0 builds; the others map its file
-    from_cache = os.path.exists(final)
-    if not from_cache:
+    table = _open_entry(final)
+    from_cache = table is not None
+    if table is None:
         _build_entry(infos, config, tokenizer, key, final, stats_path)
+        table = open_arrow(final)
     stats = dcache.read_json(stats_path) or {}
-    table = open_arrow(final)
     _report(key, stats, len(infos), time.perf_counter() - t0, "read from cache" if from_cache else "built and cached")
     return PromptTable(table, path=final, stats=stats, from_cache=from_cache)
+
+
+def _open_entry(final: str) -> Optional[pa.Table]:
+    """The cached table, or None when there is no entry or it cannot be read (it is then rebuilt)."""
+    if not os.path.exists(final):
+        return None
+    try:
+        return open_arrow(final)
+    except (OSError, pa.ArrowException) as err:
+        log.warning("data cache entry %s is unreadable (%s); rebuilding it", final, err)
+        return None
 
 
 def _build_entry(infos: Sequence[FileInfo], config: DataConfig, tokenizer: Any, key: str,
@@ -166,7 +178,7 @@ def _build_entry(infos: Sequence[FileInfo], config: DataConfig, tokenizer: Any, 
     try:
         dcache.atomic_build(final, build)
     except DataError as err:
-        dcache.write_json_atomic(marker, {"error": str(err)})
+        dcache.write_json_atomic(marker, {"error": str(err), "time": time.time()})
         raise
     dcache.write_json_atomic(stats_path, stats)
 
@@ -209,8 +221,9 @@ def _check_counts(infos: Sequence[FileInfo], per_file: Sequence[LengthStats], to
 
 def _report(key: str, stats: dict, files: int, seconds: float, how: str) -> None:
     msg = (f"{key}: {stats.get('kept', '?')} prompts from {files} file(s) {how} in {seconds:.2f}s")
-    if stats.get("dropped"):
+    if stats.get("dropped") and "built" in how:  # a cache hit repeats the counts quietly
         log.warning("%s; dropped %d of %d prompt(s) over max_prompt_length (longest %d tokens)", msg,
                     stats["dropped"], stats["rows"], stats.get("longest", 0))
     else:
-        log.info(msg + ("; truncated %d" % stats["truncated"] if stats.get("truncated") else ""))
+        extra = [f"{k} {stats[k]}" for k in ("dropped", "truncated") if stats.get(k)]
+        log.info(msg + (f" ({', '.join(extra)})" if extra else ""))

@@ -133,6 +133,17 @@ def test_cache_warm_start_skips_tokenizing_and_change_invalidates(shards, tiny_t
     assert len(entries) == 3 and not [f for f in os.listdir(cfg.cache_dir) if f.endswith(".tmp")]
 
 
+def test_unreadable_entry_is_rebuilt(shards, tiny_tokenizer, tmp_path, caplog):
+    cfg = DataConfig(train_files=shards, cache_dir=str(tmp_path / "c"))
+    first = build_dataset(cfg, tiny_tokenizer, "train", DIST)
+    with open(first.path + ".junk", "wb") as f:  # a new inode: `first` keeps its mapping
+        f.write(b"not arrow")
+    os.replace(first.path + ".junk", first.path)
+    again = build_dataset(cfg, tiny_tokenizer, "train", DIST)
+    assert not again.from_cache and again.table.equals(first.table) and "rebuilding" in caplog.text
+    assert build_dataset(cfg, tiny_tokenizer, "train", DIST).from_cache
+
+
 def test_cached_table_pickles_by_path(shards, tiny_tokenizer, tmp_path):
     import pickle
 
