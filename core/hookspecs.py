@@ -82,8 +82,10 @@ def rlcore_dataset_provider(
 
     Each item is a ``dict`` holding the prompt text under ``config.prompt_key`` and, optionally,
     ``input_ids`` (the trainer tokenizes rows without them) plus any extra columns, which reach
-    the reward backend. A map-style or iterable dataset may be returned; an iterable one shards
-    itself over ``dist.rank``/``dist.world_size`` and DataLoader workers.
+    the reward backend. A map-style or iterable dataset may be returned. An iterable dataset that
+    shards itself over ``dist.rank``/``dist.world_size`` and DataLoader workers says so with a
+    class attribute ``shards_itself = True``; any other iterable is split by the prompt loader,
+    which gives each rank and worker every ``ranks x workers``-th row.
 
     :param config: the ``data`` section.
     :param tokenizer: the actor's tokenizer.

@@ -7,9 +7,10 @@ the epoch, so a resumed loader continues with exactly the batches an uninterrupt
 Iterable datasets: each DataLoader worker reads its own share, tagging rows with a position. The loader
 records, per worker, the position of the last row handed out; a resumed loader restarts every worker
 right after it (each row of the epoch still comes exactly once). Datasets that shard themselves
-(``shards_itself = True``, e.g. ``streaming``) jump to the position; Hugging Face iterable datasets are
-split by node and by worker by ``datasets``; any other iterable is read in full by every worker, which
-keeps every ``ranks x workers``-th row, and skips already seen rows by reading them.
+(``shards_itself = True``) are read as they are, and jump to the position when they also have
+``iter_positions`` (``streaming``); Hugging Face iterable datasets are split by node and by worker by
+``datasets``; any other iterable is read in full by every worker, which keeps every
+``ranks x workers``-th row. Rows before a resumed position are skipped by reading them.
 
 The last rows of an epoch that do not fill a batch are dropped (a new permutation comes next epoch).
 """
@@ -75,11 +76,12 @@ class _Positioned(IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         start = self.starts.get(wid, 0)
-        if getattr(self.base, "shards_itself", False) and hasattr(self.base, "iter_positions"):
+        shards_itself = bool(getattr(self.base, "shards_itself", False))
+        if shards_itself and hasattr(self.base, "iter_positions"):
             for pos, row in self.base.iter_positions(start, (wid, nw)):
                 yield wid, pos, row
             return
-        if _hf_iterable(self.base):
+        if shards_itself or _hf_iterable(self.base):
             rows = iter(self.base)  # datasets splits by worker itself; by node in PromptLoader
         else:
             slot, nslots = self.dist.rank * nw + wid, self.dist.world_size * nw

@@ -98,6 +98,31 @@ def test_unsharded_iterable_is_split_over_ranks_and_workers(workers):
     assert abs(len(shares[0]) - len(shares[1])) <= max(1, workers)
 
 
+class SelfSharded(Unsharded):
+    """Shards itself over ranks and workers, as the hook specification describes."""
+
+    shards_itself = True
+
+    def __init__(self, n, rank, world):
+        super().__init__(n)
+        self.rank, self.world = rank, world
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        slot, slots = self.rank * nw + wid, self.world * nw
+        return (r for r in super().__iter__() if r["id"] % slots == slot)
+
+
+def test_self_sharded_iterable_is_read_as_is():
+    cfg = DataConfig(num_workers=2, prefetch_factor=2)
+    shares = [one_epoch(PromptLoader(SelfSharded(30, r, 2), cfg, 1, 0, DistInfo(rank=r, world_size=2)))
+              for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(30))
+
+
 def test_iterable_resume_has_no_loss_or_duplicate():
     cfg = DataConfig(num_workers=2, prefetch_factor=2)
     loader = PromptLoader(Unsharded(40), cfg, 4, 0, DistInfo())
