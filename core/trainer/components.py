@@ -37,7 +37,8 @@ class Components:
     critic_opt: Any
     critic_sched: Any
     kl_ctrl: Any
-    rollout: Any
+    backends: Any
+    micro: Any
     reward: Any
     checkpoint: Any
     reshard: Any
@@ -50,7 +51,6 @@ class Components:
     train_device: torch.device
     micro_batch: int
     eos_ids: list[int]
-    gen_batch: int
     rng: Any
     world_size: int = 1
     extra_state: dict = field(default_factory=dict)
@@ -63,11 +63,13 @@ class Components:
         return state
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-        from rlcore.rollout.base import concat_batches
-
-        parts = [self.rollout.generate(prompts[i:i + self.gen_batch], params)
-                 for i in range(0, len(prompts), self.gen_batch)]
-        return parts[0] if len(parts) == 1 else concat_batches(parts, params.pad_token_id)
+        """Switch the actor to its generation layout, generate (split over replicas by the reshard
+        policy, micro-batched with out-of-memory back-off) and switch back."""
+        with self.reshard.generation(self.actor) as gen_module:
+            gen_module.eval()
+            backend = self.backends.get(gen_module)
+            return self.reshard.generate_distributed(
+                lambda p, sp: self.micro.generate(backend.generate, p, sp), prompts, params)
 
     def graceful_exit(self):
         from rlcore.trainer.checkpoint import GracefulExit
@@ -180,9 +182,16 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
     from rlcore.rollout import make_backend
 
-    rollout = make_backend(actor_module, actor_cfg.rollout_backend,
-                           max_batch_size=ppo.generation.batch_size,
-                           max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
+    from rlcore.distributed.reshard import GenerationBackends
+    from rlcore.rollout.autosize import AdaptiveMicroBatch
+
+    engine_kw = dict(max_batch_size=ppo.generation.batch_size,
+                     max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
+    prebuilt = {}
+    if not dist.distributed:  # single process: the backend reads the training module directly
+        prebuilt[id(actor)] = make_backend(actor_module, actor_cfg.rollout_backend, **engine_kw)
+    backends = GenerationBackends(lambda module, kind: make_backend(module, kind, **engine_kw),
+                                  actor_cfg.rollout_backend, prebuilt=prebuilt)
     rewards: dict[str, Any] = {}
     pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
     reward = pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
@@ -202,12 +211,11 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     comps = Components(
         tokenizer=tokenizer, actor=actor, actor_module=actor_module, actor_opt=actor_opt, actor_sched=actor_sched,
         ref=ref, critic=critic, critic_opt=critic_opt, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
-        rollout=rollout, reward=reward, checkpoint=checkpoint, reshard=reshard, placement=placement,
+        backends=backends, micro=AdaptiveMicroBatch(int(ppo.generation.batch_size)), reward=reward, checkpoint=checkpoint, reshard=reshard, placement=placement,
         train_loader=loader, val_rows=val_rows, ensure_ids=ensure,
         gpu_monitor=GPUMonitor(tcfg.gpu_monitor_interval if tcfg.gpu_monitor else 0.0),
         profiler=StepProfiler(tcfg.enable_profiling, tcfg.profile_steps, tcfg.output_dir, dist.rank),
-        train_device=device, micro_batch=micro, eos_ids=eos_ids, gen_batch=int(ppo.generation.batch_size),
-        rng=RNGState(), world_size=dist.world_size)
+        train_device=device, micro_batch=micro, eos_ids=eos_ids, rng=RNGState(), world_size=dist.world_size)
     comps._progress_enabled = bool(tcfg.progress) and dist.is_main
     return comps
 

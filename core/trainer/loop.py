@@ -117,7 +117,6 @@ class Trainer:
         # 6. PPO epochs over mini-batches.
         with self.timer("update_actor"):
             m.update(self.update(exp))
-        c.rollout.sync_weights()
         self.hook.rlcore_after_update(step=step, metrics=m)
         # 7. KL controller, metrics, checkpoint.
         if "kl/mean" in m:
@@ -167,10 +166,7 @@ class Trainer:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         self.hook.rlcore_before_generation(step=self.state.step + 1, prompts=prompts)
-        c = self.c
-        with c.reshard.generation(c.actor):
-            c.actor_module.eval()
-            return c.generate(prompts, params)
+        return self.c.generate(prompts, params)
 
     def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
         tok = self.c.tokenizer
