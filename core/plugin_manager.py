@@ -176,6 +176,15 @@ class RLCorePluginManager(pluggy.PluginManager):
         except pluggy.PluginValidationError as err:
             raise PluginError(f"plugin implements an unknown hook: {err}") from err
 
+    def unregister_plugin(self, name: str) -> None:
+        """Remove a plugin registered under ``name`` (and its introspection record)."""
+        if self.has_plugin(name):
+            self.unregister(name=name)
+        self._infos.pop(name, None)
+        for names in (self.default_names, self.selected_names):
+            if name in names:
+                names.remove(name)
+
     # -- introspection --------------------------------------------------------------------
     def infos(self) -> list[PluginInfo]:
         return [self._infos[n] for n in self.default_names + self.selected_names]

@@ -60,8 +60,7 @@ def rlcore_register(rlcore_pm) -> Iterator[Callable[..., Any]]:
 
     yield register
     for name in registered:
-        if rlcore_pm.has_plugin(name):
-            rlcore_pm.unregister(name=name)
+        rlcore_pm.unregister_plugin(name)
 
 
 @pytest.fixture(scope="session")

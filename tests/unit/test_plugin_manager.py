@@ -167,3 +167,12 @@ def test_every_factory_hook_has_a_default_answer():
 def test_register_fixture_unregisters(rlcore_pm, rlcore_register):
     rlcore_register(_factory_plugin("temp", "T"), "temp")
     assert rlcore_pm.has_plugin("temp")
+
+
+def test_register_fixture_leaves_no_trace():
+    from rlcore.plugin_manager import build_plugin_manager as build
+
+    pm = build([])
+    pm.register_plugin(_factory_plugin("gone", "G"), "gone")
+    pm.unregister_plugin("gone")
+    assert not pm.has_plugin("gone") and "gone" not in [i.name for i in pm.infos()]
