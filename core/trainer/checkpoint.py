@@ -213,6 +213,7 @@ class DefaultCheckpointPolicy:
         self._saved: dict[int, str] = {}
         self._pending: Optional[store.PendingSave] = None
         self._gloo: Any = None
+        self._staging = store.Staging()
 
     # -- when -----------------------------------------------------------------------------------
     def should_save(self, step: int, *, final: bool = False) -> bool:
@@ -242,7 +243,8 @@ class DefaultCheckpointPolicy:
         finish = lambda: self._finalize(step, tmp, final, fmt, state)  # noqa: E731
         try:
             self._pending = store.write_state(tmp, state, fmt, self.dist, asynchronous=bool(self.cfg.async_save),
-                                              on_done=finish, process_group=self._gloo)
+                                              on_done=finish, process_group=self._gloo,
+                                              staging=self._staging)
         except OSError as e:
             raise CheckpointError(f"could not write checkpoint {final}: {e}") from e
         if self._pending is None:

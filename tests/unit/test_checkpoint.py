@@ -212,6 +212,39 @@ def test_async_save_writes_the_state_of_the_save_call(tmp_path):
         torch.testing.assert_close(v, expected[k])
 
 
+def test_async_saves_reuse_their_staging_copy_without_mixing_steps(tmp_path):
+    p = policy(tmp_path, async_save=True, save_total_limit=0)
+    run = Run()
+    run.step()
+    first = {k: v.clone() for k, v in run.model.state_dict().items()}
+    p.save(1, run.state())
+    ptr = p._staging.tree["actor"]["0.weight"].data_ptr()
+    run.step()
+    second = {k: v.clone() for k, v in run.model.state_dict().items()}
+    p.save(2, run.state())  # waits for save 1, then refills the same buffers
+    p.wait()
+    assert p._staging.tree["actor"]["0.weight"].data_ptr() == ptr
+    root = tmp_path / "run" / "checkpoints"
+    for step, expected in ((1, first), (2, second)):
+        fresh = Run(seed=9)
+        assert policy(tmp_path, resume=str(root / f"step_{step:08d}")).resume(fresh.state()) == step
+        for k, v in fresh.model.state_dict().items():
+            torch.testing.assert_close(v, expected[k])
+
+
+def test_stage_copies_into_matching_buffers_only():
+    a, b = torch.ones(3), torch.zeros(2)
+    tree = {"t": a, "groups": [{"lr": 0.1, "params": ["x"]}], "u": b}
+    copy1 = store.stage(tree)
+    assert copy1["t"] is not a and torch.equal(copy1["t"], a)
+    a.add_(1)
+    tree["u"] = torch.zeros(5)
+    copy2 = store.stage(tree, copy1)
+    assert copy2["t"] is copy1["t"] and torch.equal(copy2["t"], a)  # refilled in place
+    assert copy2["u"] is not copy1["u"] and copy2["u"].shape == (5,)  # new shape: new buffer
+    assert copy2["groups"] == [{"lr": 0.1, "params": ["x"]}] and copy2["groups"] is not tree["groups"]
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_dcp_format_round_trip_in_one_process(tmp_path, asynchronous):
     run = Run()
