@@ -76,8 +76,8 @@ def rlcore_register_rewards(register: Callable[[str, Callable[..., Any]], None])
 
 @hookspec
 def rlcore_dataset_provider(
-    config: "DataConfig", tokenizer: Any, split: str, dist: "DistInfo"
-) -> Optional["Dataset"]:
+    config: DataConfig, tokenizer: Any, split: str, dist: DistInfo
+) -> Optional[Dataset]:
     """Build the prompt dataset of one split.
 
     Each item is a ``dict`` holding the prompt text under ``config.prompt_key`` and, optionally,
@@ -96,7 +96,7 @@ def rlcore_dataset_provider(
 
 
 @hookspec
-def rlcore_placement_policy(request: "PlacementRequest", dist: "DistInfo") -> Optional["PlacementPolicy"]:
+def rlcore_placement_policy(request: PlacementRequest, dist: DistInfo) -> Optional[PlacementPolicy]:
     """Decide where each role (actor, critic, ref, reward) lives.
 
     :param request: the device asked for per role, from the config.
@@ -107,8 +107,8 @@ def rlcore_placement_policy(request: "PlacementRequest", dist: "DistInfo") -> Op
 
 @hookspec
 def rlcore_reshard_policy(
-    fsdp: "FSDPConfig", remeshing: "RemeshingConfig", dist: "DistInfo"
-) -> Optional["ReshardPolicy"]:
+    fsdp: FSDPConfig, remeshing: RemeshingConfig, dist: DistInfo
+) -> Optional[ReshardPolicy]:
     """Build the policy that lays the actor out for training and for generation.
 
     :param fsdp: the actor's effective FSDP settings.
@@ -120,13 +120,13 @@ def rlcore_reshard_policy(
 
 @hookspec
 def rlcore_reward_backend(
-    reward_model: "RewardModelConfig",
-    reward_function: "RewardFunctionConfig",
-    reward: "RewardConfig",
-    placement: "PlacementPolicy",
+    reward_model: RewardModelConfig,
+    reward_function: RewardFunctionConfig,
+    reward: RewardConfig,
+    placement: PlacementPolicy,
     tokenizer: Any,
     rewards: dict[str, Callable[..., Any]],
-) -> Optional["RewardBackend"]:
+) -> Optional[RewardBackend]:
     """Build the scorer of rollouts.
 
     :param reward_model: the ``reward_model`` section.
@@ -140,7 +140,7 @@ def rlcore_reward_backend(
 
 
 @hookspec
-def rlcore_checkpoint_policy(trainer: "TrainerConfig", dist: "DistInfo") -> Optional["CheckpointPolicy"]:
+def rlcore_checkpoint_policy(trainer: TrainerConfig, dist: DistInfo) -> Optional[CheckpointPolicy]:
     """Build the policy deciding when to save, what to keep and how to resume.
 
     :param trainer: the ``trainer`` section (``save_steps``, ``save_total_limit``, ``resume``, ``output_dir`` …).
@@ -155,7 +155,7 @@ def rlcore_checkpoint_policy(trainer: "TrainerConfig", dist: "DistInfo") -> Opti
 
 
 @hookspec
-def rlcore_train_start(run_dir: str, dist: "DistInfo", config: dict[str, Any]) -> None:
+def rlcore_train_start(run_dir: str, dist: DistInfo, config: dict[str, Any]) -> None:
     """Training is about to start (after models are loaded and resumed).
 
     :param run_dir: the run directory (``trainer.output_dir``).
@@ -182,7 +182,7 @@ def rlcore_before_generation(step: int, prompts: list[list[int]]) -> None:
 
 
 @hookspec
-def rlcore_after_generation(step: int, rollout: "RolloutBatch") -> None:
+def rlcore_after_generation(step: int, rollout: RolloutBatch) -> None:
     """Rollout finished.
 
     :param step: the step number.

@@ -46,6 +46,7 @@ def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int) -> list
         ("reward_model.offload", "rm-offload" not in plugins and cfg.reward_model.enable,
          "the 'rm-offload' plugin is not selected"),
         ("trainer.nproc_per_node", world_size > 1, "already running under a launcher"),
+        ("trainer.gradient_accumulation_steps", cfg.ppo.micro_batch_size > 0, "ppo.micro_batch_size is set"),
     ]
     out = []
     for key in changed_keys(cfg):

@@ -215,8 +215,7 @@ def load_config(config_files: Sequence[str] = (), overrides: Sequence[str] = ())
     tree, parse_errors = parse_overrides(overrides)
     errors.extend(parse_errors)
     _apply(cfg, tree, "override", errors)
-    if not errors:
-        _check_values(cfg, errors)
+    _check_values(cfg, errors)  # keys that failed to apply keep valid defaults, so this is safe
     if errors:
         raise ConfigError(errors)
     OmegaConf.set_struct(cfg, True)

@@ -5,7 +5,7 @@ unknown key is an error. Each component is handed its own section (``cfg.data``,
 never the whole tree. Keys of the seed template (``fast_train_config.yaml``) keep the meaning the
 seed gives them; ``docs/config.md`` documents every key and a test keeps it in step with this file.
 
-Field comments (``#:``) are the reference text: ``rlcore config --help-keys`` and the docs read them.
+Field comments (``#:``) are the reference text: ``python -m rlcore.config.docgen`` turns them into docs/config.md.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ class GenerationConfig:
 
 @dataclass
 class PPOConfig:
-    #: Prompts per step, or "auto" to size from free GPU memory (seed's rule: GPU GB x 0.6 / per-sample GB).
+    #: Prompts per step on each rank, or "auto" to size from free GPU memory (seed's rule: GPU GB x 0.6 / per-sample GB).
     rollout_batch_size: Any = 8
     #: Rollout settings.
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -262,7 +262,7 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    #: Optimizer steps to run.
+    #: RL steps to run (each: rollout, reward, then ``ppo.ppo_epochs`` passes of optimizer steps).
     max_steps: int = 100
     #: Save a checkpoint every N steps (0 = only at the end).
     save_steps: int = 0
@@ -272,7 +272,7 @@ class TrainerConfig:
     log_steps: int = 1
     #: Evaluate on ``data.val_files`` every N steps (0 = only at start and end).
     eval_steps: int = 0
-    #: Micro-batches accumulated per optimizer step.
+    #: Micro-batches accumulated per optimizer step (each mini-batch is split into this many; ignored when ppo.micro_batch_size is set).
     gradient_accumulation_steps: int = 1
     #: Write torch.profiler traces.
     enable_profiling: bool = False

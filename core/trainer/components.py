@@ -158,16 +158,21 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
     reshard = pm.build("rlcore_reshard_policy", fsdp=resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp),
                        remeshing=actor_cfg.remeshing, dist=dist)
-    actor_module = models.load_causal_lm(model_path, actor_cfg.dtype, device)
+    from rlcore.distributed.fsdp import load_model_for_role
+
+    actor_fsdp = resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp)
+    actor_module = load_model_for_role(lambda: models.load_causal_lm(model_path, actor_cfg.dtype, device),
+                                       actor_fsdp, dist)
     if actor_cfg.gradient_checkpointing:
         actor_module.gradient_checkpointing_enable()
     use_ref = algo.use_reference and ppo.kl_coeff > 0
     ref = models.frozen_copy(actor_module) if use_ref else None
     critic = None
     if algo.adv_estimator == "gae":
-        base = (models.load_causal_lm(critic_cfg.model_path, critic_cfg.dtype, placement.device_for("critic"))
-                if critic_cfg.model_path else models.load_causal_lm(model_path, critic_cfg.dtype,
-                                                                    placement.device_for("critic")))
+        critic_path = critic_cfg.model_path or model_path
+        base = load_model_for_role(
+            lambda: models.load_causal_lm(critic_path, critic_cfg.dtype, placement.device_for("critic")),
+            resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
     actor = reshard.prepare(actor_module, "actor")
     if critic is not None:

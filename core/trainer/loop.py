@@ -75,6 +75,10 @@ class Trainer:
                         break
         except BaseException:
             status = "failed"
+            try:
+                self.hook.rlcore_train_end(step=self.state.step, status=status, summary={})
+            except Exception:  # never mask the original error
+                log.exception("a plugin failed in rlcore_train_end")
             raise
         finally:
             c.gpu_monitor.stop()
@@ -83,7 +87,7 @@ class Trainer:
                     c.checkpoint.save(self.state.step, c.stateful(self.state))
                 getattr(c.checkpoint, "wait", lambda: None)()  # an asynchronous save must land before exit
             c.profiler.close()
-        after = self.evaluate("after")
+        after = self.evaluate("after") if status == "completed" else {}
         summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},
                    **c.gpu_monitor.summary()}
         if status == "completed" and self.tcfg.export_final:
@@ -103,6 +107,7 @@ class Trainer:
         rows = c.ensure_ids(c.train_loader.next_batch())
         prompts, extras = self.expand(rows)
         # 2. Rollout in the generation layout.
+        self.hook.rlcore_before_generation(step=step, prompts=prompts)
         with self.timer("generate"):
             rollout = self.generate(prompts, self.sampling(step))
         self.hook.rlcore_after_generation(step=step, rollout=rollout)
@@ -165,7 +170,6 @@ class Trainer:
         return prompts, extras
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-        self.hook.rlcore_before_generation(step=self.state.step + 1, prompts=prompts)
         return self.c.generate(prompts, params)
 
     def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
