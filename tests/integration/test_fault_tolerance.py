@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow,
 ARGS = ["--plugins", "sparse-logging", "trainer.log_steps=1", "trainer.save_steps=2", "trainer.progress=false",
         "trainer.eval_samples=4", "trainer.gpu_monitor=false", "trainer.export_final=false",
         "ppo.rollout_batch_size=2", "ppo.generation.n=2", "ppo.mini_batch_size=2", "ppo.generation.max_new_tokens=4",
-        "actor.rollout_backend=hf"]
+        "actor.rollout_backend=hf", "trainer.resume=auto"]
 #: Wall-clock or hardware dependent: everything else must repeat exactly.
 VOLATILE = ("time", "time/", "perf/", "memory/", "gpu/", "reshard/")
 
