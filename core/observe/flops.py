@@ -9,6 +9,7 @@ across algorithms and with pre-training MFU figures.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Mapping, Optional, Union
 
@@ -95,7 +96,9 @@ def peak_flops(device: Union[torch.device, str, None]) -> Optional[float]:
     return peak_flops_for_name(name)
 
 
+@functools.lru_cache(maxsize=None)
 def peak_flops_for_name(name: str) -> Optional[float]:
+    """Peak of a CUDA device name (logged once when unknown)."""
     upper = name.upper()
     for key, value in PEAK_BF16_FLOPS:
         if key in upper:
