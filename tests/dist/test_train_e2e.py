@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -12,19 +11,6 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 COMMON = ["trainer.max_steps=2", "trainer.device=cpu", "trainer.progress=false", "trainer.eval_samples=8"]
-
-
-def loop_uses_reshard_contract() -> bool:
-    """The loop generates through ``ReshardPolicy.generate_distributed`` (docs/distributed.md)."""
-    try:
-        from rlcore.trainer import loop
-    except ImportError:
-        return False
-    return "generate_distributed" in inspect.getsource(loop)
-
-
-needs_loop = pytest.mark.skipif(not loop_uses_reshard_contract(),
-                                reason="the trainer loop does not generate through generate_distributed yet")
 
 
 def run(cmd: list[str], cwd, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -38,7 +24,6 @@ def assert_trained(proc: subprocess.CompletedProcess, out_dir) -> None:
     assert (out_dir / "final" / "config.json").is_file()
 
 
-@needs_loop
 def test_torchrun_two_processes(tmp_path):
     out = tmp_path / "run"
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -46,7 +31,6 @@ def test_torchrun_two_processes(tmp_path):
     assert_trained(proc, out)
 
 
-@needs_loop
 def test_nproc_per_node_starts_the_elastic_launcher_with_remesh(tmp_path):
     out = tmp_path / "run"
     proc = run([sys.executable, "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={out}",
