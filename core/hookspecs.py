@@ -210,7 +210,8 @@ def rlcore_step_end(step: int, metrics: dict[str, float]) -> None:
 
 @hookspec
 def rlcore_metrics(step: int, metrics: dict[str, float], split: str) -> None:
-    """Metrics to record (the logging sink). Called for every step and every evaluation.
+    """Metrics to record (the logging sink). Called every ``trainer.log_steps`` steps, at the last step and
+    after every evaluation; ``rlcore_step_end`` sees every step's metrics.
 
     :param step: the step number.
     :param metrics: flat ``name -> value`` mapping.

@@ -120,8 +120,7 @@ class Trainer:
         with self.timer("advantages"):
             m.update(compute_advantages(exp, self.algo, self.ppo, c.kl_ctrl.value, self.n))
         # 6. PPO epochs over mini-batches.
-        with self.timer("update_actor"):
-            m.update(self.update(exp))
+        m.update(self.update(exp))
         self.hook.rlcore_after_update(step=step, metrics=m)
         # 7. KL controller, metrics, checkpoint.
         if "kl/mean" in m:
@@ -130,7 +129,9 @@ class Trainer:
         if c.checkpoint.should_save(step):
             with self.timer("checkpoint"):
                 c.checkpoint.save(step, c.stateful(self.state))
-        m.update(m_reward, **self.rollout_metrics(rollout, scores), **c.reshard.stats())
+        reshard = c.reshard.stats()
+        m.update(m_reward, **self.rollout_metrics(rollout, scores), **reshard)
+        m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
         m.update({f"time/{k}_s": v for k, v in self._times.items()})
         m["time/step_s"] = time.perf_counter() - t0
         m.update(c.perf_metrics(rollout, m["time/step_s"]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
@@ -76,6 +77,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     """Run ``ppo.ppo_epochs`` passes over ``exp``; return averaged metrics."""
     cut = Batching.from_config(exp.size, ppo, grad_accum)
     stats: dict[str, list[float]] = defaultdict(list)
+    spent = {"actor": 0.0, "critic": 0.0}
     actor.train()
     if critic is not None:
         critic.train()
@@ -87,13 +89,24 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                 idx = mini_idx[mstart:mstart + cut.micro].to(exp.input_ids.device)
                 mb = exp.select(idx)
                 weight = len(idx) / cut.mini
+                t0 = time.perf_counter()
                 actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats)
+                t1 = time.perf_counter()
                 if critic is not None:
                     critic_micro_loss(critic, mb, ppo, weight, stats)
+                spent["actor"] += t1 - t0
+                spent["critic"] += time.perf_counter() - t1
+            t0 = time.perf_counter()
             stats["actor/grad_norm"].append(_clip_and_step(actor, actor_opt, actor_sched, actor_grad_clip))
+            t1 = time.perf_counter()
             if critic is not None:
                 stats["critic/grad_norm"].append(_clip_and_step(critic, critic_opt, critic_sched, critic_grad_clip))
+            spent["actor"] += t1 - t0
+            spent["critic"] += time.perf_counter() - t1
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out["actor/lr"] = float(actor_sched.get_last_lr()[0])
     out["actor/optimizer_steps"] = float(len(stats["actor/grad_norm"]))
+    out["time/update_actor_s"] = spent["actor"]
+    if critic is not None:
+        out["time/update_critic_s"] = spent["critic"]
     return out
