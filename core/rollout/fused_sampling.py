@@ -20,9 +20,8 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds and other accelerat
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-_NEG = -3.0e38  # finite "minus infinity": keeps the running sums free of inf - inf
-
 if triton is not None:
+    _NEG = tl.constexpr(-3.0e38)  # finite "minus infinity": keeps the running sums free of inf - inf
 
     @triton.jit(do_not_specialize=["seed"])
     def _sample_rows(logits_ptr, stride, vocab, inv_temp, seed, tokens_ptr, logprobs_ptr,

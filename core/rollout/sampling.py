@@ -128,11 +128,11 @@ def _fused_self_check(device: torch.device) -> bool:
             drawn, drawn_lp = fused_sampling.sample_rows(logits, 0.7, 1)
             ok = (torch.equal(tokens, ref_tokens) and torch.allclose(logprobs, ref_logprobs, atol=1e-3)
                   and torch.allclose(drawn_lp, token_logprobs(logits, drawn, 0.7), atol=1e-3))
+            if not ok:
+                log.warning("fused sampler disagrees with the PyTorch sampler on %s; not using it", device)
         except Exception as error:  # noqa: BLE001 - any failure means: use the PyTorch path
             log.warning("fused sampler unavailable on %s (%s); using the PyTorch sampler", device, error)
             ok = False
-        if not ok:
-            log.warning("fused sampler disagrees with the PyTorch sampler on %s; not using it", device)
         _FUSED_OK[key] = bool(ok)
     return _FUSED_OK[key]
 
