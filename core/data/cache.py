@@ -80,6 +80,7 @@ def atomic_build(final: str, build: Callable[[str], None]) -> None:
         build(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; other users of a shared cache must read it
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

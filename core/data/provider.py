@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import pyarrow as pa
 from torch.utils.data import Dataset
 
@@ -58,32 +59,49 @@ class PromptTable(Dataset):
 
     def __init__(self, table: pa.Table, *, path: Optional[str] = None, stats: Optional[dict] = None,
                  from_cache: bool = False):
-        self.table, self.path, self.from_cache = table, path, from_cache
+        self.path, self.from_cache = path, from_cache
         self.stats = dict(stats or {})
+        self._set_table(table)
+
+    def _set_table(self, table: pa.Table) -> None:
+        self.table = table
+        # Rows are fetched batch by batch: a ``take`` over the whole chunked table would first
+        # concatenate every chunk (a copy of the table) for string and list columns.
+        self._batches = table.to_batches()
+        self._starts = np.cumsum([0] + [b.num_rows for b in self._batches])
 
     def __len__(self) -> int:
         return self.table.num_rows
 
     def __getitem__(self, i: int) -> dict:
-        n = self.table.num_rows
-        if not -n <= i < n:
-            raise IndexError(f"row {i} out of range for {n} rows")
-        return self.table.slice(i % n, 1).to_pylist()[0]
+        return self.__getitems__([i])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict]:
-        """A batch of rows in one ``take`` (the DataLoader calls this when present)."""
-        return self.table.take(pa.array(list(indices), type=pa.int64())).to_pylist()
+        """Rows ``indices`` in that order (the DataLoader calls this for a whole batch)."""
+        n = self.table.num_rows
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and not ((idx >= -n) & (idx < n)).all():
+            raise IndexError(f"row index out of range for {n} rows: {indices}")
+        idx = idx % max(n, 1)
+        chunk = np.searchsorted(self._starts, idx, side="right") - 1
+        out: list[Optional[dict]] = [None] * len(idx)
+        for c in np.unique(chunk):
+            where = np.nonzero(chunk == c)[0]
+            local = pa.array(idx[where] - self._starts[c], type=pa.int64())
+            for j, row in zip(where.tolist(), self._batches[c].take(local).to_pylist()):
+                out[j] = row
+        return out  # type: ignore[return-value]
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         if self.path:
-            state["table"] = None
+            state.update(table=None, _batches=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if self.table is None:
-            self.table = open_arrow(self.path)
+            self._set_table(open_arrow(self.path))
 
 
 def build_dataset(config: DataConfig, tokenizer: Any, split: str, dist: DistInfo) -> Dataset:
