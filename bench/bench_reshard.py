@@ -114,8 +114,8 @@ class Layout:
         if self.policy is not None:
             return self.policy.prepare(model, "actor")
         if self.name == "replica":
-            mesh = build_mesh("NO_SHARD", self.dist)  # (1, 1): the replica's tensor-parallel mesh is its "shard" dim
-            self.replica = TensorParallelReplica(model, mesh["shard"], torch.bfloat16, self.dist.device)
+            mesh = build_mesh("FULL_SHARD", self.dist)  # 1-D over the one rank: training and replica share it
+            self.replica = TensorParallelReplica(model, mesh, torch.bfloat16, self.dist.device)
             return apply_fsdp(model, self.fsdp, self.dist, mesh=mesh)
         return apply_fsdp(model, self.fsdp, self.dist)
 

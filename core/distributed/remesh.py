@@ -4,7 +4,7 @@ With ``W`` ranks, ``t = actor.remeshing.training_shard_size`` and ``g = generati
 
 * **training** — HSDP: ``fully_shard`` over a ``(W/t, t)`` mesh. Each group of ``t`` consecutive
   ranks shards one copy of the model; the ``W/t`` groups replicate it (gradients are averaged
-  across groups).
+  across groups). ``t == W`` is plain FSDP over a 1-D mesh.
 * **generation** — ``W/g`` replicas of ``g`` consecutive ranks each; inside a replica the decoder
   is tensor parallel (DTensor ``parallelize_module``: q/k/v, gate/up column-wise, o/down row-wise,
   embedding and head split over the vocabulary). Each replica generates the prompts of its ``g``
@@ -250,14 +250,17 @@ class RemeshPolicy:
             from rlcore.distributed.fsdp import device_type
 
             w = self.dist.world_size
-            self._train_mesh = init_device_mesh(device_type(self.dist), (w // self.t, self.t),
-                                                mesh_dim_names=("replicate", "shard"))
+            # One group sharding everything is plain FSDP: a 1-D mesh, so FSDP2 runs no all-reduce
+            # over a size-1 replicate dimension (nor keeps its gradient-sized buffers).
+            shape, names = ((w,), ("shard",)) if self.t == w else ((w // self.t, self.t), ("replicate", "shard"))
+            self._train_mesh = init_device_mesh(device_type(self.dist), shape, mesh_dim_names=names)
         return self._train_mesh
 
     def tp_mesh(self):
         """The 1-D mesh of this rank's generation replica."""
         if self.aligned:
-            return self.train_mesh()["shard"]
+            mesh = self.train_mesh()
+            return mesh if mesh.ndim == 1 else mesh["shard"]
         if self._gen_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
