@@ -232,11 +232,3 @@ def load_model_for_role(load_fn: Callable[[], nn.Module], fsdp: FSDPConfig, dist
                            "every rank must load the same architecture"])
     broadcast_module(model, src=0)
     return model
-
-
-def sharded_parameters(model: nn.Module) -> Sequence[torch.Tensor]:
-    """Local shards of every parameter (what this rank stores)."""
-    out = []
-    for p in model.parameters():
-        out.append(p.to_local() if hasattr(p, "to_local") else p)
-    return out
