@@ -164,7 +164,9 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     actor_module = load_model_for_role(lambda: models.load_causal_lm(model_path, actor_cfg.dtype, device),
                                        actor_fsdp, dist)
     if actor_cfg.gradient_checkpointing:
-        actor_module.gradient_checkpointing_enable()
+        from rlcore.distributed.fsdp import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(actor_module)
     use_ref = algo.use_reference and ppo.kl_coeff > 0
     ref = models.frozen_copy(actor_module) if use_ref else None
     critic = None
@@ -175,6 +177,8 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
             resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
     actor = reshard.prepare(actor_module, "actor")
+    if ref is not None and dist.distributed:
+        ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
     if critic is not None:
         critic = reshard.prepare(critic, "critic")
     total = tcfg.max_steps * ppo.ppo_epochs * max(1, (int(ppo.rollout_batch_size) * ppo.generation.n)
