@@ -147,24 +147,24 @@ class RLCorePluginManager(pluggy.PluginManager):
                 raise PluginError(f'Error importing plugin "{ep.name}" (distribution {dist}): '
                                   f"{type(err).__name__}: {err}") from err
 
-            def on_missing(missing: Iterable[str]) -> None:
-                raise PluginError("plugins not found: " + ", ".join(missing))
-
             # stevedore memoises entry points per process; re-read them so that what it loads
             # agrees with the names checked above (a distribution may have been installed since).
             NamedExtensionManager.ENTRY_POINT_CACHE.pop(GROUP, None)
             mgr = NamedExtensionManager(GROUP, names=from_eps, on_load_failure_callback=on_failure,
-                                        on_missing_entrypoints_callback=on_missing, name_order=True)
+                                        on_missing_entrypoints_callback=lambda missing: None, name_order=True)
             for ext in mgr.extensions:
                 # stevedore caches entry points without their distribution: take it from metadata.
                 loaded[ext.name] = (ext.plugin, _distribution_of(eps.get(ext.name, ext.entry_point)))
         for n in names:
-            if n not in loaded:
-                try:
-                    loaded[n] = (importlib.import_module(BUILTIN_MODULES[n]), _distribution_of(None))
-                except Exception as err:
-                    raise PluginError(f'Error importing plugin "{n}" (distribution rlcore): '
-                                      f"{type(err).__name__}: {err}") from err
+            if n in loaded:
+                continue
+            ep = eps.get(n)  # installed after stevedore's path cache was filled in this process
+            dist = _distribution_of(ep)
+            try:
+                loaded[n] = (ep.load() if ep is not None else importlib.import_module(BUILTIN_MODULES[n]), dist)
+            except Exception as err:
+                raise PluginError(f'Error importing plugin "{n}" (distribution {dist[0]}): '
+                                  f"{type(err).__name__}: {err}") from err
         for n in names:
             plugin, dist = loaded[n]
             try:
