@@ -20,7 +20,7 @@ class Experience:
     input_ids: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor  # [B, T]
     response_mask: torch.Tensor  # [B, R] float
-    old_logprobs: torch.Tensor  # [B, R]
+    old_logprobs: Optional[torch.Tensor]  # [B, R]; None: the update uses its own (on-policy) forward
     scores: torch.Tensor  # [B]
     ref_logprobs: Optional[torch.Tensor] = None  # [B, R]
     values: Optional[torch.Tensor] = None  # [B, R]

@@ -21,7 +21,7 @@ from rlcore.trainer.experience import (
     compute_advantages,
     to_experience,
 )
-from rlcore.trainer.update import ppo_update
+from rlcore.trainer.update import on_policy, ppo_update
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +196,12 @@ class Trainer:
         micro = c.micro_batch
         temp = float(self.gen_cfg.temperature)
         c.actor_module.eval()
-        with self.timer("old_logprob"):
-            exp.old_logprobs = batched_logprobs(c.actor, exp.input_ids, exp.attention_mask, exp.response_len,
-                                                temp, micro)
+        if c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps)):
+            exp.old_logprobs = None  # one optimizer step over the rollout: the update's forward gives them
+        else:
+            with self.timer("old_logprob"):
+                exp.old_logprobs = batched_logprobs(c.actor, exp.input_ids, exp.attention_mask,
+                                                    exp.response_len, temp, micro)
         if c.ref is not None:
             with self.timer("ref_logprob"):
                 exp.ref_logprobs = batched_logprobs(c.ref, exp.input_ids, exp.attention_mask, exp.response_len,

@@ -29,6 +29,15 @@ class Batching:
         return cls(mini=mini, micro=min(micro, mini))
 
 
+def on_policy(n: int, ppo: PPOConfig, grad_accum: int) -> bool:
+    """True when the update of a rollout of ``n`` samples is one optimizer step over all of them.
+
+    Every micro-batch's forward then runs on the weights that scored the rollout, so the old
+    log-probs equal the new ones (detached): the ratio is 1 and no separate forward pass is needed.
+    """
+    return int(ppo.ppo_epochs) == 1 and Batching.from_config(n, ppo, grad_accum).mini >= n
+
+
 def _clip_and_step(model: torch.nn.Module, optim, sched, grad_clip: float) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip and grad_clip > 0:
@@ -43,13 +52,15 @@ def _clip_and_step(model: torch.nn.Module, optim, sched, grad_clip: float) -> fl
 
 def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, kl_loss_coef: float,
                      weight: float, stats: dict) -> torch.Tensor:
+    # Without an entropy bonus the entropy is only a metric: no autograd graph over the vocabulary for it.
     logp, ent = response_logprobs(actor, mb.input_ids, mb.attention_mask, mb.response_len, temperature,
-                                  with_entropy=True)
+                                  with_entropy=True, entropy_grad=ppo.entropy_coeff != 0)
     mask = mb.response_mask
-    pg_loss, pg_stats = rlmath.policy_loss(logp, mb.old_logprobs, mb.advantages, mask, ppo.cliprange,
+    old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # None: on-policy (see on_policy)
+    pg_loss, pg_stats = rlmath.policy_loss(logp, old, mb.advantages, mask, ppo.cliprange,
                                            ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg)
     entropy = rlmath.masked_mean(ent, mask)
-    loss = pg_loss - ppo.entropy_coeff * entropy
+    loss = pg_loss - ppo.entropy_coeff * entropy if ppo.entropy_coeff != 0 else pg_loss
     if kl_loss_coef > 0 and mb.ref_logprobs is not None:
         kl = rlmath.masked_mean(rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator), mask)
         loss = loss + kl_loss_coef * kl

@@ -1,0 +1,94 @@
+"""The actor update's shortcuts change nothing: on-policy old log-probs, entropy kept out of autograd."""
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from rlcore.config.schema import PPOConfig
+from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.trainer.experience import Experience
+from rlcore.trainer.models import response_logprobs
+from rlcore.trainer.update import actor_micro_loss, on_policy
+
+
+def _experience(model, batch=4, prompt=5, response=6, seed=0) -> Experience:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt + response), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # one left-padded prompt
+    resp_mask = torch.ones(batch, response)
+    resp_mask[1, -2:] = 0  # one early-stopped response
+    with torch.no_grad():
+        old, _ = response_logprobs(model, ids, mask, response)
+    return Experience(input_ids=ids, attention_mask=mask, response_mask=resp_mask, old_logprobs=old,
+                      scores=torch.zeros(batch), advantages=torch.randn(batch, response, generator=g))
+
+
+def _grads(model, exp: Experience, ppo: PPOConfig) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    actor_micro_loss(model, exp, ppo, temperature=1.0, kl_loss_coef=0.0, weight=1.0, stats=defaultdict(list))
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_on_policy_old_logprobs_give_the_same_gradient():
+    model = tiny_causal_lm("qwen2")
+    exp = _experience(model)
+    ppo = PPOConfig()
+    recomputed = _grads(model, exp, ppo)
+    exp.old_logprobs = None
+    own = _grads(model, exp, ppo)
+    assert len(own) == len(recomputed) > 0
+    for a, b in zip(own, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("coeff", [0.0, 0.05])
+def test_entropy_term_gradient(coeff):
+    """Entropy out of autograd when its weight is 0; a nonzero weight still moves the gradient."""
+    model = tiny_causal_lm("qwen2")
+    exp = _experience(model, seed=1)
+    base = _grads(model, exp, PPOConfig(entropy_coeff=0.0))
+    got = _grads(model, exp, PPOConfig(entropy_coeff=coeff))
+    diff = max(float((a - b).abs().max()) for a, b in zip(got, base))
+    assert (diff == 0.0) == (coeff == 0.0)
+
+
+def test_entropy_without_grad_matches():
+    model = tiny_causal_lm("qwen2")
+    exp = _experience(model, seed=2)
+    _, with_grad = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len, with_entropy=True)
+    _, no_grad = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len, with_entropy=True,
+                                   entropy_grad=False)
+    assert with_grad.requires_grad and not no_grad.requires_grad
+    torch.testing.assert_close(no_grad, with_grad.detach())
+
+
+@pytest.mark.parametrize("epochs,mini,accum,expected", [
+    (1, 0, 1, True), (1, 0, 4, True), (1, 64, 2, True), (1, 32, 1, False), (2, 0, 1, False)])
+def test_on_policy_rule(epochs, mini, accum, expected):
+    ppo = PPOConfig(ppo_epochs=epochs, mini_batch_size=mini, micro_batch_size=8)
+    assert on_policy(64, ppo, accum) is expected
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_match_log_softmax(monkeypatch, temperature):
+    """Values, entropy and gradient of the chunked path equal plain log_softmax, with chunks splitting rows."""
+    from rlcore.trainer import models
+
+    monkeypatch.setattr(models, "LOGPROB_CHUNK_ELEMENTS", 3 * 50)  # 3 positions per chunk, 8 positions per row
+    g = torch.Generator().manual_seed(0)
+    base = (3 * torch.randn(3, 9, 50, generator=g, dtype=torch.float64)).requires_grad_(True)
+    labels = torch.randint(0, 50, (3, 8), generator=g)
+    weights = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    logp, ent = models.ChunkedLogprobs.apply(base[:, :-1], labels, temperature, True)  # a strided view
+    (logp.double() * weights).sum().backward()
+    got = base.grad.clone()
+    base.grad = None
+    ref_all = torch.log_softmax(base[:, :-1] / temperature, -1)
+    ref = ref_all.gather(-1, labels[..., None]).squeeze(-1)
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(logp.double(), ref.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), -(ref_all.exp() * ref_all).sum(-1).detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, base.grad, rtol=0, atol=1e-5)
+    assert got[:, -1].abs().max() == 0 and got.abs().max() > 0.1
