@@ -247,7 +247,10 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
     times = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     return {"step_s": _steady(times, spec["warmup"]), "step_times": times, "setup_s": setup_s,
-            "breakdown": {"time/generate_s": _steady(gen_times, spec["warmup"])} if gen_times else {},
+            # generate calls per optimizer step (one: TRL generates the whole 256-sample batch at once)
+            "generate_calls": len(gen_times),
+            "breakdown": {"time/generate_s": _steady(gen_times, spec["warmup"]) * len(gen_times) / len(times)}
+            if gen_times else {},
             "last": {"completions/mean_length": logs[-1]["completions/mean_length"]} if logs else {},
             "trl_version": trl.__version__}
 
