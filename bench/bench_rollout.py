@@ -117,32 +117,97 @@ def run_system(name: str, call, batch: int, new: int, prefill_s: float | None) -
     return row
 
 
+#: engine configurations timed per case: name -> RolloutEngine keyword arguments
+VARIANTS = {
+    "engine": {},
+    "engine_uncompiled": {"compile": False},
+    "engine_matmul_attn": {"attention": "matmul"},
+    "engine_torch_sampler": {"fused_sampling": False},
+}
+
+
+def engine_run(name: str, model, prompts, batch: int, args, kwargs: dict, profile: bool) -> dict[str, Any]:
+    """Time one engine configuration: capture its graphs first, then 1 token and ``new`` tokens."""
+    from rlcore.rollout import sampling
+
+    new, prompt = args.new_tokens, args.prompt_len
+    engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=prompt + new, **kwargs)
+    warm_s, _ = timed(lambda: (engine.warmup([batch]),
+                               engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))))
+    prefill_s, _ = timed(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=1, seed=0)))
+    sample = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
+    row = run_system(name, lambda: engine.generate(prompts, sample), batch, new, prefill_s)
+    row.update(prefill_s=prefill_s, warmup_s=warm_s, cuda_graphs=engine.use_cuda_graphs, compiled=engine.compile,
+               attention=engine.attention,
+               fused_sampler=bool(engine.fused_sampling and sampling._FUSED_OK.get(str(engine.device))))
+    if engine.device.type == "cuda":
+        try:
+            row.update(step_parts(engine, batch, engine._length_bucket(prompt + new // 2 + 1), profile))
+        except Exception as error:  # noqa: BLE001 - the timings above stand without the breakdown
+            row["step_parts_error"] = repr(error)[:300]
+    del engine
+    return row
+
+
+def step_parts(engine, batch: int, length: int, profile: bool) -> dict[str, Any]:
+    """Device time of the replayed decode graph and of one sampling call (mid-length cache)."""
+    from _common import cuda_ms
+    from rlcore.rollout.sampling import Sampler
+
+    out: dict[str, Any] = {"graph_step_ms": cuda_ms(lambda: engine._decode(batch, length)), "graph_length": length}
+    logits = engine._decode(batch, length)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0), engine.device, fused=engine.fused_sampling)
+    out["sampler_ms"] = cuda_ms(lambda: sampler(logits))
+    if profile:
+        out["kernels"] = kernel_profile(lambda: engine._decode_eager(batch, length))
+    print(f"      graph step {out['graph_step_ms']:.3f} ms (length {length}), sampler {out['sampler_ms']:.3f} ms",
+          flush=True)
+    return out
+
+
+def kernel_profile(fn) -> dict[str, Any]:
+    """Kernels one un-graphed decode step launches: count and the largest by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name[:90], []).append(e.device_time_total / 1e3)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    summary = {"count": len(events), "total_ms": sum(sum(v) for v in by_name.values()),
+               "top": [{"name": k, "calls": len(v), "ms": sum(v)} for k, v in top]}
+    print(f"      kernels per un-graphed step: {summary['count']}, {summary['total_ms']:.3f} ms", flush=True)
+    for item in summary["top"]:
+        print(f"        {item['ms']:7.3f} ms  x{item['calls']:<4} {item['name']}", flush=True)
+    return summary
+
+
 def bench_case(model, shape: str, batch: int, args, ceilings, results: list, deadline: float) -> None:
     new, prompt = args.new_tokens, args.prompt_len
     prompts = make_prompts(batch // args.samples, args.samples, prompt, model.config.vocab_size)
     case = {"model": shape, "batch": batch, "prompt_len": prompt, "new_tokens": new,
             "roofline": roofline(model, batch, prompt, new, ceilings), "systems": []}
     results.append(case)
-    print(f"== {shape} batch {batch}", flush=True)
-    sample = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
-
-    def engine_run():
-        engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=prompt + new)
-        engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))  # capture graphs
-        prefill_s, _ = timed(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=1, seed=0)))
-        row = run_system("engine", lambda: engine.generate(prompts, sample), batch, new, prefill_s)
-        row.update(prefill_s=prefill_s, cuda_graphs=engine.use_cuda_graphs)
-        return row
-
-    guarded(case, "engine", engine_run)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    print(f"== {shape} batch {batch} (at {time.time() - deadline + args.budget_s:.0f} s)", flush=True)
+    for index, name in enumerate(args.variants.split(",")):
+        profile = args.profile and index == 0 and not any("kernels" in r for c in results for r in c["systems"])
+        guarded(case, name, lambda: engine_run(name, model, prompts, batch, args, VARIANTS[name], profile))
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     hf_prefill: list[float] = []
 
     def dynamic_run():
         hf_generate(model, prompts[:8], 4, static=False)
         hf_prefill.append(timed(lambda: hf_generate(model, prompts, 1, static=False))[0])
+        if args.skip_dynamic:
+            print(f"    hf_dynamic       skipped (1-token call {hf_prefill[0]:.3f} s)", flush=True)
+            return {"system": "hf_dynamic", "skipped": "flag", "prefill_s": hf_prefill[0]}
         return run_system("hf_dynamic", lambda: hf_generate(model, prompts, new, False), batch, new, hf_prefill[0])
 
     def static_run():
@@ -153,8 +218,10 @@ def bench_case(model, shape: str, batch: int, args, ceilings, results: list, dea
         return row
 
     guarded(case, "hf_dynamic", dynamic_run)
-    if args.skip_static or time.time() > deadline:
-        case["systems"].append({"system": "hf_static", "skipped": "time budget" if not args.skip_static else "flag"})
+    static_batches = {int(b) for b in args.static_batches.split(",")} if args.static_batches else None
+    skip_static = args.skip_static or (static_batches is not None and batch not in static_batches)
+    if skip_static or time.time() > deadline:
+        case["systems"].append({"system": "hf_static", "skipped": "flag" if skip_static else "time budget"})
         print("    hf_static        skipped", flush=True)
     else:
         guarded(case, "hf_static", static_run)
@@ -181,7 +248,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for case in results:
         by = {r["system"]: r for r in case["systems"] if "seconds" in r}
-        for name in ("hf_dynamic", "hf_static", "engine"):
+        order = ["hf_dynamic", "hf_static"] + [name for name in by if name.startswith("engine")]
+        for name in order:
             row = by.get(name)
             if row is None:
                 continue
@@ -208,21 +276,28 @@ def gpu_checks(device: str) -> dict[str, Any]:
     tiny = tiny_causal_lm("qwen2").to(device)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
     ref = HFGenerateBackend(tiny).generate(prompts, greedy)
-    got = RolloutEngine(tiny, max_batch_size=8, max_seq_len=32).generate(prompts, greedy)
+    engine = RolloutEngine(tiny, max_batch_size=8, max_seq_len=32)
+    got = engine.generate(prompts, greedy)
     out["tiny_fp32_greedy_equal"] = bool(torch.equal(ref.response_ids, got.response_ids))
+    out["tiny_engine_compiled"] = engine.compile
     eos = int(ref.response_ids[0, 3])
     stop = SamplingParams(max_new_tokens=12, temperature=0.0, eos_token_ids=(eos,))
     ref = HFGenerateBackend(tiny).generate(prompts, stop)
-    got = RolloutEngine(tiny, max_batch_size=2, max_seq_len=32, eos_check_interval=2).generate(prompts, stop)
+    engine = RolloutEngine(tiny, max_batch_size=2, max_seq_len=32, eos_check_interval=2, graph_batch_buckets=(2,),
+                           attention_length_step=8)
+    got = engine.generate(prompts, stop)
+    out["tiny_cb_engine_compiled"] = engine.compile
     out["tiny_fp32_continuous_batching_eos_equal"] = bool(torch.equal(ref.response_ids, got.response_ids)
                                                           and torch.equal(ref.response_mask, got.response_mask))
     model = build("qwen2-0.5b", device)
     long_prompts = make_prompts(16, 1, 64, model.config.vocab_size, seed=1)
     greedy = SamplingParams(max_new_tokens=32, temperature=0.0)
     ref = HFGenerateBackend(model).generate(long_prompts, greedy)
-    got = RolloutEngine(model, max_batch_size=16, max_seq_len=96).generate(long_prompts, greedy)
+    engine = RolloutEngine(model, max_batch_size=16, max_seq_len=96)
+    got = engine.generate(long_prompts, greedy)
     first_diff = (ref.response_ids != got.response_ids).int().argmax(-1)
     same = (ref.response_ids == got.response_ids).all(-1)
+    out["bf16_0.5b_engine_compiled"] = engine.compile
     out["bf16_0.5b_greedy_rows_identical"] = f"{int(same.sum())}/{len(same)}"
     out["bf16_0.5b_greedy_first_divergence_mean"] = float(torch.where(same, 32, first_diff).float().mean())
     batch = RolloutEngine(model, max_batch_size=16, max_seq_len=96).generate(
@@ -253,11 +328,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="after this many seconds, skip the (compiling) HF static-cache runs")
     parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument("--static-batches", default="", help="run HF static cache only at these batch sizes")
+    parser.add_argument("--skip-dynamic", action="store_true",
+                        help="time only HF's 1-token call (for the static-cache step estimate), not its full run")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"engine configurations to time, from {', '.join(VARIANTS)}")
+    parser.add_argument("--profile", action="store_true", help="list the kernels of one decode step (first case)")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
     args = parser.parse_args(argv)
     start = time.time()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose from {', '.join(VARIANTS)}")
     if args.tiny:
         args.models, args.batches, args.prompt_len, args.new_tokens, args.samples = "tiny", "8", 16, 8, 4
     payload: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "results": []}
@@ -272,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             payload["checks"] = {"error": repr(error)[:1000]}
+        torch._dynamo.reset()  # the timed cases compile for their own batch size, statically
+        print(f"checks done at {time.time() - start:.0f} s", flush=True)
     write_json(args.out, payload)
     for shape in args.models.split(","):
         model = build(shape, device, torch.bfloat16 if device == "cuda" else torch.float32)

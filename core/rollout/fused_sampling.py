@@ -1,12 +1,15 @@
 """One-pass greedy / temperature sampling on CUDA (Triton), for the common unfiltered case.
 
 The plain PyTorch sampler reads the ``[B, V]`` logits about ten times (cast, noise, log,
-subtract, argmax, log-sum-exp). This kernel reads them once: each program walks one row,
-keeping per-lane running maxima and sums for the log-sum-exp and the best Gumbel-perturbed
-score for the draw, so a step's sampling costs one read of the logits.
+subtract, argmax, log-sum-exp). These kernels read them once. Each row is cut into ``splits``
+contiguous chunks so that even a small batch fills the GPU: one program per (row, chunk) keeps
+per-lane running maxima and sums for the log-sum-exp and the best Gumbel-perturbed score for
+the draw, and writes four numbers; a second, tiny kernel merges a row's chunks, picks the token
+(the lowest index among equal scores, as ``torch.argmax``) and its log-probability.
 
 Noise comes from Triton's counter-based Philox generator keyed by a per-step seed the caller
-draws from a seeded host generator, so runs are reproducible and nothing waits for the device.
+draws from a seeded host generator and by the element's index in the row, so the draw does not
+depend on how rows are split, runs are reproducible and nothing waits for the device.
 Only used without top-k / top-p; :func:`available` says whether Triton can run here.
 """
 
@@ -20,22 +23,30 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds and other accelerat
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
+BLOCK = 1024
+#: aim for at least this many programs in the first pass (a few per multiprocessor)
+TARGET_PROGRAMS = 1024
+MAX_SPLITS = 64
+
 if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite "minus infinity": keeps the running sums free of inf - inf
 
     @triton.jit(do_not_specialize=["seed"])
-    def _sample_rows(logits_ptr, stride, vocab, inv_temp, seed, tokens_ptr, logprobs_ptr,
-                     GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    def _partial_rows(logits_ptr, stride, vocab, chunk, inv_temp, seed, max_ptr, sum_ptr, key_ptr, idx_ptr,
+                      splits, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
+        part = tl.program_id(1)
         base = logits_ptr + row.to(tl.int64) * stride
         lane = tl.arange(0, BLOCK)
         run_max = tl.full([BLOCK], _NEG, tl.float32)
         run_sum = tl.zeros([BLOCK], tl.float32)
         best = tl.full([BLOCK], _NEG, tl.float32)
         best_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, vocab, BLOCK):
+        lo = part * chunk
+        hi = tl.minimum(lo + chunk, vocab)
+        for start in range(lo, hi, BLOCK):
             offs = start + lane
-            valid = offs < vocab
+            valid = offs < hi
             x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
             x = tl.where(valid, x, _NEG)
             new_max = tl.maximum(run_max, x)
@@ -53,22 +64,55 @@ if triton is not None:
         total = tl.sum(run_sum * tl.exp(run_max - top), axis=0)
         winner = tl.max(best, axis=0)
         token = tl.min(tl.where(best == winner, best_idx, vocab), axis=0)
-        picked = tl.load(base + token).to(tl.float32) * inv_temp
+        out = row * splits + part
+        tl.store(max_ptr + out, top)
+        tl.store(sum_ptr + out, total)
+        tl.store(key_ptr + out, winner)
+        tl.store(idx_ptr + out, token)
+
+    @triton.jit
+    def _merge_rows(logits_ptr, stride, vocab, inv_temp, max_ptr, sum_ptr, key_ptr, idx_ptr, splits,
+                    tokens_ptr, logprobs_ptr, SPLITS: tl.constexpr):
+        row = tl.program_id(0)
+        part = tl.arange(0, SPLITS)
+        valid = part < splits
+        at = row * splits + part
+        part_max = tl.load(max_ptr + at, mask=valid, other=_NEG)
+        part_sum = tl.load(sum_ptr + at, mask=valid, other=0.0)
+        part_key = tl.load(key_ptr + at, mask=valid, other=_NEG)
+        part_idx = tl.load(idx_ptr + at, mask=valid, other=vocab)
+        top = tl.max(part_max, axis=0)
+        total = tl.sum(part_sum * tl.exp(part_max - top), axis=0)
+        winner = tl.max(part_key, axis=0)
+        token = tl.min(tl.where(part_key == winner, part_idx, vocab), axis=0)
+        picked = tl.load(logits_ptr + row.to(tl.int64) * stride + token).to(tl.float32) * inv_temp
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(logprobs_ptr + row, picked - top - tl.log(total))
 
 
 def available(device: torch.device) -> bool:
-    """Whether the fused kernel can run on ``device``."""
+    """Whether the fused kernels can run on ``device``."""
     return triton is not None and device.type == "cuda"
 
 
-def sample_rows(logits: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy (``temperature <= 0``) or temperature sampling of each row, in one pass.
+def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
+    """``(splits, chunk)``: how many chunks each row is cut into and their width (a multiple of
+    :data:`BLOCK`; every chunk holds at least one column)."""
+    if splits is None:
+        splits = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(rows, 1))))
+    per = -(-vocab // max(1, splits))
+    chunk = -(-per // BLOCK) * BLOCK
+    return -(-vocab // chunk), chunk
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, seed: int,
+                splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy (``temperature <= 0``) or temperature sampling of each row, in one pass over the logits.
 
     Args:
         logits: ``[B, V]`` raw logits, last dimension contiguous (any float dtype).
         seed: per-call noise seed (ignored when greedy).
+        splits: chunks per row (default: enough for about :data:`TARGET_PROGRAMS` programs).
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)``, log-probs under ``log_softmax(logits / T)``
         (``T = 1`` when greedy), as :func:`rlcore.rollout.sampling.sample_next` defines them.
@@ -76,10 +120,17 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int) -> tuple[to
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    dev = logits.device
+    splits, chunk = plan(rows, vocab, splits)
+    part = torch.empty(3, rows, splits, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(rows, splits, dtype=torch.int32, device=dev)
+    tokens = torch.empty(rows, dtype=torch.long, device=dev)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     greedy = temperature <= 0
     inv_temp = 1.0 if greedy else 1.0 / temperature
-    _sample_rows[(rows,)](logits, logits.stride(0), vocab, inv_temp, int(seed) & 0x7FFFFFFF, tokens, logprobs,
-                          GREEDY=greedy, BLOCK=1024, num_warps=4)
+    _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, int(seed) & 0x7FFFFFFF,
+                                  part[0], part[1], part[2], part_idx, splits,
+                                  GREEDY=greedy, BLOCK=BLOCK, num_warps=4)
+    _merge_rows[(rows,)](logits, logits.stride(0), vocab, inv_temp, part[0], part[1], part[2], part_idx, splits,
+                         tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=1)
     return tokens, logprobs

@@ -1,12 +1,12 @@
 """A Llama-family decoder forward (Llama, Mistral, Qwen2) over weights read from a HF model.
 
 The engine does not call the Hugging Face module: it reads its parameters (RMSNorm, RoPE
-tables, GQA attention, SiLU-gated MLP, Qwen2's q/k/v biases, tied embeddings) and runs two
-shape-static passes of its own over a pre-allocated KV cache:
+tables, GQA attention, SiLU-gated MLP, Qwen2's q/k/v biases, tied embeddings) and runs its own
+passes over a pre-allocated KV cache:
 
-* :func:`prefill` — left-padded prompts of some slots, positions taken from the attention mask;
-* :func:`decode` — one token for the first ``n`` slots, every slot at its own cache index,
-  free of host synchronisation so that it can be captured in a CUDA graph.
+* :func:`prefill` (here) — left-padded prompts of some slots, positions taken from the attention mask;
+* :func:`rlcore.rollout.decode.decode` — one token for the first ``n`` slots, every slot at its
+  own cache index, free of host synchronisation so that it can be captured in a CUDA graph.
 
 The KV cache is one tensor ``[L, 2, B, KVH, S, D]`` (layers, key/value, slots, kv heads, cache
 length, head dim). Key validity lives in an additive bias ``[B, S]`` (0 or ``-inf``).
@@ -15,6 +15,7 @@ length, head dim). Key validity lives in an additive bias ``[B, S]`` (0 or ``-in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -242,13 +243,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
-def _linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                 biases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """One projection, or several concatenated on the last dimension (unfused weights)."""
     if len(weights) == 1:
         return F.linear(x, weights[0], biases[0])
     return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
 
 
-def _residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+def residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)``; the add rides in the GEMM epilogue. ``[..., in] -> [..., out]``."""
     out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
@@ -256,15 +259,16 @@ def _residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     return out if bias is None else out + bias
 
 
-def _mlp_residual(x: torch.Tensor, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-    """``x + down(silu(gate(h)) * up(h))``."""
-    gate_up = _linear_group(h, lw.gate_up, lw.gate_up_bias)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return _residual_linear(x, F.silu(gate) * up, lw.down, lw.down_bias)
+def mlp_residual(x: torch.Tensor, h: torch.Tensor, gate_up: Sequence[torch.Tensor],
+                 gate_up_bias: Sequence[torch.Tensor | None], down: torch.Tensor,
+                 down_bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + down(silu(gate(h)) * up(h))``; ``x, h [..., H]``."""
+    gate, up = linear_group(h, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return residual_linear(x, F.silu(gate) * up, down, down_bias)
 
 
 def _qkv(x: torch.Tensor, lw: LayerWeights, spec: DecoderSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qkv = _linear_group(x, lw.qkv, lw.qkv_bias)
+    qkv = linear_group(x, lw.qkv, lw.qkv_bias)
     q_width = spec.num_heads * spec.head_dim
     kv_width = spec.num_kv_heads * spec.head_dim
     return qkv.split([q_width, kv_width, kv_width], dim=-1)
@@ -272,15 +276,28 @@ def _qkv(x: torch.Tensor, lw: LayerWeights, spec: DecoderSpec) -> tuple[torch.Te
 
 # ----------------------------------------------------------------------------- passes
 
+def _prefill_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``[n, P]`` left-padding mask -> ``[n, 1, P, P]`` bool: causal, valid keys only, and every
+    query sees itself (padded queries would otherwise attend to nothing and give NaN)."""
+    width = mask.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril_()
+    allowed = causal[None] & mask.bool()[:, None, :]
+    allowed |= torch.eye(width, dtype=torch.bool, device=mask.device)
+    return allowed[:, None]
+
+
 @torch.no_grad()
 def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slots: torch.Tensor,
-            ids: torch.Tensor, mask: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+            ids: torch.Tensor, mask: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+            padded: bool = True) -> torch.Tensor:
     """Run left-padded prompts and write their keys/values to cache rows ``slots``.
 
     Args:
         cache: ``[L, 2, B, KVH, S, D]``; rows ``slots``, columns ``0..P-1`` are overwritten.
         slots: ``[n]`` int64 cache rows. ids, mask: ``[n, P]`` left-padded prompts.
         cos_table, sin_table: ``[S, D]`` float32 (``sin_table`` from :func:`signed_sin`).
+        padded: ``False`` promises that ``mask`` is all ones (prompts of one length), so
+            attention runs as plain causal attention (flash kernels) without a mask tensor.
     Returns:
         ``[n, V]`` logits (compute dtype) of the last prompt position.
     """
@@ -290,10 +307,7 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
     positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
     cos = cos_table[positions].to(dtype)[:, :, None]  # [n, P, 1, D]
     sin = sin_table[positions].to(dtype)[:, :, None]
-    causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril_()
-    allowed = causal[None] & mask.bool()[:, None, :]
-    allowed |= torch.eye(width, dtype=torch.bool, device=ids.device)  # padded queries see themselves: no NaN
-    allowed = allowed[:, None]  # [n, 1, P, P]
+    allowed = _prefill_mask(mask) if padded else None
     x = F.embedding(ids, weights.embed)
     for index, lw in enumerate(weights.layers):
         q, k, v = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
@@ -305,69 +319,8 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
         if spec.group > 1:
             k = k.repeat_interleave(spec.group, dim=1)
             v = v.repeat_interleave(spec.group, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        x = _residual_linear(x, attn.transpose(1, 2).reshape(n, width, heads * dim), lw.o, lw.o_bias)
-        x = _mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None)
+        x = residual_linear(x, attn.transpose(1, 2).reshape(n, width, heads * dim), lw.o, lw.o_bias)
+        x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
     last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
     return F.linear(last, weights.lm_head)
-
-
-@dataclass
-class DecodeState:
-    """Per-slot device buffers the decode pass reads and advances (all ``[B]`` or ``[B, S]``).
-
-    ``tokens``: last sampled token; ``positions``: its RoPE position; ``cache_index``: the cache
-    column it is written to; ``bias``: additive key mask (0 valid, ``-inf`` not);
-    ``flat_base``: ``[2, B, KVH]`` row of each slot's key and value heads in a layer's cache
-    flattened to ``[2·B·KVH·S, D]``.
-    """
-
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    cache_index: torch.Tensor
-    bias: torch.Tensor
-    flat_base: torch.Tensor
-    zero: torch.Tensor
-
-
-@torch.no_grad()
-def decode(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, state: DecodeState, n: int,
-           cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
-    """One decode step for slots ``0..n-1``; no host synchronisation, fixed shapes.
-
-    Writes each slot's key/value at its ``cache_index``, marks it valid in ``bias``, advances
-    ``positions`` and ``cache_index`` (clamped to ``S-1`` so idle slots stay in bounds).
-    About 18 kernels a layer: norm, qkv, rope (q and k together), one cache write, four for
-    attention, o-proj + residual, norm, gate/up, silu, mul, down + residual.
-
-    Returns:
-        ``[n, V]`` next-token logits in the compute dtype (the sampler reads them in float32).
-    """
-    dtype = weights.embed.dtype
-    heads, kv_heads, dim, group = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.group
-    length = cache.shape[4]
-    tokens, positions, cache_index = state.tokens[:n], state.positions[:n], state.cache_index[:n]
-    bias = state.bias[:n]
-    flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
-    bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
-    cos = cos_table[positions].to(dtype)[:, None]  # [n, 1, D]
-    sin = sin_table[positions].to(dtype)[:, None]
-    key_bias = bias[:, None, None, :]
-    scale = dim ** -0.5
-    x = F.embedding(tokens, weights.embed)
-    for index, lw in enumerate(weights.layers):
-        qkv = _linear_group(rms_norm(x, lw.ln1, spec.rms_eps), lw.qkv, lw.qkv_bias)
-        qk = rotate(qkv[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
-        v = qkv[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
-        layer = cache[index]  # [2, B, KVH, S, D]
-        layer.view(-1, dim).index_copy_(0, flat, torch.cat((qk[:, heads:], v)).view(-1, dim))
-        q = qk[:, :heads].reshape(n, kv_heads, group, dim)
-        scores = torch.matmul(q, layer[0, :n].transpose(-1, -2))  # [n, KVH, G, S]
-        probs = torch.softmax(torch.add(key_bias, scores, alpha=scale), dim=-1)
-        attn = torch.matmul(probs, layer[1, :n]).view(n, heads * dim)
-        x = _residual_linear(x, attn, lw.o, lw.o_bias)
-        x = _mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw)
-    logits = F.linear(rms_norm(x, weights.norm, spec.rms_eps), weights.lm_head)
-    positions.add_(1).clamp_(max=length - 1)
-    cache_index.add_(1).clamp_(max=length - 1)
-    return logits

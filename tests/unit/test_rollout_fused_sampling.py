@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from rlcore.rollout.fused_sampling import sample_rows  # noqa: E402
+from rlcore.rollout.fused_sampling import plan, sample_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,3 +37,13 @@ def test_sampling_follows_the_tempered_softmax_and_is_seeded():
     assert torch.allclose(freq, torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0]) / 0.5, -1), atol=0.06)
     expected = torch.log_softmax(logits / 0.5, -1).gather(-1, tokens[:, None]).squeeze(-1)
     assert torch.allclose(logprobs, expected, atol=1e-4)
+
+
+def test_splitting_rows_does_not_change_the_draw():
+    logits = (torch.randn(3, 2500) * 2).to(DEVICE)
+    assert plan(3, 2500)[0] == 3 and plan(3, 2500, splits=1) == (1, 3072)
+    for temperature in (0.0, 0.8):
+        whole = sample_rows(logits, temperature, 7, splits=1)
+        split = sample_rows(logits, temperature, 7)
+        assert torch.equal(whole[0], split[0])
+        assert torch.allclose(whole[1], split[1], atol=1e-5)

@@ -1,0 +1,206 @@
+"""The decode step: one new token for each of the first ``n`` cache slots.
+
+A step is split around the attention of each layer into three functions of tensors:
+
+* ``first`` — embedding lookup and the *head* of layer 0;
+* ``middle`` — the *tail* of layer ``i`` and the head of layer ``i + 1`` (called ``L - 1`` times:
+  every layer has the same shapes, so one compiled graph serves them all);
+* ``last`` — the tail of the last layer, the final norm and the LM head;
+
+where head = RMSNorm, fused q/k/v projection, RoPE; tail = o-projection + residual, RMSNorm,
+SiLU-gated MLP + residual. Between them the eager part writes the new keys/values into the
+static cache and attends over its filled columns.
+
+With ``torch.compile`` (:func:`step_functions` with a mode) Inductor fuses the pointwise work
+of each piece (residual adds, the norms, RoPE, SiLU·mul, the key/value packing) into a few
+kernels while the matrix products stay library GEMMs; the cache write, being an in-place
+update of a large buffer, stays outside the compiled graphs. The engine captures the whole step
+in a CUDA graph, so the compiled functions' Python guards cost nothing when it is replayed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rlcore.rollout.llama import (DecoderSpec, DecoderWeights, LayerWeights, linear_group, mlp_residual,
+                                  residual_linear, rms_norm, rotate)
+
+log = logging.getLogger(__name__)
+
+ATTENTION_KINDS = ("sdpa", "matmul")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+@dataclass
+class DecodeState:
+    """Per-slot device buffers the decode pass reads and advances (all ``[B]`` or ``[B, S]``).
+
+    ``tokens``: last sampled token; ``positions``: its RoPE position; ``cache_index``: the cache
+    column it is written to; ``bias``: additive key mask (0 valid, ``-inf`` not);
+    ``flat_base``: ``[2, B, KVH]`` row of each slot's key and value heads in a layer's cache
+    flattened to ``[2·B·KVH·S, D]``.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cache_index: torch.Tensor
+    bias: torch.Tensor
+    flat_base: torch.Tensor
+    zero: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- the pieces
+
+def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: torch.Tensor, sin: torch.Tensor,
+          eps: float, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [n, H]`` -> ``(q [n, KVH, G, D], kv [2, n, KVH, D])`` with RoPE applied to q and k.
+
+    ``cos``, ``sin`` ``[n, 1, D]`` (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`)."""
+    n, dim = x.shape[0], cos.shape[-1]
+    proj = linear_group(rms_norm(x, ln1, eps), qkv, qkv_bias)
+    qk = rotate(proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
+    v = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
+    q = qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
+    return q, torch.stack((qk[:, heads:], v))
+
+
+def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: torch.Tensor, gate_up: tuple,
+          gate_up_bias: tuple, down: torch.Tensor, down_bias, eps: float) -> torch.Tensor:
+    """``x + o(attn)``, then ``+ mlp(norm(.))``; ``x [n, H]``, ``attn [n, heads·D]``."""
+    x = residual_linear(x, attn, o, o_bias)
+    return mlp_residual(x, rms_norm(x, ln2, eps), gate_up, gate_up_bias, down, down_bias)
+
+
+def head_args(lw: LayerWeights) -> tuple:
+    return lw.ln1, tuple(lw.qkv), tuple(lw.qkv_bias)
+
+
+def tail_args(lw: LayerWeights) -> tuple:
+    return lw.o, lw.o_bias, lw.ln2, tuple(lw.gate_up), tuple(lw.gate_up_bias), lw.down, lw.down_bias
+
+
+@dataclass(frozen=True)
+class StepFunctions:
+    """The three pieces of a step (see the module docstring), plain or compiled."""
+
+    first: Callable
+    middle: Callable
+    last: Callable
+    compiled: bool
+
+
+def step_functions(spec: DecoderSpec, compile_mode: str | None = None) -> StepFunctions:
+    """The step pieces for ``spec``, compiled with ``torch.compile(mode=compile_mode)`` unless ``None``.
+
+    Compilation is lazy (first call); the caller falls back to the plain pieces if it raises.
+    The model constants are closed over, so each model shape gets its own compiled graphs.
+    """
+    eps, heads, kv_heads = spec.rms_eps, spec.num_heads, spec.num_kv_heads
+
+    def first(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias):
+        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+        x = F.embedding(tokens, embed)
+        q, kv = _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads)
+        return x, q, kv, cos, sin
+
+    def middle(x, attn, cos, sin, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
+        q, kv = _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads)
+        return x, q, kv
+
+    def last(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, norm, lm_head):
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
+        return F.linear(rms_norm(x, norm, eps), lm_head)
+
+    if compile_mode is None:
+        return StepFunctions(first, middle, last, compiled=False)
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"rollout engine: compile_mode {compile_mode!r} is not one of {COMPILE_MODES}")
+    _raise_recompile_limit(64)
+    options = dict(fullgraph=True, mode=None if compile_mode == "default" else compile_mode)
+    return StepFunctions(torch.compile(first, **options), torch.compile(middle, **options),
+                         torch.compile(last, **options), compiled=True)
+
+
+def _raise_recompile_limit(at_least: int) -> None:
+    """Every (model shape, batch bucket) compiles its own graphs; keep torch from giving up early."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < at_least:
+            setattr(config, name, at_least)
+
+
+def mark_static(tensors) -> None:
+    """Tell the compiler these tensors' shapes never change (no dynamic-shape kernels for weights)."""
+    for tensor in tensors:
+        if tensor is not None:
+            torch._dynamo.mark_static(tensor)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, kind: str) -> torch.Tensor:
+    """Grouped-query attention of one new token per slot over cache columns ``0..length-1``.
+
+    Args:
+        q: ``[n, KVH, G, D]`` queries (the ``G`` query heads sharing a key/value head are laid out
+            as ``G`` query rows, so no key/value head is repeated).
+        layer: ``[2, B, KVH, S, D]`` one layer's cache (rows ``0..n-1`` are read).
+        bias: ``[n, S]`` additive key mask; every row must have a valid column below ``length``.
+        kind: ``"sdpa"`` (one fused attention kernel) or ``"matmul"`` (two matmuls and a softmax).
+    Returns:
+        ``[n, KVH·G·D]``.
+    """
+    n, dim = q.shape[0], q.shape[-1]
+    keys, values = layer[0, :n, :, :length], layer[1, :n, :, :length]
+    mask = bias[:, None, None, :length]
+    if kind == "sdpa":
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2))  # [n, KVH, G, length]
+        out = torch.matmul(torch.softmax(torch.add(mask, scores, alpha=dim ** -0.5), dim=-1), values)
+    return out.reshape(n, -1)
+
+
+# ----------------------------------------------------------------------------- the step
+
+@torch.no_grad()
+def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: int, length: int,
+           cos_table: torch.Tensor, sin_table: torch.Tensor, fns: StepFunctions,
+           attention: str = "sdpa") -> torch.Tensor:
+    """One decode step for slots ``0..n-1``; no host synchronisation, fixed shapes.
+
+    Writes each slot's key/value at its ``cache_index``, marks it valid in ``bias``, attends over
+    columns ``0..length-1`` (``length`` must exceed every live slot's ``cache_index``), advances
+    ``positions`` and ``cache_index`` (clamped to ``S-1`` so idle slots stay in bounds).
+
+    Args:
+        cache: ``[L, 2, B, KVH, S, D]``. cos_table, sin_table: ``[S, D]`` in the compute dtype
+            (``sin_table`` signed). fns: :func:`step_functions`.
+    Returns:
+        ``[n, V]`` next-token logits in the compute dtype.
+    """
+    dim, last_column = cache.shape[-1], cache.shape[4] - 1
+    positions, cache_index = state.positions[:n], state.cache_index[:n]
+    bias = state.bias[:n]
+    flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
+    bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
+    layers = weights.layers
+    x, q, kv, cos, sin = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
+                                   *head_args(layers[0]))
+    for index, lw in enumerate(layers):
+        layer = cache[index]  # [2, B, KVH, S, D]
+        layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
+        attn = attend(q, layer, bias, length, attention)
+        if index + 1 < len(layers):
+            x, q, kv = fns.middle(x, attn, cos, sin, *tail_args(lw), *head_args(layers[index + 1]))
+        else:
+            logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
+    positions.add_(1).clamp_(max=last_column)
+    cache_index.add_(1).clamp_(max=last_column)
+    return logits

@@ -1,0 +1,176 @@
+"""Continuous batching for :class:`~rlcore.rollout.engine.RolloutEngine`: one ``generate`` call.
+
+Prompts wait in a queue; free cache slots are filled by prefilling groups of prompts; every
+decode step advances all live slots by one token; a slot whose sequence reached
+``max_new_tokens`` or emitted EOS is freed and its tokens are copied to the result. Once the
+queue is empty the live slots are compacted to the front so that a smaller batch bucket runs.
+
+The host keeps its own copy of what it needs per step (which slots are live, how many tokens
+each has, the widest cache column), so a decode step reads nothing back from the device; only
+the EOS flags are read, every ``eos_check_interval`` steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad, mask_after_eos
+from rlcore.rollout.sampling import Sampler
+
+if TYPE_CHECKING:
+    from rlcore.rollout.engine import RolloutEngine
+
+
+class Scheduler:
+    """Slots, queue and outputs of one ``generate`` call.
+
+    Per slot ``s`` the host tracks the request it serves, ``born[s]`` (the decode-step count when it
+    was prefilled: it then holds one token, and one more after each later step) and
+    ``col0[s]`` (its next cache column is ``col0[s] + steps``).
+    """
+
+    def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams):
+        self.eng, self.params = engine, params
+        self.prompts = [list(p) for p in prompts]
+        dev, cap, width = engine.device, engine.max_batch_size, params.max_new_tokens
+        self.sample = Sampler(params, dev, fused=engine.fused_sampling)
+        self.queue = deque(range(len(prompts)))
+        self.slot_req: list[int | None] = [None] * cap
+        self.born = [0] * cap
+        self.col0 = [0] * cap
+        self.live: list[int] = []
+        self.max_col0 = 0
+        self.due = 0
+        self.out_tokens = torch.full((cap, width), params.pad_token_id, dtype=torch.long, device=dev)
+        self.out_logprobs = torch.zeros(cap, width, dtype=torch.float32, device=dev)
+        self.out_col = torch.zeros(cap, dtype=torch.long, device=dev)
+        self.done = torch.zeros(cap, dtype=torch.bool, device=dev)
+        self.eos = torch.tensor(sorted(set(params.eos_token_ids)), dtype=torch.long, device=dev)
+        self.res_tokens = torch.full((len(prompts), width), params.pad_token_id, dtype=torch.long, device=dev)
+        self.res_logprobs = torch.zeros(len(prompts), width, dtype=torch.float32, device=dev)
+        self.ar = torch.arange(cap, device=dev)
+        self.steps = 0
+        self.prefills = 0
+        self.bucket_steps: dict[int, int] = {}
+
+    # -- host bookkeeping
+    def _count(self, slot: int) -> int:
+        return 1 + self.steps - self.born[slot]
+
+    def _relive(self) -> None:
+        """Recompute the live list and what the step loop derives from it."""
+        self.live = [s for s, r in enumerate(self.slot_req) if r is not None]
+        self.max_col0 = max((self.col0[s] for s in self.live), default=0)
+        limit = self.params.max_new_tokens
+        self.due = min((self.born[s] + limit - 1 for s in self.live), default=0)
+
+    # -- device bookkeeping
+    def _record(self, n: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Write the step's tokens of slots ``0..n-1`` at their output columns."""
+        width = self.params.max_new_tokens
+        col = self.out_col[:n].clamp(max=width - 1)
+        flat = self.ar[:n] * width + col
+        self.out_tokens.view(-1).index_copy_(0, flat, tokens)
+        self.out_logprobs.view(-1).index_copy_(0, flat, logprobs)
+        self.out_col[:n] += 1
+        if self.eos.numel():
+            self.done[:n] |= torch.isin(tokens, self.eos)
+
+    def _finish(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        rows = torch.tensor(slots, dtype=torch.long, device=self.eng.device)
+        reqs = torch.tensor([self.slot_req[s] for s in slots], dtype=torch.long, device=self.eng.device)
+        self.res_tokens.index_copy_(0, reqs, self.out_tokens.index_select(0, rows))
+        self.res_logprobs.index_copy_(0, reqs, self.out_logprobs.index_select(0, rows))
+        self.eng._release(rows)
+        for s in slots:
+            self.slot_req[s] = None
+        self._relive()
+
+    def _admit(self) -> None:
+        free = [s for s, r in enumerate(self.slot_req) if r is None]
+        take = min(len(free), len(self.queue))
+        slots = free[:take]
+        reqs = [self.queue.popleft() for _ in range(take)]
+        logits, width = self.eng._prefill(slots, [self.prompts[r] for r in reqs], self.params.pad_token_id)
+        tokens, logprobs = self.sample(logits)
+        rows = torch.tensor(slots, dtype=torch.long, device=self.eng.device)
+        self.eng.state.tokens[rows] = tokens
+        self.done[rows] = torch.isin(tokens, self.eos) if self.eos.numel() else False
+        width_out = self.params.max_new_tokens
+        self.out_tokens.view(-1).index_copy_(0, rows * width_out, tokens)
+        self.out_logprobs.view(-1).index_copy_(0, rows * width_out, logprobs)
+        self.out_col[rows] = 1
+        for s, r in zip(slots, reqs):
+            self.slot_req[s] = r
+            self.born[s] = self.steps
+            self.col0[s] = width - self.steps
+        self._relive()
+        self.prefills += 1
+
+    def _should_admit(self) -> bool:
+        if not self.queue:
+            return False
+        free = len(self.slot_req) - len(self.live)
+        if free == 0:
+            return False
+        return not self.live or free >= max(1, int(self.eng.admit_fraction * len(self.slot_req)))
+
+    def _maybe_compact(self) -> None:
+        live = self.live
+        if self.queue or not live:
+            return
+        if self.eng._bucket(len(live)) >= self.eng._bucket(live[-1] + 1):
+            return
+        self.eng._compact(live)
+        perm = torch.tensor(live, dtype=torch.long, device=self.eng.device)
+        m, cap = len(live), len(self.slot_req)
+        for buf in (self.out_tokens, self.out_logprobs, self.out_col, self.done):
+            buf[:m] = buf.index_select(0, perm)
+        self.slot_req = [self.slot_req[s] for s in live] + [None] * (cap - m)
+        self.born = [self.born[s] for s in live] + [0] * (cap - m)
+        self.col0 = [self.col0[s] for s in live] + [0] * (cap - m)
+        self._relive()
+
+    def _finished(self, n: int) -> list[int]:
+        """Slots done after this step: at the token limit, or (on check steps) past an EOS."""
+        limit = self.params.max_new_tokens
+        finished = [s for s in self.live if self._count(s) >= limit] if self.steps >= self.due else []
+        if self.eos.numel() and self.steps % self.eng.eos_check_interval == 0:
+            flags = self.done[:n].tolist()
+            finished = sorted(set(finished) | {s for s in self.live if flags[s]})
+        return finished
+
+    def loop(self) -> None:
+        limit = self.params.max_new_tokens
+        while self.queue or self.live:
+            if self._should_admit():
+                self._admit()
+                self._finish([s for s in self.live if self._count(s) >= limit])
+                continue
+            self._maybe_compact()
+            n = self.eng._bucket(self.live[-1] + 1)
+            length = self.eng._length_bucket(self.max_col0 + self.steps + 1)
+            logits = self.eng._decode(n, length)
+            tokens, logprobs = self.sample(logits)
+            self.eng.state.tokens[:n].copy_(tokens)
+            self._record(n, tokens, logprobs)
+            self.steps += 1
+            self.bucket_steps[n] = self.bucket_steps.get(n, 0) + 1
+            self._finish(self._finished(n))
+
+    def result(self) -> RolloutBatch:
+        eng = self.eng
+        prompt_ids, prompt_mask = left_pad(self.prompts, self.params.pad_token_id, eng.device)
+        mask = mask_after_eos(self.res_tokens, self.params.eos_token_ids)
+        width = int(mask.sum(-1).max().item()) if self.eos.numel() else self.params.max_new_tokens
+        tokens = self.res_tokens.masked_fill(mask == 0, self.params.pad_token_id)[:, :width]
+        logprobs = (self.res_logprobs * mask)[:, :width]
+        stats = {"rollout/decode_steps": float(self.steps), "rollout/prefill_calls": float(self.prefills),
+                 "rollout/new_tokens": float(mask.sum().item())}
+        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens,
+                            response_mask=mask[:, :width], logprobs=logprobs, stats=stats)

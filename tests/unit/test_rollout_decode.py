@@ -1,0 +1,107 @@
+"""The engine's decode-step options on tiny CPU models: attention kinds, attention-length buckets,
+unpadded prefill, compilation and its fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rlcore.rollout import decode
+from rlcore.rollout.base import SamplingParams
+from rlcore.rollout.engine import RolloutEngine, length_step
+from rlcore.rollout.hf import HFGenerateBackend
+from rlcore.rollout.tiny import tiny_causal_lm
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [5, 6, 7], [100, 101, 102, 103], [50]]
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    return tiny_causal_lm("qwen2")
+
+
+@pytest.fixture(scope="module")
+def eos_case(qwen2):
+    """Greedy with an EOS that ends some rows early, and HF's answer."""
+    eos = int(HFGenerateBackend(qwen2).generate(PROMPTS, GREEDY).response_ids[2, 1])
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_ids=(eos,))
+    return params, HFGenerateBackend(qwen2).generate(PROMPTS, params)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+def test_short_attention_lengths_with_slot_reuse_match_hf(qwen2, eos_case, attention):
+    params, expected = eos_case
+    assert expected.response_mask.sum(-1).min() < 10  # some rows stop early and free their slot
+    engine = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, admit_fraction=0.0, eos_check_interval=1,
+                           attention=attention, attention_length_step=4)
+    assert engine.length_buckets == [4, 8, 12, 16, 20, 24]
+    got = engine.generate(PROMPTS, params)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.equal(got.response_mask, expected.response_mask)
+    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+
+
+def test_freed_slots_keep_a_visible_key(qwen2, eos_case):
+    """Freed slots still run (their output is dropped) until reused; with attention cut to a short
+    length a row with no visible key would turn to NaN and poison its cache row for the next prompt."""
+    params, _ = eos_case
+    engine = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=24, admit_fraction=0.5, eos_check_interval=1,
+                           attention_length_step=4)
+    engine.generate(PROMPTS, params)
+    assert (engine.state.bias[:, 0] == 0).all()
+
+
+def test_prompts_of_one_length_take_the_causal_prefill(qwen2):
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5, 5]]
+    expected = HFGenerateBackend(qwen2).generate(prompts, GREEDY)
+    got = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=16).generate(prompts, GREEDY)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+
+
+def test_length_buckets_are_coarser_for_long_caches():
+    assert length_step(384) == 64 and length_step(1024) == 64
+    assert length_step(4096) == 256 and length_step(10**6) == 4096
+
+
+def test_a_failing_compiled_step_falls_back_to_the_plain_one(qwen2, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor exploded")
+
+    real = decode.step_functions
+
+    def fake(spec, compile_mode=None):
+        plain = real(spec)
+        return plain if compile_mode is None else decode.StepFunctions(broken, broken, broken, compiled=True)
+
+    monkeypatch.setattr(decode, "step_functions", fake)
+    engine = RolloutEngine(qwen2, max_batch_size=8, max_seq_len=24, compile=True)
+    assert engine.compile
+    with caplog.at_level(logging.WARNING, logger="rlcore.rollout.engine"):
+        got = engine.generate(PROMPTS, GREEDY)
+    assert not engine.compile and "inductor exploded" in caplog.text
+    assert torch.equal(got.response_ids, HFGenerateBackend(qwen2).generate(PROMPTS, GREEDY).response_ids)
+
+
+def test_engine_option_errors(qwen2):
+    with pytest.raises(ValueError, match="attention"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, attention="flash9")
+    with pytest.raises(ValueError, match="compile_mode"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, compile_mode="reduce-overhead")
+    assert not RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12).compile  # off by default on CPU
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_hf_on_cpu(qwen2, eos_case):
+    """torch.compile (Inductor's C++ backend here) gives the same greedy tokens, also while slots
+    are freed, refilled and compacted (several batch buckets, several compiled shapes)."""
+    params, expected = eos_case
+    engine = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, admit_fraction=0.0, eos_check_interval=1,
+                           compile=True)
+    got = engine.generate(PROMPTS, params)
+    assert engine.compile, "compilation fell back to the plain step"
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
