@@ -7,9 +7,10 @@ per-lane running maxima and sums for the log-sum-exp and the best Gumbel-perturb
 the draw, and writes four numbers; a second, tiny kernel merges a row's chunks, picks the token
 (the lowest index among equal scores, as ``torch.argmax``) and its log-probability.
 
-Noise comes from Triton's counter-based Philox generator keyed by a per-step seed the caller
-draws from a seeded host generator and by the element's index in the row, so the draw does not
-depend on how rows are split, runs are reproducible and nothing waits for the device.
+Noise comes from Triton's counter-based Philox generator (four uniforms per call) keyed by a
+per-step seed the caller draws from a seeded host generator and by the element's place in the
+row, so the draw does not depend on how rows are split, runs are reproducible and nothing waits
+for the device.
 Only used without top-k / top-p; :func:`available` says whether Triton can run here.
 """
 
@@ -31,35 +32,64 @@ MAX_SPLITS = 64
 if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite "minus infinity": keeps the running sums free of inf - inf
 
+    @triton.jit
+    def _fold(x, offs, valid, noise, run_max, run_sum, best, best_idx, GREEDY: tl.constexpr):
+        """Fold one sub-block of (temperature-scaled) logits into the per-lane running state."""
+        x = tl.where(valid, x, _NEG)
+        new_max = tl.maximum(run_max, x)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.where(valid, tl.exp(x - new_max), 0.0)
+        if GREEDY:
+            key = x
+        else:
+            key = tl.where(valid, x - tl.log(-tl.log(noise)), _NEG)
+        better = key > best
+        return new_max, run_sum, tl.where(better, key, best), tl.where(better, offs, best_idx)
+
     @triton.jit(do_not_specialize=["seed"])
     def _partial_rows(logits_ptr, stride, vocab, chunk, inv_temp, seed, max_ptr, sum_ptr, key_ptr, idx_ptr,
                       splits, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        # A block of BLOCK columns is four sub-blocks of SUB lanes; one Philox call gives each lane
+        # four uniforms, one per sub-block, keyed by (row, block index in the row, lane).
+        SUB: tl.constexpr = BLOCK // 4
         row = tl.program_id(0)
         part = tl.program_id(1)
         base = logits_ptr + row.to(tl.int64) * stride
-        lane = tl.arange(0, BLOCK)
-        run_max = tl.full([BLOCK], _NEG, tl.float32)
-        run_sum = tl.zeros([BLOCK], tl.float32)
-        best = tl.full([BLOCK], _NEG, tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
+        lane = tl.arange(0, SUB)
+        run_max = tl.full([SUB], _NEG, tl.float32)
+        run_sum = tl.zeros([SUB], tl.float32)
+        best = tl.full([SUB], _NEG, tl.float32)
+        best_idx = tl.zeros([SUB], tl.int32)
+        row_blocks = tl.cdiv(vocab, BLOCK)
         lo = part * chunk
         hi = tl.minimum(lo + chunk, vocab)
         for start in range(lo, hi, BLOCK):
+            if GREEDY:  # no noise; the placeholders are ignored
+                u0 = run_sum
+                u1 = run_sum
+                u2 = run_sum
+                u3 = run_sum
+            else:
+                r0, r1, r2, r3 = tl.randint4x(seed, (row * row_blocks + start // BLOCK) * SUB + lane)
+                u0 = tl.uint_to_uniform_float(r0)
+                u1 = tl.uint_to_uniform_float(r1)
+                u2 = tl.uint_to_uniform_float(r2)
+                u3 = tl.uint_to_uniform_float(r3)
             offs = start + lane
             valid = offs < hi
             x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            x = tl.where(valid, x, _NEG)
-            new_max = tl.maximum(run_max, x)
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.where(valid, tl.exp(x - new_max), 0.0)
-            run_max = new_max
-            if GREEDY:
-                key = x
-            else:
-                u = tl.rand(seed, row * vocab + offs)
-                key = tl.where(valid, x - tl.log(-tl.log(u)), _NEG)
-            better = key > best
-            best = tl.where(better, key, best)
-            best_idx = tl.where(better, offs, best_idx)
+            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u0, run_max, run_sum, best, best_idx, GREEDY)
+            offs = start + SUB + lane
+            valid = offs < hi
+            x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u1, run_max, run_sum, best, best_idx, GREEDY)
+            offs = start + 2 * SUB + lane
+            valid = offs < hi
+            x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u2, run_max, run_sum, best, best_idx, GREEDY)
+            offs = start + 3 * SUB + lane
+            valid = offs < hi
+            x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u3, run_max, run_sum, best, best_idx, GREEDY)
         top = tl.max(run_max, axis=0)
         total = tl.sum(run_sum * tl.exp(run_max - top), axis=0)
         winner = tl.max(best, axis=0)
