@@ -154,6 +154,7 @@ def timed(fn: Any, device: torch.device, repeat: int = 3) -> float:
 def measure_scoring(args: argparse.Namespace, device: torch.device, rm_shape: dict, out: dict) -> None:
     """Memory and time of the three placements of the reward model."""
     from rlcore.plugins.rm_offload import SwappedScorer
+    from rlcore.protocols import RewardInput
     from rlcore.rewards.reward_model import ResidentScorer, RewardModel
 
     batch = rollout_batch(rm_shape, args.score_batch, args.prompt_len, args.new_tokens)
@@ -190,11 +191,13 @@ def measure_scoring(args: argparse.Namespace, device: torch.device, rm_shape: di
 
     out["max_abs_diff_swapped"] = float((torch.tensor(swapped(small).scores) - ref).abs().max())
     cpu = ResidentScorer(rm, torch.device("cpu"))  # the weights already rest on the CPU
-    few = rollout_batch(rm_shape, args.cpu_samples, args.prompt_len, args.new_tokens)
+    k = args.cpu_samples  # the first samples of ``small``, so that the scores compare like with like
+    few = RewardInput(prompts=small.prompts[:k], responses=small.responses[:k], prompt_ids=small.prompt_ids[:k],
+                      response_ids=small.response_ids[:k])
     t = time.perf_counter()
     cpu_scores = torch.tensor(cpu(few).scores)
     out["cpu_score_s_per_sample"] = (time.perf_counter() - t) / args.cpu_samples
-    out["max_abs_diff_cpu"] = float((cpu_scores - ref[:args.cpu_samples]).abs().max())
+    out["max_abs_diff_cpu"] = float((cpu_scores - ref[:k]).abs().max())
     out["score_scale"] = float(ref.abs().mean())
     out["cpu_score_s"] = out["cpu_score_s_per_sample"] * args.score_batch
     del resident, swapped, cpu, rm
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gen-batches", type=int, nargs=2, default=(32, 128), help="batches whose peaks give the slope")
     p.add_argument("--emulate-gb", type=float, default=24.0, help="GPU size on which the batch is checked by running")
     p.add_argument("--margin-gb", type=float, default=1.0, help="memory kept free for fragmentation")
-    p.add_argument("--check-tries", type=int, default=3, help="runs at 95%% of the batch each after an OOM")
+    p.add_argument("--check-tries", type=int, default=3, help="runs, each at 95%% of the last after an OOM")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     import_rlcore()
