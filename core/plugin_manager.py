@@ -208,29 +208,28 @@ class RLCorePluginManager(pluggy.PluginManager):
         if hook_name not in hookspecs.FACTORY_HOOKS:
             raise PluginError(f"'{hook_name}' is not a factory hook")
         caller = getattr(self.hook, hook_name)
-        answers: list[tuple[str, Any]] = []
         impls = caller.get_hookimpls()
-        # Selected plugins first: a default is only called when no selected plugin answers, so it
-        # never builds a component (e.g. a whole dataset) that is then thrown away.
-        ordered = ([i for i in impls if self.get_name(i.plugin) not in self.default_names]
-                   + [i for i in impls if self.get_name(i.plugin) in self.default_names])
-        for impl in ordered:
-            name = self.get_name(impl.plugin) or repr(impl.plugin)
-            if name in self.default_names and answers:
-                break
+        selected = [i for i in impls if self.get_name(i.plugin) not in self.default_names]
+        defaults = [i for i in impls if self.get_name(i.plugin) in self.default_names]
+        answers = self._answers(hook_name, selected, kwargs)
+        if len(answers) > 1:
+            raise PluginError(f"plugins '{answers[0][0]}' and '{answers[1][0]}' both answer {hook_name}; "
+                              "select only one of them")
+        if not answers:  # defaults are asked only when no selected plugin answers
+            answers = self._answers(hook_name, defaults, kwargs)[-1:]
+        if answers:
+            return answers[0][1]
+        raise PluginError(f"no plugin answers {hook_name}")
+
+    def _answers(self, hook_name: str, impls: Sequence[Any], kwargs: dict) -> list[tuple[str, Any]]:
+        """Call each implementation alone (through pluggy, so tracing sees it); keep non-None answers."""
+        out = []
+        for impl in impls:
             others = [p for p in self.get_plugins() if p is not impl.plugin]
             result = self.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
             if result:
-                answers.append((name, result[0]))
-        selected = [(n, r) for n, r in answers if n not in self.default_names]
-        if len(selected) > 1:
-            raise PluginError(f"plugins '{selected[0][0]}' and '{selected[1][0]}' both answer {hook_name}; "
-                              "select only one of them")
-        if selected:
-            return selected[0][1]
-        if answers:
-            return answers[-1][1]
-        raise PluginError(f"no plugin answers {hook_name}")
+                out.append((self.get_name(impl.plugin) or repr(impl.plugin), result[0]))
+        return out
 
 
 def build_plugin_manager(selected: Sequence[str] = ()) -> RLCorePluginManager:

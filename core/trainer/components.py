@@ -156,6 +156,13 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
                                                          max_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
     loader = PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist)
 
+    # Reward and checkpoint policies next: a bad reward model path fails before the actor loads.
+    rewards: dict[str, Any] = {}
+    pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
+    reward = pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
+                      reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
+                      placement=placement, tokenizer=tokenizer, rewards=rewards)
+    checkpoint = pm.build("rlcore_checkpoint_policy", trainer=tcfg, dist=dist)
     reshard = pm.build("rlcore_reshard_policy", fsdp=resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp),
                        remeshing=actor_cfg.remeshing, dist=dist)
     from rlcore.distributed.fsdp import load_model_for_role
@@ -201,12 +208,6 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
         prebuilt[id(actor)] = make_backend(actor_module, actor_cfg.rollout_backend, **engine_kw)
     backends = GenerationBackends(lambda module, kind: make_backend(module, kind, **engine_kw),
                                   actor_cfg.rollout_backend, prebuilt=prebuilt)
-    rewards: dict[str, Any] = {}
-    pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
-    reward = pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
-                      reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
-                      placement=placement, tokenizer=tokenizer, rewards=rewards)
-    checkpoint = pm.build("rlcore_checkpoint_policy", trainer=tcfg, dist=dist)
 
     from rlcore.observe.gpu import GPUMonitor
     from rlcore.observe.profiler import StepProfiler

@@ -74,3 +74,10 @@ def test_plugins_lists_name_distribution_version_hooks():
 def test_python_dash_m_entry():
     proc = subprocess.run([sys.executable, "-m", "rlcore", "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and "rlcore" in proc.stdout
+
+
+def test_missing_reward_model_fails_before_the_actor_loads(tmp_path):
+    code, out, err = run_cli(["train", f"trainer.output_dir={tmp_path}/run", "reward_model.enable=true",
+                              f"reward_model.path={tmp_path}/no-rm"])
+    assert code != 0
+    assert "no-rm" in err and "a model was loaded" not in err
