@@ -40,10 +40,11 @@ class SparseLogger:
     :param is_main: only the main rank writes; other ranks keep a do-nothing logger.
     :param tensorboard: open a TensorBoard writer when the package is installed.
     :param stream: where the console line goes (default stdout).
+    :param fresh: truncate an existing metrics file instead of appending to it.
     """
 
     def __init__(self, run_dir: str, *, is_main: bool = True, tensorboard: bool = True,
-                 stream: Optional[TextIO] = None):
+                 stream: Optional[TextIO] = None, fresh: bool = False):
         self.run_dir = run_dir
         self.is_main = is_main
         self.stream = stream
@@ -54,7 +55,7 @@ class SparseLogger:
         console.setLevel(logging.WARNING)
         if not is_main:
             return
-        self.jsonl = JsonlWriter(os.path.join(run_dir, METRICS_FILE))
+        self.jsonl = JsonlWriter(os.path.join(run_dir, METRICS_FILE), fresh=fresh)
         if tensorboard:
             from rlcore.observe.tensorboard import open_tensorboard
 
@@ -85,7 +86,9 @@ class SparseLogger:
 
 
 def _make(run_dir: str, dist: Any, config: Mapping[str, Any]) -> SparseLogger:
-    return SparseLogger(run_dir, is_main=bool(getattr(dist, "is_main", True)))
+    # A run that does not resume (trainer.resume=disable) starts its metrics file anew.
+    fresh = (config.get("trainer") or {}).get("resume") == "disable"
+    return SparseLogger(run_dir, is_main=bool(getattr(dist, "is_main", True)), fresh=fresh)
 
 
 #: The logger of the run in progress (rebuilt at every train start); the hooks delegate to it.

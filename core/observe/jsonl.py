@@ -28,12 +28,12 @@ def make_record(step: int, metrics: Mapping[str, Any], split: str, **extra: Any)
 
 
 class JsonlWriter:
-    """Appends records to ``path`` (a resumed run keeps its earlier lines)."""
+    """Appends records to ``path`` (a resumed run keeps its earlier lines); ``fresh=True`` starts it anew."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, fresh: bool = False):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._f: Optional[Any] = open(path, "a", encoding="utf-8")
+        self._f: Optional[Any] = open(path, "w" if fresh else "a", encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self._f is None:

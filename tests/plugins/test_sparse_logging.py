@@ -127,3 +127,19 @@ def test_sink_hooks_close_a_stale_sink_and_build_a_new_one_per_run():
     record(step=3, metrics={}, split="train")  # after the end: dropped
     assert events == [("first", "metrics", 1), ("first", "failed", 0), ("second", "metrics", 2),
                       ("second", "completed", 2)]
+
+
+def test_a_run_that_does_not_resume_starts_its_metrics_file_anew(tmp_path):
+    import json
+
+    from rlcore.plugins import sparse_logging
+    from rlcore.protocols import DistInfo
+
+    for resume, expected in (("auto", 2), ("disable", 1)):
+        for _ in range(2 if resume == "auto" else 1):
+            sparse_logging.rlcore_train_start(run_dir=str(tmp_path), dist=DistInfo(),
+                                              config={"trainer": {"resume": resume}})
+            sparse_logging.rlcore_metrics(step=1, metrics={"reward/mean": 0.5}, split="train")
+            sparse_logging.rlcore_train_end(step=1, status="completed", summary={})
+        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert sum(1 for x in lines if x["split"] == "train") == expected, resume
