@@ -7,6 +7,12 @@ the per-decode-step time ``(T(256 tokens) - T(1 token)) / 255`` and the roofline
 step: bytes (weights + the KV cache at the mean context) over the measured copy bandwidth, and
 FLOPs over the measured bf16 matmul rate.
 
+The engine is timed in several configurations (``--variants``: the defaults, without
+``torch.compile``, with matmul attention, with the PyTorch sampler), each after capturing its
+graphs; for each the device time of one replayed decode graph (at the mean context's attention
+length) and of one sampling call are reported too, and ``--profile`` lists the kernels of one
+un-graphed step. ``--skip-dynamic`` and ``--static-batches`` leave out the slow HF runs.
+
 Before timing, ``--check`` (on by default on GPU) compares the engine with HF ``generate`` on the
 device: greedy tokens of a tiny float32 model (must be equal, CUDA graphs on, continuous batching
 with EOS), greedy agreement of the bf16 0.5B shape (reported), and sampled log-probs against a
@@ -15,6 +21,7 @@ teacher-forced forward (reported).
 The TRL GRPOTrainer comparison of the issue is not part of this script.
 
 Run (GPU):  python bench/bench_rollout.py --out results/rollout.json
+            python bench/bench_rollout.py --skip-dynamic --static-batches 256 --profile   (about 150 s)
 Smoke test: python bench/bench_rollout.py --tiny        (CPU, tiny shapes; the numbers mean nothing)
 """
 
@@ -310,7 +317,7 @@ def gpu_checks(device: str) -> dict[str, Any]:
     out["bf16_0.5b_sampled_logprob_mean_abs_err"] = float((tf - batch.logprobs).abs().mean())
     from rlcore.rollout import sampling
 
-    out["fused_sampler_ok"] = sampling._FUSED_OK.get(str(torch.device(device)))
+    out["fused_sampler_ok"] = sampling._FUSED_OK.get(str(tiny.device))
     print("checks:", out, flush=True)
     del model
     gc.collect()
