@@ -6,8 +6,10 @@ uncompressed parquet shards of ~100 MiB (row groups of 8,192 rows). A BPE tokeni
 is trained on a sample. The first ``--shards`` shards form the base corpus (>= 3 GB); all
 ``2 x --shards`` form the doubled corpus.
 
-Variants, each in a fresh process (peak memory is per process tree, sampled every 0.1 s as the sum
-of proportional set sizes, plus the main process's VmHWM):
+Variants, each in a fresh process. Memory is per process tree, sampled every 0.1 s as the sum of
+proportional set sizes (PSS), reported in full and for anonymous pages only: a memory-mapped cache
+counts in PSS for the file pages it touches (shared, reclaimable page cache), not in anonymous
+memory. Peaks are given for the whole run and for the build (until the dataset exists).
 
 * ``concat``    — ``datasets.load_dataset(parquet, keep_in_memory=True)`` per shard, then
   ``concatenate_datasets`` and a ``filter`` of overlong prompts (tokenizes everything), the approach
@@ -139,15 +141,18 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _pss_kib(pid: int) -> int:
+def _pss_kib(pid: int) -> tuple[int, int]:
+    """``(Pss, Pss_Anon)`` of one process in KiB (file-backed pages of a memory map are in Pss only)."""
+    out = {"Pss:": 0, "Pss_Anon:": 0}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
+                key = line.split(" ", 1)[0]
+                if key in out:
+                    out[key] = int(line.split()[1])
     except OSError:
         pass
-    return 0
+    return out["Pss:"], out["Pss_Anon:"]
 
 
 def _hwm_kib() -> int:
@@ -159,21 +164,23 @@ def _hwm_kib() -> int:
 
 
 class MemorySampler(threading.Thread):
-    """Peak of the summed PSS of this process and its descendants."""
+    """Peaks of the summed PSS (all, and anonymous only) of this process and its descendants."""
 
     def __init__(self, interval: float = 0.1):
         super().__init__(daemon=True)
-        self.interval, self.peak_kib, self._done = interval, 0, threading.Event()
+        self.interval, self.peak_kib, self.peak_anon_kib, self._done = interval, 0, 0, threading.Event()
 
     def run(self) -> None:
         while not self._done.is_set():
-            self.peak_kib = max(self.peak_kib, sum(_pss_kib(p) for p in _tree(os.getpid())))
+            sizes = [_pss_kib(p) for p in _tree(os.getpid())]
+            self.peak_kib = max(self.peak_kib, sum(a for a, _ in sizes))
+            self.peak_anon_kib = max(self.peak_anon_kib, sum(b for _, b in sizes))
             self._done.wait(self.interval)
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
         self._done.set()
         self.join()
-        return self.peak_kib
+        return self.peak_kib, self.peak_anon_kib
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,6 +228,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
         ds = build_dataset(cfg, tok, "train", DistInfo())
     t_built = time.perf_counter() - t0
+    build_peak = (sampler.peak_kib, sampler.peak_anon_kib)
     loader = PromptLoader(ds, cfg, args.batch_size, 0, DistInfo())
     first = loader.next_batch()
     ttfb = time.perf_counter() - t0
@@ -232,11 +240,13 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         if "input_ids" not in batch[0]:
             tok([r["prompt"] for r in batch])
     rate = args.batches / (time.perf_counter() - t1)
-    peak_pss = sampler.stop()
+    peak_pss, peak_anon = sampler.stop()
     return {"variant": args.variant, "shards": len(files), "corpus_gb": sum(map(os.path.getsize, files)) / 1e9,
             "rows": len(ds) if hasattr(ds, "__len__") else getattr(ds, "num_rows", None),
             "build_s": t_built, "first_batch_s": ttfb, "batches_per_s": rate,
             "prompts_per_s": rate * args.batch_size, "peak_pss_mb": peak_pss / 1024,
+            "peak_anon_mb": peak_anon / 1024, "build_peak_pss_mb": build_peak[0] / 1024,
+            "build_peak_anon_mb": build_peak[1] / 1024,
             "peak_rss_main_mb": _hwm_kib() / 1024, "batch_size": args.batch_size}
 
 
@@ -263,10 +273,15 @@ def run_all(args: argparse.Namespace) -> None:
     paths = generate(args.dir, 2 * args.shards, args.shard_mib)
     train_tokenizer(args.dir, paths[0])
     gen_s = time.perf_counter() - t
-    results = [_child(args, "streaming", args.shards), _child(args, "streaming", 2 * args.shards)]
-    shutil.rmtree(os.path.join(args.dir, "cache"), ignore_errors=True)
-    results += [_child(args, "cold", args.shards), _child(args, "warm", args.shards)]
-    results.append(_child(args, "concat", args.shards))
+    plan = [("streaming", args.shards), ("streaming", 2 * args.shards), ("cold", args.shards),
+            ("warm", args.shards), ("concat", args.shards)]
+    only = set(args.only.split(",")) if args.only else None
+    results = []
+    for variant, shards in plan:
+        if only is None or variant in only:
+            if variant == "cold":
+                shutil.rmtree(os.path.join(args.dir, "cache"), ignore_errors=True)
+            results.append(_child(args, variant, shards))
     payload = {"environment": environment(), "generate_s": gen_s, "args": vars(args), "results": results,
                "cpu_count": os.cpu_count()}
     write_json(args.json, payload)
@@ -288,6 +303,7 @@ def main() -> None:
     p.add_argument("--shuffle-buffer", type=int, default=1024)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the corpus and caches")
+    p.add_argument("--only", default="", help="comma-separated variants to run (default: all)")
     args = p.parse_args()
     if args.command == "variant":
         print(json.dumps(run_variant(args)))

@@ -49,6 +49,18 @@ def render_prompts(prompts: Sequence[Any], tokenizer: Any, where: str) -> tuple[
     return texts, chats
 
 
+def tokenize(texts: list[str], tokenizer: Any, add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of ``texts``, without truncation or padding.
+
+    A fast tokenizer whose backend has no truncation or padding set is called directly (the same ids
+    as ``tokenizer(texts)``, without building attention masks and a ``BatchEncoding``).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    return [list(e) for e in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
 def encode_prompts(prompts: Sequence[Any], tokenizer: Any, where: str) -> tuple[list[str], list[list[int]]]:
     """Render and tokenize a batch of prompts; return ``(texts, input_ids)``."""
     texts, chats = render_prompts(prompts, tokenizer, where)
@@ -56,9 +68,8 @@ def encode_prompts(prompts: Sequence[Any], tokenizer: Any, where: str) -> tuple[
     for flag in (False, True):
         idx = [i for i, c in enumerate(chats) if c == flag]
         if idx:
-            enc = tokenizer([texts[i] for i in idx], add_special_tokens=not flag)["input_ids"]
-            for i, e in zip(idx, enc):
-                ids[i] = list(e)
+            for i, e in zip(idx, tokenize([texts[i] for i in idx], tokenizer, add_special_tokens=not flag)):
+                ids[i] = e
     return texts, ids
 
 

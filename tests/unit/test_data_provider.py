@@ -99,27 +99,29 @@ def test_parallel_preprocessing_gives_the_same_table(shards, tiny_tokenizer):
     assert two.table.equals(one.table) and two.stats == one.stats
 
 
-class CountingTokenizer:
-    """Wraps a tokenizer and counts the texts it encodes."""
+@pytest.fixture
+def encoded(monkeypatch):
+    """Counts the prompts tokenized while building tables."""
+    from rlcore.data import table
 
-    def __init__(self, tok):
-        self.tok, self.calls = tok, 0
+    calls = []
+    original = table.encode_prompts
 
-    def __call__(self, texts, **kw):
-        self.calls += len(texts)
-        return self.tok(texts, **kw)
+    def counting(prompts, tok, where):
+        calls.append(len(prompts))
+        return original(prompts, tok, where)
 
-    def __getattr__(self, name):
-        return getattr(self.tok, name)
+    monkeypatch.setattr(table, "encode_prompts", counting)
+    return calls
 
 
-def test_cache_warm_start_skips_tokenizing_and_change_invalidates(shards, tiny_tokenizer, tmp_path):
+def test_cache_warm_start_skips_tokenizing_and_change_invalidates(shards, tiny_tokenizer, tmp_path, encoded):
     cfg = DataConfig(train_files=shards, max_prompt_length=8, cache_dir=str(tmp_path / "cache"))
-    tok = CountingTokenizer(tiny_tokenizer)
+    tok = tiny_tokenizer
     cold = build_dataset(cfg, tok, "train", DIST)
-    assert not cold.from_cache and tok.calls == 130
+    assert not cold.from_cache and sum(encoded) == 130
     warm = build_dataset(cfg, tok, "train", DIST)
-    assert warm.from_cache and tok.calls == 130 and warm.table.equals(cold.table)
+    assert warm.from_cache and sum(encoded) == 130 and warm.table.equals(cold.table)
     assert warm.stats == cold.stats
     # Other options -> another entry.
     other = build_dataset(DataConfig(train_files=shards, max_prompt_length=9, cache_dir=cfg.cache_dir),
@@ -151,6 +153,17 @@ def test_cached_table_pickles_by_path(shards, tiny_tokenizer, tmp_path):
     blob = pickle.dumps(ds)
     assert len(blob) < 4096
     assert pickle.loads(blob)[17] == ds[17]
+
+
+def test_direct_backend_call_matches_the_tokenizer(tiny_tokenizer):
+    from rlcore.data.collate import tokenize
+
+    texts = ["a b c", "l k", "zz a"]
+    for special in (True, False):
+        assert tokenize(texts, tiny_tokenizer, special) == tiny_tokenizer(texts, add_special_tokens=special)["input_ids"]
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.backend_tokenizer.enable_truncation(2)  # a backend set up to truncate is not called directly
+    assert tokenize(texts, tok, True) == tiny_tokenizer(texts)["input_ids"]
 
 
 def test_tokenizer_change_changes_the_key(shards, tiny_tokenizer):
