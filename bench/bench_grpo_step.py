@@ -24,6 +24,9 @@ rollout backend, gradient checkpointing off: rlcore's default) and ``rlcore-gc``
 gradient checkpointing on, to match TRL).
 
 Run (GPU):  python bench/bench_grpo_step.py --out results/grpo_step.json
+            needs trl (1.16), datasets and rlcore's own dependencies; on an image without them, install
+            their wheels with ``pip install --no-deps --target DIR`` and put DIR, plus a directory
+            holding ``core/`` as ``rlcore`` and ``plugins/`` as ``rlcore/plugins``, on PYTHONPATH.
 Smoke test: python bench/bench_grpo_step.py --tiny     (CPU, tiny shapes; the numbers mean nothing)
 """
 
