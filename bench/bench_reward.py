@@ -6,7 +6,8 @@ random-init Qwen2-0.5B actor, both bf16. For each placement of the reward model 
 * the GPU memory the reward model keeps while the actor generates (resident: its weights; swapped, CPU: none),
 * the largest rollout batch that fits: measured generation memory per sample (slope of the peak memory of
   ``generate`` between two batch sizes) into the memory the actor's training state and the reward model leave,
-  checked by running ``generate`` at that batch under an emulated smaller GPU,
+  then, on an emulated smaller GPU, the largest batch that really runs ``generate`` (bisection below the
+  prediction),
 * the time scoring adds to a step (a rollout of ``--score-batch`` sequences).
 
 Run (GPU):  python bench/bench_reward.py --out results.json
@@ -130,6 +131,29 @@ def fits(actor: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, d
             torch.cuda.empty_cache()
 
 
+def largest_fitting(actor: torch.nn.Module, predicted: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """Largest batch that really generates, by bisection below ``predicted`` (to ``--bisect-tol``).
+
+    Returns ``{"batch", "tries"}``; ``batch`` is 0 when not even a sixteenth of the prediction fits, and
+    ``predicted`` (with ``"at_least": True``) when the prediction itself runs."""
+    if fits(actor, predicted, args.prompt_len, args.new_tokens, device):
+        return {"batch": predicted, "tries": 1, "at_least": True}
+    lo, tries = max(1, predicted // 2), 0
+    while lo > max(1, predicted // 16) and not fits(actor, lo, args.prompt_len, args.new_tokens, device):
+        lo, tries = lo // 2, tries + 1
+    if not fits(actor, lo, args.prompt_len, args.new_tokens, device):
+        return {"batch": 0, "tries": tries + 1}
+    hi = predicted + 1  # first size known (or assumed) not to fit
+    while hi - lo > max(1, int(args.bisect_tol * predicted)):
+        mid = (lo + hi) // 2
+        tries += 1
+        if fits(actor, mid, args.prompt_len, args.new_tokens, device):
+            lo = mid
+        else:
+            hi = mid
+    return {"batch": lo, "tries": tries}
+
+
 def rollout_batch(rm_shape: dict, n: int, prompt_len: int, response_len: int) -> Any:
     from rlcore.protocols import RewardInput
 
@@ -222,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gen-batches", type=int, nargs=2, default=(32, 128), help="batches whose peaks give the slope")
     p.add_argument("--emulate-gb", type=float, default=24.0, help="GPU size on which the batch is checked by running")
     p.add_argument("--margin-gb", type=float, default=1.0, help="memory kept free for fragmentation")
-    p.add_argument("--check-tries", type=int, default=3, help="runs, each at 95%% of the last after an OOM")
+    p.add_argument("--bisect-tol", type=float, default=0.03,
+                   help="stop bisecting for the largest batch that runs when the bracket is this share of the prediction")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     import_rlcore()
@@ -264,13 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in ("resident", "offloaded"):
             hold = torch.empty(int(out["rm_resident_gb"] * GB) if mode == "resident" else 0, dtype=torch.uint8,
                                device=device)  # the resident weights' footprint
-            b, tries = out["batch_emulated"][mode], 0
-            while b > 0 and not fits(actor, b, args.prompt_len, args.new_tokens, device):
-                b, tries = int(b * 0.95), tries + 1
-                if tries >= args.check_tries:
-                    b = -b  # negative: not confirmed within the tries
-                    break
-            checked[mode] = b
+            checked[mode] = largest_fitting(actor, out["batch_emulated"][mode], args, device)
             del hold
         out["batch_emulated_checked"] = checked
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
