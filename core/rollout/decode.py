@@ -27,12 +27,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rlcore.rollout import decode_attention
 from rlcore.rollout.llama import (DecoderSpec, DecoderWeights, LayerWeights, linear_group, mlp_residual,
                                   residual_linear, rms_norm, rotate)
 
 log = logging.getLogger(__name__)
 
-ATTENTION_KINDS = ("sdpa", "matmul")
+ATTENTION_KINDS = ("sdpa", "matmul", "triton")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
@@ -152,10 +153,14 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             as ``G`` query rows, so no key/value head is repeated).
         layer: ``[2, B, KVH, S, D]`` one layer's cache (rows ``0..n-1`` are read).
         bias: ``[n, S]`` additive key mask; every row must have a valid column below ``length``.
-        kind: ``"sdpa"`` (one fused attention kernel) or ``"matmul"`` (two matmuls and a softmax).
+        kind: ``"sdpa"`` (one fused attention kernel), ``"matmul"`` (two matmuls and a softmax)
+            or ``"triton"`` (:mod:`rlcore.rollout.decode_attention`: reads each key/value block
+            once for the ``G`` query rows, needs CUDA or Triton's interpreter).
     Returns:
         ``[n, KVH·G·D]``.
     """
+    if kind == "triton":
+        return decode_attention.attend(q, layer, bias, length)
     n, dim = q.shape[0], q.shape[-1]
     keys, values = layer[0, :n, :, :length], layer[1, :n, :, :length]
     mask = bias[:, None, None, :length]

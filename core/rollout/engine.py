@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from rlcore.rollout import decode, llama
+from rlcore.rollout import decode, decode_attention, llama
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
 
@@ -121,7 +121,10 @@ class RolloutEngine:
             only). If compilation fails the engine logs a warning and runs the plain step.
         compile_mode: ``torch.compile`` mode, ``"default"`` or ``"max-autotune-no-cudagraphs"``
             (the engine does its own graph capture, so modes that add CUDA graphs are refused).
-        attention: ``"sdpa"`` (fused attention kernel) or ``"matmul"`` (two matmuls and a softmax).
+        attention: ``"sdpa"`` (fused attention kernel), ``"matmul"`` (two matmuls and a softmax)
+            or ``"triton"`` (the grouped-query decode kernel of :mod:`rlcore.rollout.decode_attention`,
+            checked once against PyTorch; without Triton or CUDA, or if the check fails, the engine
+            logs a warning and uses ``"sdpa"``).
         attention_length_step: granularity of the attended cache length (default: :func:`length_step`).
     """
 
@@ -161,7 +164,7 @@ class RolloutEngine:
         self.eos_check_interval = max(1, int(eos_check_interval))
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.fused_sampling = bool(fused_sampling)
-        self.attention = attention
+        self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self._plain = decode.step_functions(self.spec)
         self._fns = decode.step_functions(self.spec, compile_mode) if self.compile else self._plain
@@ -171,7 +174,7 @@ class RolloutEngine:
         self._graphs = _Graphs(self) if self.use_cuda_graphs else None
         log.info("rollout engine: %d layers, %d slots x %d tokens, %s on %s, cuda graphs %s, compile %s, "
                  "attention %s", self.spec.num_layers, max_batch_size, max_seq_len, self.dtype, self.device,
-                 "on" if self.use_cuda_graphs else "off", compile_mode if self.compile else "off", attention)
+                 "on" if self.use_cuda_graphs else "off", compile_mode if self.compile else "off", self.attention)
 
     # ------------------------------------------------------------------ public API
 
@@ -228,6 +231,18 @@ class RolloutEngine:
         return batch
 
     # ------------------------------------------------------------------ internals
+
+    def _attention_kind(self, attention: str) -> str:
+        """``attention``, or ``"sdpa"`` when the Triton kernel cannot run here or fails its check."""
+        if attention != "triton":
+            return attention
+        spec = self.spec
+        ok, reason = decode_attention.usable(self.device, self.dtype, spec.num_kv_heads,
+                                             spec.num_heads // spec.num_kv_heads, spec.head_dim)
+        if ok:
+            return attention
+        log.warning("rollout engine: attention 'triton' unavailable (%s); using 'sdpa'", reason)
+        return "sdpa"
 
     def _allocate(self) -> None:
         spec, b, s = self.spec, self.max_batch_size, self.max_seq_len

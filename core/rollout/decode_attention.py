@@ -1,0 +1,258 @@
+"""Grouped-query decode attention in Triton (one new token per slot, flash-decoding style).
+
+The decode step attends each slot's ``G`` query heads of a key/value head to that head's cached
+keys and values. One program handles one (slot, key/value head[, length split]): it holds the
+``G`` query rows (padded to 16 rows for the tensor-core product), walks the filled columns in
+blocks of ``BLOCK_N``, reads each key and value block once for all ``G`` rows, keeps a running
+maximum and sum per row in float32 (online softmax) and accumulates ``P @ V``.
+
+When there are few (slot, head) pairs for the number of multiprocessors (small batches), the
+columns are cut into ``splits`` contiguous chunks, each program writes an unnormalised partial
+result with its running maximum and sum, and a second small kernel merges a pair's chunks.
+
+Everything is read through strides (no copies), the grid and every buffer depend only on
+``(n, length)``, and nothing waits for the device, so the call can be captured in a CUDA graph.
+:func:`usable` says whether the kernels can run here and checks them once against PyTorch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU builds and other accelerators go without
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+BLOCK_N = 64
+#: aim for at least this many programs per multiprocessor before splitting the length
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 16
+#: multiprocessor count assumed off CUDA (the interpreter)
+DEFAULT_SMS = 8
+
+_CHECKED: dict[tuple, tuple[bool, str]] = {}
+
+if triton is not None:
+    _NEG = tl.constexpr(-3.0e38)  # finite start of the running maximum: no inf - inf on empty blocks
+
+    @triton.jit
+    def _attend_part(q_ptr, sq_n, sq_h, sq_g, sq_d,
+                     k_ptr, v_ptr, sc_b, sc_h, sc_s, sc_d,
+                     bias_ptr, sb_n, sb_s,
+                     out_ptr, so_n, so_h, so_g, so_d,
+                     stat_ptr, stat_plane,
+                     group, dim, length, chunk, scale,
+                     SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        slot = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        part = tl.program_id(2)
+        rows = tl.arange(0, BLOCK_G)
+        feats = tl.arange(0, BLOCK_D)
+        cols = tl.arange(0, BLOCK_N)
+        row_ok = rows < group
+        feat_ok = feats < dim
+        q = tl.load(q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g + feats[None, :] * sq_d,
+                    mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
+        k_base = k_ptr + slot * sc_b + head * sc_h + feats[None, :] * sc_d
+        v_base = v_ptr + slot * sc_b + head * sc_h + feats[None, :] * sc_d
+        bias_base = bias_ptr + slot * sb_n
+        run_max = tl.full([BLOCK_G], _NEG, tl.float32)
+        run_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        lo = part * chunk
+        hi = tl.minimum(lo + chunk, length)
+        for start in range(lo, hi, BLOCK_N):
+            col = start + cols
+            col_ok = col < hi
+            at = col.to(tl.int64)[:, None] * sc_s
+            tile_ok = col_ok[:, None] & feat_ok[None, :]
+            k = tl.load(k_base + at, mask=tile_ok, other=0.0)
+            v = tl.load(v_base + at, mask=tile_ok, other=0.0)
+            bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=0.0).to(tl.float32)
+            if IEEE:
+                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = scores * scale + bias[None, :]
+            scores = tl.where(col_ok[None, :], scores, float("-inf"))
+            new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+            p = tl.exp(scores - new_max[:, None])
+            alpha = tl.exp(run_max - new_max)
+            run_sum = run_sum * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            run_max = new_max
+        out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
+        out_ok = row_ok[:, None] & feat_ok[None, :]
+        if SPLIT:
+            out_at = out_at + part * group * dim  # partials are [n, KVH, splits, G, D] float32
+            stat_at = stat_ptr + ((slot * tl.num_programs(1) + head) * tl.num_programs(2) + part) * group + rows
+            tl.store(out_at, acc, mask=out_ok)
+            tl.store(stat_at, run_max, mask=row_ok)
+            tl.store(stat_at + stat_plane, run_sum, mask=row_ok)
+        else:
+            tl.store(out_at, (acc / run_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+
+    @triton.jit
+    def _merge_parts(part_ptr, stat_ptr, stat_plane, out_ptr, so_n, so_h, so_g, so_d, group, dim, splits,
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        slot = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        rows = tl.arange(0, BLOCK_G)
+        feats = tl.arange(0, BLOCK_D)
+        ok = (rows < group)[:, None] & (feats < dim)[None, :]
+        pair = slot * tl.num_programs(1) + head
+        run_max = tl.full([BLOCK_G], _NEG, tl.float32)
+        run_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for part in range(0, splits):
+            index = pair * splits + part
+            stat_at = stat_ptr + index * group + rows
+            part_max = tl.load(stat_at, mask=rows < group, other=_NEG)
+            part_sum = tl.load(stat_at + stat_plane, mask=rows < group, other=1.0)  # padded rows: no 0 / 0
+            part_acc = tl.load(part_ptr + index * group * dim + rows[:, None] * dim + feats[None, :],
+                               mask=ok, other=0.0)
+            new_max = tl.maximum(run_max, part_max)
+            old = tl.exp(run_max - new_max)
+            new = tl.exp(part_max - new_max)
+            run_sum = run_sum * old + part_sum * new
+            acc = acc * old[:, None] + part_acc * new[:, None]
+            run_max = new_max
+        out = acc / run_sum[:, None]
+        tl.store(out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d,
+                 out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the kernels can run on ``device``: CUDA with Triton, or Triton's CPU interpreter
+    (``TRITON_INTERPRET=1``, for tests)."""
+    device = torch.device(device)
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count
+
+
+def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int]:
+    """``(splits, chunk)``: how many chunks the ``length`` columns are cut into and their width.
+
+    ``pairs`` is the number of (slot, key/value head) programs without splitting. By default a
+    pair's columns are split only when there are fewer than :data:`PROGRAMS_PER_SM` programs per
+    multiprocessor, into enough chunks to reach that (at most :data:`MAX_SPLITS`, at least one
+    ``block_n`` block each). ``chunk`` is a multiple of ``block_n`` and every chunk is non-empty.
+    """
+    blocks = -(-length // block_n)
+    if splits is None:
+        target = PROGRAMS_PER_SM * sms
+        splits = -(-target // max(pairs, 1)) if pairs < target else 1
+    splits = max(1, min(int(splits), blocks, MAX_SPLITS))
+    chunk = -(-blocks // splits) * block_n
+    return -(-length // chunk), chunk
+
+
+def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
+           block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """Attention of one query token per slot over cache columns ``0..length-1`` (see
+    :func:`rlcore.rollout.decode.attend` for the shapes).
+
+    Args:
+        q: ``[n, KVH, G, D]`` queries, any strides.
+        layer: ``[2, B, KVH, S, D]`` one layer's cache, rows ``0..n-1`` read, any strides.
+        bias: ``[n, S]`` additive key mask (0 or ``-inf``); every row needs a valid column below ``length``.
+        splits: chunks per (slot, head) along the length (default: :func:`plan`'s rule).
+        block_n, num_warps, num_stages: kernel tuning (``block_n`` a power of two >= 16).
+    Returns:
+        ``[n, KVH·G·D]`` in ``q``'s dtype.
+    """
+    n, kv_heads, group, dim = q.shape
+    device = q.device
+    if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
+        raise ValueError(f"decode attention: length {length} outside the cache's {layer.shape[3]} columns, "
+                         f"or fewer cache/bias rows ({layer.shape[1]}, {bias.shape[0]}) than queries ({n})")
+    out = torch.empty(n, kv_heads, group, dim, dtype=q.dtype, device=device)
+    if n == 0:
+        return out.view(n, -1)
+    splits, chunk = plan(n * kv_heads, length, _sm_count(device.type, device.index), splits, block_n)
+    block_g = max(16, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(dim))
+    keys, values = layer[0], layer[1]
+    options = dict(num_warps=num_warps)
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    shared = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
+    sizes = (group, dim, length, chunk, dim ** -0.5)
+    # the interpreter multiplies bfloat16 as raw integers, so it takes the float32 products
+    ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    constants = dict(IEEE=ieee, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
+    if splits == 1:
+        _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, *sizes, SPLIT=False,
+                                       **constants, **options)
+        return out.view(n, -1)
+    parts = torch.empty(n, kv_heads, splits, group, dim, dtype=torch.float32, device=device)
+    stats = torch.empty(2, n, kv_heads, splits, group, dtype=torch.float32, device=device)
+    plane = stats[0].numel()
+    _attend_part[(n, kv_heads, splits)](*shared, parts, *parts.stride()[:2], dim, 1, stats, plane, *sizes,
+                                        SPLIT=True, **constants, **options)
+    _merge_parts[(n, kv_heads)](parts, stats, plane, out, *out.stride(), group, dim, splits,
+                                BLOCK_G=block_g, BLOCK_D=block_d, num_warps=num_warps)
+    return out.view(n, -1)
+
+
+def reference(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int) -> torch.Tensor:
+    """The same attention in float32 PyTorch (two matmuls and a softmax): ``[n, KVH·G·D]`` float32."""
+    n, dim = q.shape[0], q.shape[-1]
+    keys, values = layer[0, :n, :, :length].float(), layer[1, :n, :, :length].float()
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * dim ** -0.5 + bias[:, None, None, :length].float()
+    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(n, -1)
+
+
+def usable(device: torch.device | str, dtype: torch.dtype, kv_heads: int, group: int,
+           head_dim: int) -> tuple[bool, str]:
+    """``(ok, reason)``: whether the kernels run on ``device`` and agree with :func:`reference`
+    on a small random input of this head layout, whole and split (checked once per layout)."""
+    device = torch.device(device)
+    if triton is None:
+        return False, "triton is not installed"
+    if not available(device):
+        return False, f"device {device} is not CUDA"
+    key = (str(device), dtype, kv_heads, group, head_dim)
+    if key not in _CHECKED:
+        _CHECKED[key] = _self_check(device, dtype, kv_heads, group, head_dim)
+    return _CHECKED[key]
+
+
+def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: int,
+                head_dim: int) -> tuple[bool, str]:
+    gen = torch.Generator().manual_seed(0)
+    n, slots, columns, length = 3, 4, 2 * BLOCK_N + 8, BLOCK_N + 24
+    layer = torch.randn(2, slots, kv_heads, columns, head_dim, generator=gen).to(device, dtype)
+    q = torch.randn(n, kv_heads, group, head_dim, generator=gen).to(device, dtype)
+    bias = torch.zeros(n, columns)
+    bias[0, 5:40] = float("-inf")
+    bias[1, length - 30:] = float("-inf")
+    bias = bias.to(device, dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    try:
+        expected = reference(q, layer, bias, length)
+        for splits in (1, 2):
+            got = attend(q, layer, bias, length, splits=splits).float()
+            if not torch.allclose(got, expected, atol=tolerance, rtol=tolerance):
+                error = float((got - expected).abs().max())
+                return False, f"disagrees with PyTorch attention (splits {splits}, max abs error {error:.3g})"
+    except Exception as error:  # noqa: BLE001 - any failure means: use the PyTorch path
+        return False, f"{type(error).__name__}: {str(error)[:300]}"
+    return True, "ok"

@@ -1,0 +1,136 @@
+"""The Triton decode-attention kernel against the PyTorch attention of the decode step, and the
+engine's ``attention="triton"`` option (run through Triton's interpreter on CPU when installed)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rlcore.rollout import decode, decode_attention
+from rlcore.rollout.base import SamplingParams
+from rlcore.rollout.engine import RolloutEngine
+from rlcore.rollout.tiny import tiny_causal_lm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernel = pytest.mark.skipif(
+    decode_attention.triton is None or not decode_attention.available(DEVICE),
+    reason="needs Triton and CUDA or TRITON_INTERPRET=1")
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [5, 6, 7]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+def make_case(group: int, dim: int, dtype=torch.float32, n: int = 3, slots: int = 5, kv_heads: int = 2,
+              columns: int = 160, length: int = 136, seed: int = 0):
+    """Random q (non-contiguous), a layer cache with more slots than ``n``, ragged key masks."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, group, kv_heads, dim, generator=gen).transpose(1, 2)  # [n, KVH, G, D], strided
+    layer = torch.randn(2, slots, kv_heads, columns, dim, generator=gen)
+    bias = torch.zeros(n, columns)
+    bias[0, 10:90] = float("-inf")  # a hole in the middle, across a block boundary
+    if n > 1:
+        bias[1, length - 50:] = float("-inf")  # the tail cut off
+    if n > 2:
+        bias[2, 1:] = float("-inf")  # one visible key
+    return q.to(DEVICE, dtype), layer.to(DEVICE, dtype), bias.to(DEVICE, dtype), length
+
+
+def test_plan_splits_only_small_batches():
+    assert decode_attention.plan(512, 320, sms=132) == (1, 320)
+    splits, chunk = decode_attention.plan(128, 320, sms=132)
+    assert splits == 3 and chunk % decode_attention.BLOCK_N == 0 and (splits - 1) * chunk < 320 <= splits * chunk
+    assert decode_attention.plan(2, 100, sms=132) == (2, 64)  # never more chunks than blocks
+    assert decode_attention.plan(2, 4096, sms=132)[0] == decode_attention.MAX_SPLITS
+    assert decode_attention.plan(4, 136, sms=8, splits=3) == (3, 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("dim", [16, 64])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_matches_the_pytorch_attention(group, dim, splits):
+    q, layer, bias, length = make_case(group, dim)
+    got = decode_attention.attend(q, layer, bias, length, splits=splits)
+    assert got.shape == (3, 2 * group * dim) and got.dtype == torch.float32
+    for kind in ("matmul", "sdpa"):
+        expected = decode.attend(q, layer, bias, length, kind)
+        assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), kind
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_in_half_precision(dtype):
+    q, layer, bias, length = make_case(7, 64, dtype, length=100)
+    expected = decode_attention.reference(q, layer, bias, length)
+    for splits in (1, 2):
+        got = decode_attention.attend(q, layer, bias, length, splits=splits)
+        assert got.dtype == dtype
+        assert torch.allclose(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_default_split_rule_and_a_single_slot():
+    q, layer, bias, length = make_case(2, 16, n=1, columns=208, length=200)
+    assert decode_attention.plan(2, 200, decode_attention._sm_count(q.device.type, q.device.index))[0] > 1
+    got = decode_attention.attend(q, layer, bias, length)
+    assert torch.allclose(got, decode.attend(q, layer, bias, length, "matmul"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or decode_attention.triton is None, reason="needs CUDA")
+def test_kernel_replays_in_a_cuda_graph():
+    q, layer, bias, length = make_case(7, 64, torch.bfloat16, n=4, slots=8)
+    decode_attention.attend(q, layer, bias, length)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention.attend(q, layer, bias, length)
+    q.normal_()
+    graph.replay()
+    expected = decode_attention.reference(q, layer, bias, length)
+    assert torch.allclose(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    return tiny_causal_lm("qwen2")
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_engine_with_triton_attention_matches_sdpa(qwen2):
+    expected = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8,
+                             admit_fraction=0.0).generate(PROMPTS, GREEDY)
+    engine = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
+                           attention="triton")
+    assert engine.attention == "triton"
+    got = engine.generate(PROMPTS, GREEDY)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+
+
+def test_engine_falls_back_to_sdpa_where_the_kernel_cannot_run(qwen2, monkeypatch, caplog):
+    monkeypatch.setattr(decode_attention, "available", lambda device: False)
+    with caplog.at_level(logging.WARNING, logger="rlcore.rollout.engine"):
+        engine = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=16, attention="triton")
+    assert engine.attention == "sdpa"
+    assert len([r for r in caplog.records if "attention 'triton' unavailable" in r.getMessage()]) == 1
+    expected = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=16).generate(PROMPTS[:3], GREEDY)
+    got = engine.generate(PROMPTS[:3], GREEDY)
+    assert torch.equal(got.response_ids, expected.response_ids)
+
+
+@needs_kernel
+def test_engine_falls_back_when_the_self_check_disagrees(qwen2, monkeypatch, caplog):
+    monkeypatch.setattr(decode_attention, "_CHECKED", {})
+    monkeypatch.setattr(decode_attention, "attend", lambda q, layer, bias, length, **kw: torch.zeros_like(
+        decode_attention.reference(q, layer, bias, length)))
+    with caplog.at_level(logging.WARNING, logger="rlcore.rollout.engine"):
+        engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention="triton")
+    assert engine.attention == "sdpa"
+    assert any("disagrees" in r.getMessage() for r in caplog.records)
+
+
+def test_unknown_attention_kind_is_refused(qwen2):
+    with pytest.raises(ValueError, match="attention"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention="flash")
+
