@@ -8,10 +8,11 @@ step: bytes (weights + the KV cache at the mean context) over the measured copy 
 FLOPs over the measured bf16 matmul rate.
 
 The engine is timed in several configurations (``--variants``: the defaults, without
-``torch.compile``, with matmul attention, with the PyTorch sampler), each after capturing its
-graphs; for each the device time of one replayed decode graph (at the mean context's attention
-length) and of one sampling call are reported too, and ``--profile`` lists the kernels of one
-un-graphed step. ``--skip-dynamic`` and ``--static-batches`` leave out the slow HF runs.
+``torch.compile``, with matmul attention, with the PyTorch sampler, with the Triton decode
+attention), each after capturing its graphs; for each the device time of one replayed decode
+graph (at the mean context's attention length) and of one sampling call are reported too, and
+``--profile`` lists the kernels of one un-graphed step. ``--skip-dynamic`` and
+``--static-batches`` leave out the slow HF runs.
 
 Before timing, ``--check`` (on by default on GPU) compares the engine with HF ``generate`` on the
 device: greedy tokens of a tiny float32 model (must be equal, CUDA graphs on, continuous batching
@@ -130,6 +131,7 @@ VARIANTS = {
     "engine_uncompiled": {"compile": False},
     "engine_matmul_attn": {"attention": "matmul"},
     "engine_torch_sampler": {"fused_sampling": False},
+    "engine_triton_attn": {"attention": "triton"},
 }
 
 
