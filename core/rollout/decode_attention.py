@@ -46,9 +46,11 @@ if triton is not None:
                      bias_ptr, sb_n, sb_s,
                      out_ptr, so_n, so_h, so_g, so_d,
                      stat_ptr, stat_plane,
-                     group, dim, length, chunk, scale,
+                     length, chunk, scale, group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        # group and dim are compile-time constants so that, with dim a power of two, the feature
+        # masks fold away and the key/value rows load as full vectors
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         part = tl.program_id(2)
@@ -102,8 +104,8 @@ if triton is not None:
             tl.store(out_at, (acc / run_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
 
     @triton.jit
-    def _merge_parts(part_ptr, stat_ptr, stat_plane, out_ptr, so_n, so_h, so_g, so_d, group, dim, splits,
-                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _merge_parts(part_ptr, stat_ptr, stat_plane, out_ptr, so_n, so_h, so_g, so_d, splits,
+                     group: tl.constexpr, dim: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         rows = tl.arange(0, BLOCK_G)
@@ -194,10 +196,10 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
     if num_stages is not None:
         options["num_stages"] = num_stages
     shared = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
-    sizes = (group, dim, length, chunk, dim ** -0.5)
+    sizes = (length, chunk, dim ** -0.5)
     # the interpreter multiplies bfloat16 as raw integers, so it takes the float32 products
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    constants = dict(IEEE=ieee, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
+    constants = dict(group=group, dim=dim, IEEE=ieee, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, *sizes, SPLIT=False,
                                        **constants, **options)
@@ -207,7 +209,7 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
     plane = stats[0].numel()
     _attend_part[(n, kv_heads, splits)](*shared, parts, *parts.stride()[:2], dim, 1, stats, plane, *sizes,
                                         SPLIT=True, **constants, **options)
-    _merge_parts[(n, kv_heads)](parts, stats, plane, out, *out.stride(), group, dim, splits,
+    _merge_parts[(n, kv_heads)](parts, stats, plane, out, *out.stride(), splits, group=group, dim=dim,
                                 BLOCK_G=block_g, BLOCK_D=block_d, num_warps=num_warps)
     return out.view(n, -1)
 
