@@ -131,7 +131,7 @@ VARIANTS = {
     "engine_uncompiled": {"compile": False},
     "engine_matmul_attn": {"attention": "matmul"},
     "engine_torch_sampler": {"fused_sampling": False},
-    "engine_triton_attn": {"attention": "triton"},
+    "engine_sdpa_attn": {"attention": "sdpa"},
 }
 
 

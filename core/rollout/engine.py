@@ -121,10 +121,11 @@ class RolloutEngine:
             only). If compilation fails the engine logs a warning and runs the plain step.
         compile_mode: ``torch.compile`` mode, ``"default"`` or ``"max-autotune-no-cudagraphs"``
             (the engine does its own graph capture, so modes that add CUDA graphs are refused).
-        attention: ``"sdpa"`` (fused attention kernel), ``"matmul"`` (two matmuls and a softmax)
-            or ``"triton"`` (the grouped-query decode kernel of :mod:`rlcore.rollout.decode_attention`,
-            checked once against PyTorch; without Triton or CUDA, or if the check fails, the engine
-            logs a warning and uses ``"sdpa"``).
+        attention: ``"auto"`` (default: ``"triton"`` where it can run, else ``"sdpa"``), ``"sdpa"``
+            (PyTorch's fused attention), ``"matmul"`` (two matmuls and a softmax) or ``"triton"`` (the
+            grouped-query decode kernel of :mod:`rlcore.rollout.decode_attention`, checked once against
+            PyTorch; without Triton or CUDA, or if the check fails, the engine logs a warning and uses
+            ``"sdpa"``).
         attention_length_step: granularity of the attended cache length (default: :func:`length_step`).
     """
 
@@ -133,13 +134,14 @@ class RolloutEngine:
                  graph_batch_buckets: Sequence[int] = DEFAULT_BUCKETS, share_weights: bool | None = None,
                  admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
-                 attention: str = "sdpa", attention_length_step: int | None = None):
+                 attention: str = "auto", attention_length_step: int | None = None):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
             raise ValueError(f"RolloutEngine: max_seq_len must be >= 2, got {max_seq_len}")
-        if attention not in decode.ATTENTION_KINDS:
-            raise ValueError(f"RolloutEngine: attention {attention!r} is not one of {decode.ATTENTION_KINDS}")
+        if attention != "auto" and attention not in decode.ATTENTION_KINDS:
+            raise ValueError(f"RolloutEngine: attention {attention!r} is not one of "
+                             f"{('auto',) + tuple(decode.ATTENTION_KINDS)}")
         if compile_mode not in decode.COMPILE_MODES:
             raise ValueError(f"RolloutEngine: compile_mode {compile_mode!r} is not one of {decode.COMPILE_MODES}")
         self.spec = llama.decoder_spec(model)
@@ -233,14 +235,17 @@ class RolloutEngine:
     # ------------------------------------------------------------------ internals
 
     def _attention_kind(self, attention: str) -> str:
-        """``attention``, or ``"sdpa"`` when the Triton kernel cannot run here or fails its check."""
-        if attention != "triton":
+        """``attention``, or ``"sdpa"`` when the Triton kernel cannot run here or fails its check
+        (``"auto"`` picks the kernel where it runs, quietly ``"sdpa"`` off CUDA)."""
+        if attention not in ("triton", "auto"):
             return attention
+        if attention == "auto" and self.device.type != "cuda":
+            return "sdpa"
         spec = self.spec
         ok, reason = decode_attention.usable(self.device, self.dtype, spec.num_kv_heads,
                                              spec.num_heads // spec.num_kv_heads, spec.head_dim)
         if ok:
-            return attention
+            return "triton"
         log.warning("rollout engine: attention 'triton' unavailable (%s); using 'sdpa'", reason)
         return "sdpa"
 

@@ -38,7 +38,8 @@ def make_case(group: int, dim: int, dtype=torch.float32, n: int = 3, slots: int 
 
 def test_plan_splits_only_small_batches():
     assert decode_attention.plan(512, 320, sms=132) == (1, 320)
-    splits, chunk = decode_attention.plan(128, 320, sms=132)
+    assert decode_attention.plan(128, 320, sms=132) == (1, 320)  # 128 programs on 132 SMs: no split
+    splits, chunk = decode_attention.plan(32, 320, sms=132)
     assert splits == 3 and chunk % decode_attention.BLOCK_N == 0 and (splits - 1) * chunk < 320 <= splits * chunk
     assert decode_attention.plan(2, 100, sms=132) == (2, 64)  # never more chunks than blocks
     assert decode_attention.plan(2, 4096, sms=132)[0] == decode_attention.MAX_SPLITS
@@ -99,13 +100,13 @@ def qwen2():
 @pytest.mark.slow
 def test_engine_with_triton_attention_matches_sdpa(qwen2):
     expected = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8,
-                             admit_fraction=0.0).generate(PROMPTS, GREEDY)
+                             admit_fraction=0.0, device=DEVICE, attention="sdpa").generate(PROMPTS, GREEDY)
     engine = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
-                           attention="triton")
+                           attention="triton", device=DEVICE)
     assert engine.attention == "triton"
     got = engine.generate(PROMPTS, GREEDY)
     assert torch.equal(got.response_ids, expected.response_ids)
-    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+    assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
 
 
 def test_engine_falls_back_to_sdpa_where_the_kernel_cannot_run(qwen2, monkeypatch, caplog):
@@ -125,7 +126,7 @@ def test_engine_falls_back_when_the_self_check_disagrees(qwen2, monkeypatch, cap
     monkeypatch.setattr(decode_attention, "attend", lambda q, layer, bias, length, **kw: torch.zeros_like(
         decode_attention.reference(q, layer, bias, length)))
     with caplog.at_level(logging.WARNING, logger="rlcore.rollout.engine"):
-        engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention="triton")
+        engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention="triton", device=DEVICE)
     assert engine.attention == "sdpa"
     assert any("disagrees" in r.getMessage() for r in caplog.records)
 
