@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_grpo_step.json"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
+    parser.add_argument("--shape", default=None, help="model shape of bench_rollout.SHAPES (default qwen2-0.5b)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--micro", type=int, default=None, help="sequences per forward/backward micro-batch")
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_rollout import SHAPES
 
     spec = dict(PRESETS["tiny" if args.tiny else "full"])
-    for key in ("warmup", "steps", "micro"):
+    for key in ("shape", "warmup", "steps", "micro"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
     spec["device"] = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
