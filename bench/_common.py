@@ -40,6 +40,9 @@ def environment() -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                     sms=props.multi_processor_count)
+    if os.environ.get("RLCORE_BENCH_COMMIT"):  # a copied tree whose .git may lag behind its files
+        info["commit"] = os.environ["RLCORE_BENCH_COMMIT"]
+        return info
     try:
         info["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True, timeout=10).stdout.strip() or None

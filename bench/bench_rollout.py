@@ -132,6 +132,7 @@ VARIANTS = {
     "engine_matmul_attn": {"attention": "matmul"},
     "engine_torch_sampler": {"fused_sampling": False},
     "engine_sdpa_attn": {"attention": "sdpa"},
+    "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
 }
 
 
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--static-batches", default="", help="run HF static cache only at these batch sizes")
     parser.add_argument("--skip-dynamic", action="store_true",
                         help="time only HF's 1-token call (for the static-cache step estimate), not its full run")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "engine_autotune"),
                         help=f"engine configurations to time, from {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true", help="list the kernels of one decode step (first case)")
     parser.add_argument("--no-check", action="store_true")
