@@ -316,6 +316,8 @@ def test_graceful_exit_turns_the_first_signal_into_a_request():
 
     from rlcore.trainer.checkpoint import GracefulExit
 
+    # a job started in the background inherits SIGINT ignored; the test wants Python's own handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGTERM)
     with GracefulExit() as stop:
         assert not stop.requested
