@@ -19,7 +19,7 @@ from rlcore.config.schema import RLCoreConfig
 from rlcore.errors import ConfigError
 
 # Dict-typed fields whose keys are free-form (not checked against the schema).
-_FREE_FORM = {"kwargs", "plugin_config", "weights"}
+_FREE_FORM = {"kwargs", "plugin_config", "weights", "rank_groups"}
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.adv_estimator": ("gae", "grpo", "rloo"),
@@ -141,6 +141,36 @@ def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[str]]:
     return tree, errors
 
 
+def _rank_group_problems(value: Any) -> list[str]:
+    """Problems of a ``placement.rank_groups`` value (role -> list of ranks) that need no world size."""
+    from rlcore.protocols import ROLES
+
+    if not isinstance(value, dict):
+        return [f"'placement.rank_groups' must map a role to a list of ranks, e.g. {{reward: [0]}}; got {value!r}"]
+    problems = []
+    for role, ranks in value.items():
+        key = f"placement.rank_groups.{role}"
+        if role not in ROLES:
+            near = difflib.get_close_matches(str(role), ROLES, n=1, cutoff=0.6)
+            problems.append(f"'{key}': unknown role '{role}' (roles: {', '.join(ROLES)})"
+                            + (f"; did you mean '{near[0]}'?" if near else ""))
+        elif not isinstance(ranks, (list, tuple)):
+            problems.append(f"'{key}' must be a list of global ranks, e.g. [0]; got {ranks!r}")
+        elif not ranks:
+            problems.append(f"'{key}' is empty (leave the role out to keep it on every rank)")
+        else:
+            bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 0]
+            if bad:
+                problems.append(f"'{key}': ranks must be integers >= 0, got {bad}")
+            elif len(set(ranks)) != len(ranks):
+                problems.append(f"'{key}': {list(ranks)} repeats a rank")
+    return problems
+
+
+#: Checks run on a key's raw value before it is merged (their messages name the exact key).
+_PRECHECKS = {"placement.rank_groups": _rank_group_problems}
+
+
 def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> None:
     for key, value in _flatten(source):
         if not key:
@@ -151,6 +181,11 @@ def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> No
             continue
         if key in LIST_KEYS and isinstance(value, str):
             value = [value]
+        if key in _PRECHECKS:
+            problems = _PRECHECKS[key](value)
+            if problems:
+                errors.extend(f"{origin}: {p}" for p in problems)
+                continue
         try:
             OmegaConf.update(base, key, value, merge=True, force_add=SCHEMA_KEYS.get(key, True))
         except OmegaConfBaseException as e:

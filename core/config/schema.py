@@ -303,6 +303,17 @@ class TrainerConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Where the roles live over the ranks of a distributed run (see docs/distributed.md, Placement)."""
+
+    #: Role -> the global ranks that hold it, e.g. {reward: [0]}; a role not named is on every rank,
+    #: and empty = every role on every rank. Only ``reward`` may be split in this version (actor,
+    #: critic and ref train with FSDP over all ranks): the reward model loads on its ranks only and
+    #: the other ranks' samples are scored there.
+    rank_groups: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class RLCoreConfig:
     #: Plugins to load by name from the ``rlcore.plugins`` entry-point group.
     plugins: list[str] = field(default_factory=list)
@@ -317,5 +328,7 @@ class RLCoreConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     #: Global FSDP defaults (the seed's top-level ``fsdp``); ``actor.fsdp`` / ``critic.fsdp`` refine them.
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    #: Which ranks hold each role (default: every role on every rank).
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     #: Free-form sections of plugins, keyed by plugin name (``plugin_config.<name>.<key>``).
     plugin_config: dict[str, Any] = field(default_factory=dict)

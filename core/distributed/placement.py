@@ -4,6 +4,9 @@ The default keeps every role on every rank (colocated). ``PlacementRequest.rank_
 roles over pools of ranks instead, e.g. ``{"actor": [0, 1, 2], "critic": [0, 1, 2], "reward": [3]}``:
 a role named there lives only on its ranks, a role not named stays on every rank. The request is
 checked against the world size when the policy is built, and every problem is reported at once.
+
+The trainer accepts a split of the ``reward`` role only (:func:`check_trainer_placement`): actor,
+critic and ref train, or are sharded like the actor, with FSDP over every rank.
 """
 
 from __future__ import annotations
@@ -140,3 +143,27 @@ class ColocatedPlacement:
     def describe(self) -> dict[str, list[int]]:
         """``role -> ranks`` for every role (for logs)."""
         return {role: list(self.ranks_for(role)) for role in ROLES}
+
+
+#: Roles the trainer keeps on every rank: the actor and critic train with FSDP over all ranks, and
+#: the reference policy is sharded like the actor.
+FULL_WORLD_ROLES = ("actor", "critic", "ref")
+
+
+def check_trainer_placement(placement: Any, world_size: int) -> None:
+    """Refuse a layout the trainer cannot run: any of :data:`FULL_WORLD_ROLES` on a subset of the ranks.
+
+    :param placement: a built placement policy (its ``ranks_for`` is read).
+    :raises PlacementError: naming each such role, its ranks, and why only ``reward`` can be split.
+    """
+    partial = {r: list(placement.ranks_for(r)) for r in FULL_WORLD_ROLES}
+    partial = {r: ranks for r, ranks in partial.items() if len(ranks) != world_size}
+    if not partial:
+        return
+    lines = [f"placement.rank_groups.{r} = {ranks} puts '{r}' on {len(ranks)} of the {world_size} ranks"
+             for r, ranks in partial.items()]
+    raise PlacementError(
+        "invalid placement:\n" + "\n".join(f"  - {line}" for line in lines) + "\n"
+        "Only the 'reward' role can be split over ranks in this version: actor and critic train with FSDP "
+        "over every rank and the reference policy is sharded like the actor, so each must be on all ranks. "
+        "Remove them from placement.rank_groups (or list every rank).")

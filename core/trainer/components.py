@@ -125,15 +125,48 @@ def _load_rows(dataset: Any, limit: int) -> list:
     return rows
 
 
+def build_placement(pm: Any, dist: DistInfo, actor_cfg: Any, critic_cfg: Any, reward_model_cfg: Any,
+                    placement_cfg: Any) -> Any:
+    """The placement policy for the role devices and ``placement.rank_groups``, checked against the
+    world size and against what the trainer runs (only ``reward`` may be split).
+
+    :raises PlacementError: a device that does not exist, rank groups that do not fit the world, or
+        actor, critic or ref on a subset of the ranks.
+    """
+    from rlcore.distributed.placement import check_trainer_placement
+
+    placement = pm.build("rlcore_placement_policy", request=PlacementRequest(
+        actor=actor_cfg.device, critic=critic_cfg.device, ref=actor_cfg.device, reward=reward_model_cfg.device,
+        reward_offload=bool(reward_model_cfg.offload),
+        rank_groups={role: list(ranks) for role, ranks in placement_cfg.rank_groups.items()}), dist=dist)
+    check_trainer_placement(placement, dist.world_size)
+    return placement
+
+
+def build_reward(cfg: DictConfig, pm: Any, placement: Any, tokenizer: Any, dist: DistInfo) -> Any:
+    """This rank's reward backend from the ``rlcore_reward_backend`` hook. With the reward role on a
+    subset of the ranks, only those ranks build it (and load the reward model); every rank gets a
+    :class:`~rlcore.rewards.routed.RoutedReward` that scores its samples there."""
+    from rlcore.rewards.routed import build_routed_reward
+
+    def build() -> Any:
+        rewards: dict[str, Any] = {}
+        pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
+        return pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
+                        reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
+                        placement=placement, tokenizer=tokenizer, rewards=rewards)
+
+    return build_routed_reward(build, placement, dist)
+
+
 def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     """Load models and build every component. Only this function reads across sections."""
     data_cfg, actor_cfg, critic_cfg = obj(cfg.data), obj(cfg.actor), obj(cfg.critic)
     tcfg, ppo, algo = obj(cfg.trainer), obj(cfg.ppo), obj(cfg.algorithm)
     torch.manual_seed(tcfg.seed)
 
-    placement = pm.build("rlcore_placement_policy", request=PlacementRequest(
-        actor=actor_cfg.device, critic=critic_cfg.device, ref=actor_cfg.device,
-        reward=cfg.reward_model.device, reward_offload=bool(cfg.reward_model.offload)), dist=dist)
+    # Placement first: a layout that does not fit the world fails before anything loads.
+    placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement))
     device = placement.device_for("actor")
     model_path = actor_cfg.model_path or _demo_model(tcfg.output_dir, dist)
     tokenizer = models.load_tokenizer(model_path)
@@ -157,11 +190,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     loader = PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist)
 
     # Reward and checkpoint policies next: a bad reward model path fails before the actor loads.
-    rewards: dict[str, Any] = {}
-    pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
-    reward = pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
-                      reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
-                      placement=placement, tokenizer=tokenizer, rewards=rewards)
+    reward = build_reward(cfg, pm, placement, tokenizer, dist)
     checkpoint = pm.build("rlcore_checkpoint_policy", trainer=tcfg, dist=dist)
     reshard = pm.build("rlcore_reshard_policy", fsdp=resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp),
                        remeshing=actor_cfg.remeshing, dist=dist)
