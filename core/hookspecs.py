@@ -99,9 +99,10 @@ def rlcore_dataset_provider(
 def rlcore_placement_policy(request: PlacementRequest, dist: DistInfo) -> Optional[PlacementPolicy]:
     """Decide where each role (actor, critic, ref, reward) lives.
 
-    :param request: the device asked for per role, from the config.
+    :param request: the device asked for per role and the rank groups of ``placement.rank_groups``.
     :param dist: rank, world size and the local device.
     :returns: a :class:`~rlcore.protocols.PlacementPolicy` (validated against the world size), or None.
+        The trainer then refuses actor, critic or ref on a subset of the ranks.
     """
 
 
@@ -128,6 +129,10 @@ def rlcore_reward_backend(
     rewards: dict[str, Callable[..., Any]],
 ) -> Optional[RewardBackend]:
     """Build the scorer of rollouts.
+
+    Called on the ranks that hold the reward role only: every rank, unless
+    ``placement.rank_groups.reward`` names some, in which case the trainer sends the other ranks'
+    samples to those ranks and their scores back.
 
     :param reward_model: the ``reward_model`` section.
     :param reward_function: the ``custom_reward_function`` section.

@@ -31,6 +31,7 @@ def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int) -> list
         ("fsdp.", world_size == 1, "a single process does not shard (start with torchrun or trainer.nproc_per_node)"),
         ("actor.fsdp.", world_size == 1, "a single process does not shard"),
         ("critic.fsdp.", world_size == 1, "a single process does not shard"),
+        ("placement.", world_size == 1, "a single process holds every role"),
         ("critic.", cfg.algorithm.adv_estimator != "gae",
          f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic"),
         ("reward_model.", not cfg.reward_model.enable, "reward_model.enable is false"),
