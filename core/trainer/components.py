@@ -263,8 +263,11 @@ def _demo_model(output_dir: str, dist: DistInfo) -> str:
     from rlcore.demo import ensure_demo_model
 
     root = os.path.join(output_dir, "_demo")
-    if dist.is_main:
-        ensure_demo_model(root)
+    # Building the model draws from the global RNG: fork it so a first run (which builds) and a
+    # later one (which loads) train from the same random state.
+    with torch.random.fork_rng(devices=[]):
+        if dist.is_main:
+            ensure_demo_model(root)
     if dist.distributed:
         torch.distributed.barrier()
     return ensure_demo_model(root)
