@@ -143,7 +143,7 @@ def rlcore_overrides(spec: dict[str, Any], gradient_checkpointing: bool) -> list
             f"custom_reward_function.path={spec['reward_file']}", "custom_reward_function.name=compute_score",
             f"trainer.max_steps={spec['warmup'] + spec['steps']}", "trainer.progress=false",
             "trainer.gpu_monitor=true", f"trainer.output_dir={spec['run_dir']}", "trainer.resume=disable",
-            "trainer.export_final=false", f"trainer.device={spec['device']}"]
+            "trainer.export_final=false", f"trainer.device={spec['device']}", *spec.get("rlcore_overrides", [])]
 
 
 def run_rlcore(spec: dict[str, Any], gradient_checkpointing: bool) -> dict[str, Any]:
@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_grpo_step.json"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
+    parser.add_argument("--rlcore-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for the rlcore systems (repeatable), e.g. "
+                             "trainer.enable_profiling=true to write a trace of the measured steps")
     parser.add_argument("--shape", default=None, help="model shape of bench_rollout.SHAPES (default qwen2-0.5b)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
@@ -334,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
     spec["device"] = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    spec["rlcore_overrides"] = list(args.rlcore_override)
     spec["vocab"] = SHAPES[spec["shape"]]["vocab_size"]
     spec["rows"] = spec["prompts"] * (spec["warmup"] + spec["steps"] + 1)
     spec["workdir"] = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="grpo_step_"))
