@@ -149,3 +149,16 @@ def test_changed_dataset_restarts_the_epoch(caplog):
     bigger = PromptLoader(RowsDataset(ROWS.rows + ROWS.rows[:5]), DataConfig(shuffle=False), 5, 0, DistInfo())
     bigger.load_state_dict(state)
     assert ids(bigger.next_batch()) == [0, 1, 2, 3, 4] and "changed since the checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_workers_prefetch_and_pinning_reach_the_dataloader(monkeypatch, cuda):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = DataConfig(num_workers=2, prefetch_factor=3, pin_memory=True)
+    kw = PromptLoader(ROWS, cfg, batch_size=8, seed=0, dist=DistInfo())._loader_kwargs()
+    assert kw["num_workers"] == 2 and kw["prefetch_factor"] == 3
+    assert kw["pin_memory"] is cuda  # pinned host memory only helps copies to a GPU
+    off = PromptLoader(ROWS, DataConfig(num_workers=0, pin_memory=False), batch_size=8, seed=0, dist=DistInfo())
+    assert off._loader_kwargs() == {"num_workers": 0, "collate_fn": kw["collate_fn"], "pin_memory": False}
