@@ -41,7 +41,7 @@ def cmd_profile_report(args: argparse.Namespace) -> int:
 
     paths = expand_traces(args.traces)
     try:
-        lines, overall = report(paths)
+        lines, overall = report(paths, kernels=args.kernels)
     except (OSError, ValueError) as e:
         raise RLCoreError(f"cannot read trace: {e}") from e
     print("\n".join(lines))
@@ -68,6 +68,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("profile-report", help="time share by category (communication, compute, memcpy, "
                                                      "idle) of profiler traces")
     p.add_argument("traces", nargs="+", metavar="TRACE", help="Chrome trace files, or a run/profile directory")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also list the N largest kernels (GPU traces) or operators (CPU traces) by total time")
     p.add_argument("--strict", action="store_true", help="exit 1 when communication exceeds 20%%")
     p.add_argument("--fail-over", type=float, default=None, metavar="SHARE",
                    help="exit 1 when the communication share exceeds SHARE (0-1)")

@@ -87,6 +87,8 @@ class Breakdown:
     us: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
     overlapped_us: float = 0.0
     top_comm: dict[str, float] = field(default_factory=dict)
+    #: name -> [microseconds, calls] of every kernel (GPU timeline) or operator (CPU timeline)
+    top_kernels: dict[str, list[float]] = field(default_factory=dict)
 
     def share(self, category: str) -> float:
         return self.us[category] / self.window_us if self.window_us > 0 else 0.0
@@ -98,6 +100,10 @@ class Breakdown:
             self.us[k] += other.us[k]
         for k, v in other.top_comm.items():
             self.top_comm[k] = self.top_comm.get(k, 0.0) + v
+        for k, (us, calls) in other.top_kernels.items():
+            mine = self.top_kernels.setdefault(k, [0.0, 0])
+            mine[0] += us
+            mine[1] += calls
 
 
 def partition(window: Interval, comm: list[Interval], memcpy: list[Interval], compute: list[Interval],
@@ -143,6 +149,15 @@ def _top(events: Iterable[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _tally(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for e in events:
+        entry = out.setdefault(str(e.get("name", "")), [0.0, 0])
+        entry[0] += float(e["dur"])
+        entry[1] += 1
+    return out
+
+
 def analyze_events(events: list[dict[str, Any]], source: str = "trace") -> Breakdown:
     """Breakdown of one trace's events (GPU timeline when it has kernels, else CPU operators)."""
     gpu = [e for e in events if e.get("cat") in GPU_KERNEL_CATS | GPU_MEMCPY_CATS]
@@ -158,6 +173,7 @@ def analyze_events(events: list[dict[str, Any]], source: str = "trace") -> Break
             memcpy = [_span(e) for e in dev if e.get("cat") in GPU_MEMCPY_CATS]
             part = partition(window or _window([], dev), comm, memcpy, compute, source, "gpu")
             part.top_comm = _top(comm_ev)
+            part.top_kernels = _tally(dev)
             result.add(part)
         return result
     ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")
@@ -171,6 +187,7 @@ def analyze_events(events: list[dict[str, Any]], source: str = "trace") -> Break
     memcpy = [_span(e) for e in busy if CPU_MEMCPY_PATTERN.match(str(e.get("name", "")))]
     part = partition(window, [_span(e) for e in comm_ev], memcpy, [_span(e) for e in busy], source, "cpu")
     part.top_comm = _top(e for e in comm_ev if str(e.get("name", "")).startswith(("nccl", "gloo")))
+    part.top_kernels = _tally(busy)
     return part
 
 
@@ -188,7 +205,9 @@ def verdict(comm_share: float) -> tuple[str, str]:
     return "OK", f"communication under {WARN_SHARE:.0%}"
 
 
-def format_breakdown(b: Breakdown, title: Optional[str] = None) -> list[str]:
+def format_breakdown(b: Breakdown, title: Optional[str] = None, kernels: int = 0) -> list[str]:
+    """Report lines for ``b``; ``kernels`` > 0 adds that many of its largest kernels (or CPU operators;
+    nested operators each count their own span)."""
     lines = [f"{title or b.source}  [{b.mode} timeline, window {b.window_us / 1e3:.1f} ms]"]
     for cat in CATEGORIES:
         lines.append(f"  {cat:<14} {b.share(cat) * 100:6.1f}%  {b.us[cat] / 1e3:10.1f} ms")
@@ -198,19 +217,26 @@ def format_breakdown(b: Breakdown, title: Optional[str] = None) -> list[str]:
             lines.append(f"    {name[:70]:<70} {us / 1e3:9.1f} ms")
     level, advice = verdict(b.share("communication"))
     lines.append(f"  {level}: {advice}")
+    if kernels > 0 and b.top_kernels:
+        what = "kernels and copies" if b.mode == "gpu" else "operators"
+        lines.append(f"  largest {what} (total ms, calls, share of the window):")
+        for name, (us, calls) in sorted(b.top_kernels.items(), key=lambda kv: -kv[1][0])[:kernels]:
+            share = us / b.window_us * 100 if b.window_us > 0 else 0.0
+            lines.append(f"    {us / 1e3:10.2f} ms {int(calls):7d}x {share:5.1f}%  {name[:90]}")
     return lines
 
 
-def report(paths: Sequence[str]) -> tuple[list[str], Breakdown]:
-    """Lines for every trace plus a total over all of them; the total breakdown."""
+def report(paths: Sequence[str], kernels: int = 0) -> tuple[list[str], Breakdown]:
+    """Lines for every trace plus a total over all of them (with ``kernels`` largest kernels each);
+    the total breakdown."""
     lines: list[str] = []
     overall: Optional[Breakdown] = None
     for path in paths:
         b = analyze_trace(path)
-        lines += format_breakdown(b) + [""]
+        lines += format_breakdown(b, kernels=kernels) + [""]
         if overall is None:
             overall = Breakdown(source="all traces", mode=b.mode)
         overall.add(b)
     if overall is not None and len(paths) > 1:
-        lines += format_breakdown(overall, title=f"all {len(paths)} traces")
+        lines += format_breakdown(overall, title=f"all {len(paths)} traces", kernels=kernels)
     return lines, overall or Breakdown(source="none", mode="cpu")

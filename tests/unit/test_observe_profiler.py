@@ -43,6 +43,21 @@ def test_gpu_timeline_partition():
     assert list(b.top_comm) == ["ncclDevKernel_AllGather_RING_LL"]
 
 
+def test_largest_kernels_are_tallied_and_listed():
+    from rlcore.observe.profile_report import format_breakdown
+
+    events = [_x("ProfilerStep#1", "user_annotation", 0, 100, pid=1, tid=1),
+              _x("gemm", "kernel", 0, 30), _x("softmax", "kernel", 30, 10), _x("gemm", "kernel", 40, 30),
+              _x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 70, 5)]
+    b = analyze_events(events)
+    assert b.top_kernels == {"gemm": [60.0, 2], "softmax": [10.0, 1], "Memcpy DtoD (Device -> Device)": [5.0, 1]}
+    lines = format_breakdown(b, kernels=2)
+    listed = lines[lines.index("  largest kernels and copies (total ms, calls, share of the window):") + 1:]
+    assert len(listed) == 2 and listed[0].endswith("gemm") and "2x" in listed[0] and "60.0%" in listed[0]
+    assert listed[1].endswith("softmax")
+    assert not any("largest" in line for line in format_breakdown(b))  # off by default
+
+
 def test_cpu_timeline_counts_gloo_threads_and_skips_step_annotations():
     events = [
         _x("ProfilerStep#3", "user_annotation", 0, 200),
