@@ -212,6 +212,13 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
             lambda: models.load_causal_lm(critic_path, critic_cfg.dtype, placement.device_for("critic")),
             resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
+    if actor_cfg.compile or (critic is not None and critic_cfg.compile):
+        from rlcore.distributed.fsdp import compile_layers
+
+        if actor_cfg.compile:  # after the reference copy: the frozen reference runs uncompiled
+            compile_layers(actor_module, "actor")
+        if critic is not None and critic_cfg.compile:
+            compile_layers(critic, "critic")
     actor = reshard.prepare(actor_module, "actor")
     if ref is not None and dist.distributed:
         ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank

@@ -1,0 +1,44 @@
+"""``actor.compile`` / ``critic.compile``: regionally compiled decoder layers train like the eager ones."""
+
+import pytest
+import torch
+
+from rlcore.config import load_config
+from rlcore.demo import DEMO_OVERRIDES
+from rlcore.errors import ConfigError
+from rlcore.plugin_manager import build_plugin_manager
+from rlcore.protocols import DistInfo
+from rlcore.trainer.loop import Trainer
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "reward/mean")
+
+
+def steps(tmp_path, *overrides, n=2):
+    cfg = load_config([], list(DEMO_OVERRIDES) + [f"trainer.output_dir={tmp_path}", "trainer.progress=false",
+                                                   "trainer.gpu_monitor=false", "trainer.export_final=false",
+                                                   "plugins=[]", *overrides])
+    trainer = Trainer(cfg, build_plugin_manager([]), DistInfo())
+    metrics = [trainer.train_step(step) for step in range(1, n + 1)]
+    return trainer, metrics
+
+
+def test_compiled_layers_train_like_eager_ones(tmp_path):
+    _, eager = steps(tmp_path / "eager")
+    trainer, compiled = steps(tmp_path / "compiled", "actor.compile=true", "critic.compile=true")
+    from rlcore.distributed.fsdp import decoder_layers
+
+    for model in (trainer.c.actor_module, trainer.c.critic):
+        layers = decoder_layers(model)
+        assert layers and all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
+    for e, c in zip(eager, compiled):
+        for key in KEYS:
+            assert c[key] == pytest.approx(e[key], rel=1e-3, abs=1e-4), key
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    from rlcore.distributed.fsdp import compile_layers
+
+    with pytest.raises(ConfigError, match="actor.compile"):
+        compile_layers(torch.nn.Linear(2, 2), "actor")
