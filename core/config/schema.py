@@ -244,6 +244,10 @@ class PPOConfig:
     entropy_coeff: float = 0.0
     #: Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean.
     loss_agg: str = "token-mean"
+    #: Cut each training forward to the columns its samples use (leading prompt padding, trailing response padding); exact, only faster.
+    trim_padding: bool = True
+    #: Sort each mini-batch by length before cutting it into micro-batches, so that similar lengths share a forward (with trim_padding: less padding); the gradient is unchanged.
+    group_by_length: bool = True
 
 
 @dataclass

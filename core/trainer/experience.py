@@ -35,12 +35,55 @@ class Experience:
     def response_len(self) -> int:
         return int(self.response_mask.shape[1])
 
+    def trimmed(self) -> "Experience":
+        """The same samples without the columns no sample uses (see :func:`used_columns`)."""
+        first, kept = used_columns(self.attention_mask, self.response_mask)
+        if first == 0 and kept == self.response_len:
+            return self
+        prompt_cols = self.input_ids.shape[1] - self.response_len
+        picked = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("input_ids", "attention_mask"):
+                v = v[:, first:prompt_cols + kept]
+            elif isinstance(v, torch.Tensor) and v.dim() == 2:
+                v = v[:, :kept]
+            picked[f.name] = v
+        return replace(self, **picked)
+
     def select(self, idx: torch.Tensor) -> "Experience":
         picked = {}
         for f in fields(self):
             v = getattr(self, f.name)
             picked[f.name] = v[idx] if isinstance(v, torch.Tensor) else v
         return replace(self, **picked)
+
+
+def used_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[int, int]:
+    """``(first, kept)`` for left-padded prompts followed by right-padded responses.
+
+    ``first``: the first prompt column any row uses (at most the last prompt column, whose logit
+    predicts the first response token); ``kept``: the response columns up to the last one any row
+    uses (at least 1). Dropping the columns outside changes no valid token's position (positions
+    come from the attention mask) nor any log-prob that is used. ``attention_mask [B, T]``,
+    ``response_mask [B, R]``.
+    """
+    prompt_cols = attention_mask.shape[1] - response_mask.shape[1]
+    used = torch.cat([attention_mask[:, :prompt_cols].bool().any(0), response_mask.bool().any(0)]).cpu()
+    prompt_used, response_used = used[:prompt_cols], used[prompt_cols:]
+    first = int(prompt_used.int().argmax()) if bool(prompt_used.any()) else prompt_cols
+    first = max(0, min(first, prompt_cols - 1))
+    kept = int(response_used.nonzero().max()) + 1 if bool(response_used.any()) else 1
+    return first, kept
+
+
+def _trim(ids: torch.Tensor, mask: torch.Tensor, response_mask: Optional[torch.Tensor]):
+    """``(ids, mask, kept)``: the rows cut to their used columns (unchanged without ``response_mask``)."""
+    if response_mask is None:
+        return ids, mask, None
+    first, kept = used_columns(mask, response_mask)
+    end = ids.shape[1] - response_mask.shape[1] + kept
+    return ids[:, first:end], mask[:, first:end], kept
 
 
 def _chunks(n: int, size: int):
@@ -51,14 +94,27 @@ def _chunks(n: int, size: int):
 
 @torch.no_grad()
 def batched_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response_len: int, temperature: float,
-                     micro: int) -> torch.Tensor:
-    parts = [response_logprobs(model, ids[s], mask[s], response_len, temperature)[0] for s in _chunks(len(ids), micro)]
-    return torch.cat(parts).float()
+                     micro: int, response_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Log-probs ``[B, R]`` chunk by chunk; with ``response_mask`` each chunk is cut to its used
+    columns (:func:`used_columns`) and the unused response columns are 0."""
+    out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
+    for s in _chunks(len(ids), micro):
+        c_ids, c_mask, kept = _trim(ids[s], mask[s], None if response_mask is None else response_mask[s])
+        kept = kept or response_len
+        out[s, :kept] = response_logprobs(model, c_ids, c_mask, kept, temperature)[0].float()
+    return out
 
 
 @torch.no_grad()
-def batched_values(critic, ids: torch.Tensor, mask: torch.Tensor, response_len: int, micro: int) -> torch.Tensor:
-    return torch.cat([response_values(critic, ids[s], mask[s], response_len) for s in _chunks(len(ids), micro)])
+def batched_values(critic, ids: torch.Tensor, mask: torch.Tensor, response_len: int, micro: int,
+                   response_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Values ``[B, R]`` chunk by chunk, cut like :func:`batched_logprobs`."""
+    out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
+    for s in _chunks(len(ids), micro):
+        c_ids, c_mask, kept = _trim(ids[s], mask[s], None if response_mask is None else response_mask[s])
+        kept = kept or response_len
+        out[s, :kept] = response_values(critic, c_ids, c_mask, kept).float()
+    return out
 
 
 def to_experience(rollout: RolloutBatch, scores: torch.Tensor, device: torch.device) -> Experience:

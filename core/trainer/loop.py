@@ -196,20 +196,22 @@ class Trainer:
         exp = to_experience(rollout, scores, c.train_device)
         micro = c.micro_batch
         temp = float(self.gen_cfg.temperature)
+        trim = exp.response_mask if self.ppo.trim_padding else None  # cut each chunk to its used columns
         c.actor_module.eval()
         if c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps)):
             exp.old_logprobs = None  # one optimizer step over the rollout: the update's forward gives them
         else:
             with self.timer("old_logprob"):
                 exp.old_logprobs = batched_logprobs(c.actor, exp.input_ids, exp.attention_mask,
-                                                    exp.response_len, temp, micro)
+                                                    exp.response_len, temp, micro, trim)
         if c.ref is not None:
             with self.timer("ref_logprob"):
                 exp.ref_logprobs = batched_logprobs(c.ref, exp.input_ids, exp.attention_mask, exp.response_len,
-                                                    temp, micro)
+                                                    temp, micro, trim)
         if c.critic is not None:
             with self.timer("values"):
-                exp.values = batched_values(c.critic, exp.input_ids, exp.attention_mask, exp.response_len, micro)
+                exp.values = batched_values(c.critic, exp.input_ids, exp.attention_mask, exp.response_len, micro,
+                                            trim)
         return exp
 
     def update(self, exp: Experience) -> dict[str, float]:

@@ -38,6 +38,23 @@ def on_policy(n: int, ppo: PPOConfig, grad_accum: int) -> bool:
     return int(ppo.ppo_epochs) == 1 and Batching.from_config(n, ppo, grad_accum).mini >= n
 
 
+def micro_weights(response_mask: torch.Tensor, mini_idx: torch.Tensor, micro: int, loss_agg: str) -> list[float]:
+    """Weight of each micro-batch's (mean) loss so that the accumulated gradient is the mini-batch's.
+
+    ``token-mean`` losses are means over a micro-batch's valid tokens, so each weighs its share of
+    the mini-batch's tokens; per-sequence means weigh their share of the samples. Either way the
+    result does not depend on how the mini-batch is cut or ordered. ``response_mask [B, R]``.
+    """
+    sizes = [len(mini_idx[s:s + micro]) for s in range(0, len(mini_idx), micro)]
+    if loss_agg != "token-mean":
+        return [n / len(mini_idx) for n in sizes]
+    counts = response_mask[mini_idx.to(response_mask.device)].sum(-1).float().cpu()
+    total = float(counts.sum())
+    if total <= 0:
+        return [n / len(mini_idx) for n in sizes]
+    return [float(part.sum()) / total for part in torch.split(counts, sizes)]
+
+
 def _clip_and_step(model: torch.nn.Module, optim, sched, grad_clip: float) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip and grad_clip > 0:
@@ -92,14 +109,20 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     actor.train()
     if critic is not None:
         critic.train()
+    lengths = exp.attention_mask.sum(-1) if ppo.group_by_length else None
     for _ in range(ppo.ppo_epochs):
         order = torch.randperm(exp.size, generator=generator)
         for start in range(0, exp.size - cut.mini + 1, cut.mini):
             mini_idx = order[start:start + cut.mini]
-            for mstart in range(0, cut.mini, cut.micro):
+            if lengths is not None:  # similar lengths share a micro-batch (stable: ties keep the shuffle)
+                mini_idx = mini_idx[torch.sort(lengths[mini_idx.to(lengths.device)].cpu(), descending=True,
+                                               stable=True).indices]
+            weights = micro_weights(exp.response_mask, mini_idx, cut.micro, ppo.loss_agg)
+            for mstart, weight in zip(range(0, cut.mini, cut.micro), weights):
                 idx = mini_idx[mstart:mstart + cut.micro].to(exp.input_ids.device)
                 mb = exp.select(idx)
-                weight = len(idx) / cut.mini
+                if ppo.trim_padding:
+                    mb = mb.trimmed()
                 t0 = time.perf_counter()
                 actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats)
                 t1 = time.perf_counter()

@@ -1,0 +1,90 @@
+"""Padding trimming and length grouping of the update: faster forwards, the same numbers."""
+
+import copy
+
+import pytest
+import torch
+
+from rlcore.config.schema import PPOConfig
+from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.trainer.experience import Experience, batched_logprobs, used_columns
+from rlcore.trainer.models import response_logprobs
+from rlcore.trainer.update import micro_weights, ppo_update
+
+
+def ragged_experience(model, batch=8, prompt=6, response=7, seed=0) -> Experience:
+    """Left-padded prompts of 2..6 tokens and responses of 1..7 tokens (right-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt + response), generator=g)
+    mask = torch.ones_like(ids)
+    resp_mask = torch.zeros(batch, response)
+    for row in range(batch):
+        mask[row, :prompt - int(torch.randint(2, prompt + 1, (1,), generator=g))] = 0
+        length = int(torch.randint(1, response + 1, (1,), generator=g))
+        resp_mask[row, :length] = 1
+        mask[row, prompt + length:] = 0
+    mask[:, :2] = 0  # no prompt uses the first two columns
+    resp_mask[:, -1] = 0  # nor any response the last one
+    mask[:, -1] = 0
+    with torch.no_grad():
+        old, _ = response_logprobs(model, ids, mask, response)
+    return Experience(input_ids=ids, attention_mask=mask, response_mask=resp_mask, old_logprobs=old * resp_mask,
+                      scores=torch.zeros(batch), advantages=torch.randn(batch, response, generator=g) * resp_mask)
+
+
+def test_used_columns():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0]])
+    resp = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert used_columns(mask, resp) == (1, 2)  # prompt columns 1..3, response columns 0..1
+    assert used_columns(torch.zeros(2, 7), torch.zeros(2, 3)) == (3, 1)  # keeps one prompt and one response column
+
+
+def test_trimmed_experience_drops_unused_columns_only():
+    model = tiny_causal_lm("qwen2")
+    exp = ragged_experience(model)
+    cut = exp.trimmed()
+    assert cut.input_ids.shape[1] < exp.input_ids.shape[1] and cut.response_len == exp.response_len - 1
+    assert int(cut.attention_mask.sum()) == int(exp.attention_mask.sum())
+    assert int(cut.response_mask.sum()) == int(exp.response_mask.sum())
+    full, _ = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len)
+    short, _ = response_logprobs(model, cut.input_ids, cut.attention_mask, cut.response_len)
+    m = cut.response_mask.bool()
+    torch.testing.assert_close(short[m], full[:, :cut.response_len][m], rtol=1e-5, atol=1e-5)
+    trimmed = batched_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len, 1.0, 3,
+                               exp.response_mask)
+    plain = batched_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len, 1.0, 3)
+    m = exp.response_mask.bool()
+    torch.testing.assert_close(trimmed[m], plain[m], rtol=1e-5, atol=1e-5)
+
+
+def test_token_weights_follow_the_token_counts():
+    resp = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]).float()
+    idx = torch.tensor([0, 1, 2, 3])
+    assert micro_weights(resp, idx, 2, "token-mean") == pytest.approx([5 / 10, 5 / 10])
+    assert micro_weights(resp, torch.tensor([0, 3, 2, 1]), 2, "token-mean") == pytest.approx([7 / 10, 3 / 10])
+    assert micro_weights(resp, idx, 3, "seq-mean-token-mean") == pytest.approx([3 / 4, 1 / 4])
+
+
+def _update(model, exp, **ppo_kw):
+    model = copy.deepcopy(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    ppo = PPOConfig(**ppo_kw)
+    ppo_update(exp, actor=model, actor_opt=opt, actor_sched=sched, actor_grad_clip=0.0, ppo=ppo, grad_accum=1,
+               temperature=1.0, kl_loss_coef=0.0, generator=torch.Generator().manual_seed(0))
+    return [p.detach() - b for p, b in zip(model.parameters(), before)]
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batching_trimming_and_grouping_leave_the_update_unchanged(loss_agg):
+    """One optimizer step: the whole batch in one forward == micro-batches of 2, trimmed and grouped by length."""
+    model = tiny_causal_lm("qwen2")
+    exp = ragged_experience(model, seed=1)
+    whole = _update(model, exp, micro_batch_size=8, trim_padding=False, group_by_length=False, loss_agg=loss_agg)
+    cut = _update(model, exp, micro_batch_size=2, trim_padding=True, group_by_length=True, loss_agg=loss_agg)
+    plain = _update(model, exp, micro_batch_size=2, trim_padding=False, group_by_length=False, loss_agg=loss_agg)
+    assert max(float(d.abs().max()) for d in whole) > 0
+    for a, b, c in zip(whole, cut, plain):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(c, a, rtol=1e-3, atol=1e-5)
