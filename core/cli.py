@@ -67,7 +67,22 @@ def preflight(cfg, names):
     if cfg.critic.model_path:
         check_model_path(cfg.critic.model_path, "critic.model_path")
     check_output_dir(_to_object(cfg.trainer))
+    _check_rank_groups(cfg)
     return pm
+
+
+def _check_rank_groups(cfg) -> None:
+    """``placement.rank_groups`` against the world size, where it is known before any process starts:
+    ``trainer.nproc_per_node`` (rlcore's own launcher) or torchrun's ``WORLD_SIZE``."""
+    groups = _to_object(cfg.placement.rank_groups)
+    world = int(os.environ.get("WORLD_SIZE") or cfg.trainer.nproc_per_node or 1)
+    if not groups or world < 2:
+        return
+    from rlcore.distributed.placement import ColocatedPlacement, check_trainer_placement
+    from rlcore.protocols import DistInfo, PlacementRequest
+
+    check_trainer_placement(ColocatedPlacement(PlacementRequest(rank_groups=groups), DistInfo(world_size=world)),
+                            world)
 
 
 def _to_object(node):

@@ -99,3 +99,19 @@ def test_bad_placement_fails_before_any_model_loads(monkeypatch):
     cfg = load_config(overrides=["placement.rank_groups.actor=[1]", "placement.rank_groups.reward=[0]"])
     with pytest.raises(PlacementError, match="Only the 'reward' role"):
         build_components(cfg, build_plugin_manager([]), DistInfo(rank=0, world_size=2))
+
+
+@pytest.mark.parametrize("launch", ["nproc", "torchrun"])
+def test_validate_checks_rank_groups_against_the_launch_size(monkeypatch, capsys, tmp_path, launch):
+    from rlcore.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    size = ["trainer.nproc_per_node=2"] if launch == "nproc" else []
+    if launch == "torchrun":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    common = [f"trainer.output_dir={tmp_path}", *size]
+    assert main(["validate", *common, "placement.rank_groups.reward=[2]"]) == 2
+    assert "world size is 2" in capsys.readouterr().err
+    assert main(["validate", *common, "placement.rank_groups.critic=[1]"]) == 2
+    assert "Only the 'reward' role can be split" in capsys.readouterr().err
+    assert main(["validate", *common, "placement.rank_groups.reward=[1]"]) == 0
