@@ -53,7 +53,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def preflight(cfg, names):
-    """Every check that can run before a model loads: plugins, data files, model path, output directory."""
+    """Every check that can run before a model loads: plugins, data files, model and reward-model
+    paths, output directory, rank groups."""
     from rlcore.plugin_manager import build_plugin_manager
 
     pm = build_plugin_manager(names)
@@ -66,6 +67,10 @@ def preflight(cfg, names):
         check_model_path(cfg.actor.model_path, "actor.model_path")
     if cfg.critic.model_path:
         check_model_path(cfg.critic.model_path, "critic.model_path")
+    if cfg.reward_model.enable:
+        from rlcore.rewards.reward_model import check_reward_model_dir
+
+        check_reward_model_dir(cfg.reward_model.path)
     check_output_dir(_to_object(cfg.trainer))
     _check_rank_groups(cfg)
     return pm

@@ -81,3 +81,18 @@ def test_missing_reward_model_fails_before_the_actor_loads(tmp_path):
                               f"reward_model.path={tmp_path}/no-rm"])
     assert code != 0
     assert "no-rm" in err and "a model was loaded" not in err
+
+
+def test_validate_checks_the_reward_model_directory(tmp_path, capsys):
+    from rlcore.cli import main
+
+    missing = tmp_path / "no-rm"
+    assert main(["validate", f"trainer.output_dir={tmp_path}", "reward_model.enable=true",
+                 f"reward_model.path={missing}"]) == 2
+    assert f"reward_model.path '{missing}' does not exist" in capsys.readouterr().err
+    causal = tmp_path / "causal"
+    causal.mkdir()
+    (causal / "config.json").write_text('{"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}')
+    assert main(["validate", f"trainer.output_dir={tmp_path}", "reward_model.enable=true",
+                 f"reward_model.path={causal}"]) == 2
+    assert "is not a sequence-classification model" in capsys.readouterr().err
