@@ -88,16 +88,25 @@ def _reward(ax: Any, train: Sequence[dict], val: Sequence[dict]) -> None:
     _legend(ax, fontsize=7)
 
 
+def _twin_line(ax: Any, train: Sequence[dict], key: str, label: str, *, color: str, alpha: float,
+               scale: float = 1.0, ylim: Optional[tuple] = None) -> None:
+    """``key`` on a second y axis of ``ax`` (legend upper right), when the rows have it."""
+    xs, values = series(train, key)
+    if not xs:
+        return
+    twin = ax.twinx()
+    twin.plot(xs, [scale * v for v in values], color=color, alpha=alpha, label=label)
+    if ylim is not None:
+        twin.set_ylim(*ylim)
+    _legend(twin, fontsize=7, loc="upper right")
+
+
 def _kl(ax: Any, train: Sequence[dict]) -> None:
     ax.set_title("KL to reference")
     if not _line(ax, train, "kl/mean", "kl/mean"):
         _empty(ax, "KL")
     _legend(ax, fontsize=7, loc="upper left")
-    xs, entropy = series(train, "entropy/mean")
-    if xs:
-        twin = ax.twinx()
-        twin.plot(xs, entropy, color="tab:orange", alpha=0.6, label="entropy/mean")
-        _legend(twin, fontsize=7, loc="upper right")
+    _twin_line(ax, train, "entropy/mean", "entropy/mean", color="tab:orange", alpha=0.6)
 
 
 def _length(ax: Any, train: Sequence[dict]) -> None:
@@ -107,12 +116,7 @@ def _length(ax: Any, train: Sequence[dict]) -> None:
     if not drawn:
         _empty(ax, "response length")
     _legend(ax, fontsize=7, loc="upper left")
-    xs, clip = series(train, "response/clip_frac")
-    if xs:
-        twin = ax.twinx()
-        twin.plot(xs, clip, color="tab:red", alpha=0.5, label="clipped share")
-        twin.set_ylim(0, 1)
-        _legend(twin, fontsize=7, loc="upper right")
+    _twin_line(ax, train, "response/clip_frac", "clipped share", color="tab:red", alpha=0.5, ylim=(0, 1))
 
 
 def _times(ax: Any, train: Sequence[dict]) -> None:
@@ -149,11 +153,7 @@ def _throughput(ax: Any, train: Sequence[dict]) -> None:
     if not _line(ax, train, "perf/tokens_per_s", "tokens/s"):
         _empty(ax, "throughput")
     _legend(ax, fontsize=7, loc="upper left")
-    xs, mfu = series(train, "perf/mfu")
-    if xs:
-        twin = ax.twinx()
-        twin.plot(xs, [100 * m for m in mfu], color="tab:purple", alpha=0.6, label="MFU %")
-        _legend(twin, fontsize=7, loc="upper right")
+    _twin_line(ax, train, "perf/mfu", "MFU %", color="tab:purple", alpha=0.6, scale=100.0)
 
 
 def plot_run(run_dir: str, out: Optional[str] = None) -> str:
