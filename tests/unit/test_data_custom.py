@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -15,33 +16,15 @@ from rlcore.data.synthetic import write_parquet_shards
 from rlcore.errors import DataError
 from rlcore.protocols import DistInfo
 
-# The seed article's example, line for line (its one comment translated).
-SEED_DATASET = '''\
-from datasets import load_dataset
-from torch.utils.data import IterableDataset
-
-
-class StreamingRLHFDataset(IterableDataset):
-    def __init__(self, data_files, prompt_key="prompt", **kwargs):
-        self.data_files = data_files if isinstance(data_files, list) else [data_files]
-        self.prompt_key = prompt_key
-
-    def __iter__(self):
-        for file in self.data_files:
-            # streamed: the file is never held in memory
-            ds = load_dataset("parquet", data_files=file, split="train", streaming=True)
-            for sample in ds:
-                yield {self.prompt_key: sample[self.prompt_key]}
-'''
+# The seed article's example as the project ships it (its one comment translated).
+SEED_DATASET = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "streaming_dataset.py")
 
 
 @pytest.fixture
 def seed_config(tmp_path):
-    script = tmp_path / "streaming_dataset.py"
-    script.write_text(SEED_DATASET)
     files = write_parquet_shards(str(tmp_path / "parquet"), [11, 6], words=(1, 5))
     return DataConfig(train_files=files, max_prompt_length=16,
-                      custom_cls=CustomClsConfig(path=str(script), name="StreamingRLHFDataset"))
+                      custom_cls=CustomClsConfig(path=SEED_DATASET, name="StreamingRLHFDataset"))
 
 
 def test_seed_streaming_dataset_runs_as_written(seed_config, tiny_tokenizer):
