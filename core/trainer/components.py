@@ -171,15 +171,61 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     model_path = actor_cfg.model_path or _demo_model(tcfg.output_dir, dist)
     tokenizer = models.load_tokenizer(model_path)
 
-    # Data first: bad input fails before the (expensive) models load.
+    # Data next: bad input fails before the (expensive) models load.
+    loader, val_rows, ensure = _build_data(pm, data_cfg, tcfg, ppo, tokenizer, device, model_path, dist)
+
+    # Reward and checkpoint policies next: a bad reward model path fails before the actor loads.
+    reward = build_reward(cfg, pm, placement, tokenizer, dist)
+    checkpoint = pm.build("rlcore_checkpoint_policy", trainer=tcfg, dist=dist)
+    actor_fsdp = resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp)
+    reshard = pm.build("rlcore_reshard_policy", fsdp=actor_fsdp, remeshing=actor_cfg.remeshing, dist=dist)
+
+    actor_module, ref, critic = _load_models(cfg, model_path, device, placement, actor_fsdp, dist)
+    actor = reshard.prepare(actor_module, "actor")
+    if ref is not None and dist.distributed:
+        ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
+    if critic is not None:
+        critic = reshard.prepare(critic, "critic")
+    n = int(ppo.rollout_batch_size) * ppo.generation.n
+    total = tcfg.max_steps * ppo.ppo_epochs * max(1, n // max(1, ppo.mini_batch_size or 10**9))
+    actor_opt, actor_sched = models.build_optimizer(actor, actor_cfg, total)
+    critic_opt = critic_sched = None
+    if critic is not None:
+        critic_opt, critic_sched = models.build_optimizer(critic, critic_cfg, total)
+    kl_ctrl = rlmath.make_kl_controller(ppo.kl_ctrl, ppo.kl_coeff, ppo.kl_target, ppo.kl_horizon)
+
+    from rlcore.observe.gpu import GPUMonitor
+    from rlcore.observe.profiler import StepProfiler
+    from rlcore.rollout.autosize import AdaptiveMicroBatch
+    from rlcore.trainer.checkpoint import RNGState
+    from rlcore.trainer.update import Batching
+
+    eos = tokenizer.eos_token_id
+    comps = Components(
+        tokenizer=tokenizer, actor=actor, actor_module=actor_module, actor_opt=actor_opt, actor_sched=actor_sched,
+        ref=ref, critic=critic, critic_opt=critic_opt, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
+        backends=_generation_backends(actor, actor_module, actor_cfg, data_cfg, ppo, dist),
+        micro=AdaptiveMicroBatch(int(ppo.generation.batch_size)), reward=reward, checkpoint=checkpoint,
+        reshard=reshard, placement=placement, train_loader=loader, val_rows=val_rows, ensure_ids=ensure,
+        gpu_monitor=GPUMonitor(tcfg.gpu_monitor_interval if tcfg.gpu_monitor else 0.0),
+        profiler=StepProfiler(tcfg.enable_profiling, tcfg.profile_steps, tcfg.output_dir, dist.rank),
+        train_device=device, micro_batch=Batching.from_config(n, ppo, tcfg.gradient_accumulation_steps).micro,
+        eos_ids=[eos] if isinstance(eos, int) else list(eos or []), rng=RNGState(), world_size=dist.world_size)
+    comps._progress_enabled = bool(tcfg.progress) and dist.is_main
+    return comps
+
+
+def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, device: torch.device,
+                model_path: str, dist: DistInfo) -> tuple[Any, list, Callable]:
+    """``(train loader, held-out rows, ensure_ids)``; sizes ``ppo.rollout_batch_size=auto`` first."""
+    from rlcore.data.collate import ensure_input_ids
+    from rlcore.data.loader import PromptLoader
+
     train_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="train", dist=dist)
     val_rows: list = []
     if data_cfg.val_files or not data_cfg.train_files:
         val_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="val", dist=dist)
         val_rows = _load_rows(val_ds, tcfg.eval_samples)
-    from rlcore.data.collate import ensure_input_ids
-    from rlcore.data.loader import PromptLoader
-
     ensure = lambda rows: ensure_input_ids(rows, tokenizer, data_cfg)  # noqa: E731
     val_rows = ensure(val_rows) if val_rows else []
     if ppo.rollout_batch_size == "auto":
@@ -187,24 +233,20 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
         ppo.rollout_batch_size = auto_rollout_batch_size(device=device, n=ppo.generation.n, model_path=model_path,
                                                          max_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
-    loader = PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist)
+    return PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist), val_rows, ensure
 
-    # Reward and checkpoint policies next: a bad reward model path fails before the actor loads.
-    reward = build_reward(cfg, pm, placement, tokenizer, dist)
-    checkpoint = pm.build("rlcore_checkpoint_policy", trainer=tcfg, dist=dist)
-    reshard = pm.build("rlcore_reshard_policy", fsdp=resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp),
-                       remeshing=actor_cfg.remeshing, dist=dist)
-    from rlcore.distributed.fsdp import load_model_for_role
 
-    actor_fsdp = resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp)
-    actor_module = load_model_for_role(lambda: models.load_causal_lm(model_path, actor_cfg.dtype, device),
-                                       actor_fsdp, dist)
+def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placement: Any, actor_fsdp: Any,
+                 dist: DistInfo) -> tuple[torch.nn.Module, Optional[torch.nn.Module], Optional[torch.nn.Module]]:
+    """``(actor, frozen reference or None, critic or None)``, full (not yet sharded) models, with
+    gradient checkpointing and compiled layers as configured."""
+    from rlcore.distributed.fsdp import compile_layers, enable_gradient_checkpointing, load_model_for_role
+
+    actor_cfg, critic_cfg, ppo, algo = obj(cfg.actor), obj(cfg.critic), obj(cfg.ppo), obj(cfg.algorithm)
+    actor = load_model_for_role(lambda: models.load_causal_lm(model_path, actor_cfg.dtype, device), actor_fsdp, dist)
     if actor_cfg.gradient_checkpointing:
-        from rlcore.distributed.fsdp import enable_gradient_checkpointing
-
-        enable_gradient_checkpointing(actor_module)
-    use_ref = algo.use_reference and ppo.kl_coeff > 0
-    ref = models.frozen_copy(actor_module) if use_ref else None
+        enable_gradient_checkpointing(actor)
+    ref = models.frozen_copy(actor) if algo.use_reference and ppo.kl_coeff > 0 else None
     critic = None
     if algo.adv_estimator == "gae":
         critic_path = critic_cfg.model_path or model_path
@@ -212,58 +254,26 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
             lambda: models.load_causal_lm(critic_path, critic_cfg.dtype, placement.device_for("critic")),
             resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
-    if actor_cfg.compile or (critic is not None and critic_cfg.compile):
-        from rlcore.distributed.fsdp import compile_layers
+    if actor_cfg.compile:  # after the reference copy: the frozen reference runs uncompiled
+        compile_layers(actor, "actor")
+    if critic is not None and critic_cfg.compile:
+        compile_layers(critic, "critic")
+    return actor, ref, critic
 
-        if actor_cfg.compile:  # after the reference copy: the frozen reference runs uncompiled
-            compile_layers(actor_module, "actor")
-        if critic is not None and critic_cfg.compile:
-            compile_layers(critic, "critic")
-    actor = reshard.prepare(actor_module, "actor")
-    if ref is not None and dist.distributed:
-        ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
-    if critic is not None:
-        critic = reshard.prepare(critic, "critic")
-    total = tcfg.max_steps * ppo.ppo_epochs * max(1, (int(ppo.rollout_batch_size) * ppo.generation.n)
-                                                   // max(1, ppo.mini_batch_size or 10**9))
-    actor_opt, actor_sched = models.build_optimizer(actor, actor_cfg, total)
-    critic_opt = critic_sched = None
-    if critic is not None:
-        critic_opt, critic_sched = models.build_optimizer(critic, critic_cfg, total)
-    kl_ctrl = rlmath.make_kl_controller(ppo.kl_ctrl, ppo.kl_coeff, ppo.kl_target, ppo.kl_horizon)
 
-    from rlcore.rollout import make_backend
-
+def _generation_backends(actor: Any, actor_module: torch.nn.Module, actor_cfg: Any, data_cfg: Any, ppo: Any,
+                         dist: DistInfo) -> Any:
+    """The rollout backends of the actor's generation layouts (built on first use)."""
     from rlcore.distributed.reshard import GenerationBackends
-    from rlcore.rollout.autosize import AdaptiveMicroBatch
+    from rlcore.rollout import make_backend
 
     engine_kw = dict(max_batch_size=ppo.generation.batch_size,
                      max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
     prebuilt = {}
     if not dist.distributed:  # single process: the backend reads the training module directly
         prebuilt[id(actor)] = make_backend(actor_module, actor_cfg.rollout_backend, **engine_kw)
-    backends = GenerationBackends(lambda module, kind: make_backend(module, kind, **engine_kw),
-                                  actor_cfg.rollout_backend, prebuilt=prebuilt)
-
-    from rlcore.observe.gpu import GPUMonitor
-    from rlcore.observe.profiler import StepProfiler
-    from rlcore.trainer.checkpoint import RNGState
-
-    eos = tokenizer.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    n = int(ppo.rollout_batch_size) * ppo.generation.n
-    mini = min(n, ppo.mini_batch_size or n)
-    micro = ppo.micro_batch_size or max(1, mini // tcfg.gradient_accumulation_steps)
-    comps = Components(
-        tokenizer=tokenizer, actor=actor, actor_module=actor_module, actor_opt=actor_opt, actor_sched=actor_sched,
-        ref=ref, critic=critic, critic_opt=critic_opt, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
-        backends=backends, micro=AdaptiveMicroBatch(int(ppo.generation.batch_size)), reward=reward, checkpoint=checkpoint, reshard=reshard, placement=placement,
-        train_loader=loader, val_rows=val_rows, ensure_ids=ensure,
-        gpu_monitor=GPUMonitor(tcfg.gpu_monitor_interval if tcfg.gpu_monitor else 0.0),
-        profiler=StepProfiler(tcfg.enable_profiling, tcfg.profile_steps, tcfg.output_dir, dist.rank),
-        train_device=device, micro_batch=micro, eos_ids=eos_ids, rng=RNGState(), world_size=dist.world_size)
-    comps._progress_enabled = bool(tcfg.progress) and dist.is_main
-    return comps
+    return GenerationBackends(lambda module, kind: make_backend(module, kind, **engine_kw),
+                              actor_cfg.rollout_backend, prebuilt=prebuilt)
 
 
 def _demo_model(output_dir: str, dist: DistInfo) -> str:
