@@ -37,15 +37,14 @@ class Experience:
 
     def trimmed(self) -> "Experience":
         """The same samples without the columns no sample uses (see :func:`used_columns`)."""
-        first, kept = used_columns(self.attention_mask, self.response_mask)
-        if first == 0 and kept == self.response_len:
+        columns, kept = _sequence_columns(self.attention_mask, self.response_mask)
+        if columns.stop - columns.start == self.input_ids.shape[1]:
             return self
-        prompt_cols = self.input_ids.shape[1] - self.response_len
         picked = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("input_ids", "attention_mask"):
-                v = v[:, first:prompt_cols + kept]
+                v = v[:, columns]
             elif isinstance(v, torch.Tensor) and v.dim() == 2:
                 v = v[:, :kept]
             picked[f.name] = v
@@ -77,13 +76,18 @@ def used_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> t
     return first, kept
 
 
+def _sequence_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[slice, int]:
+    """The used columns of the whole sequences (:func:`used_columns`) as a slice, and ``kept``."""
+    first, kept = used_columns(attention_mask, response_mask)
+    return slice(first, attention_mask.shape[1] - response_mask.shape[1] + kept), kept
+
+
 def _trim(ids: torch.Tensor, mask: torch.Tensor, response_mask: Optional[torch.Tensor]):
     """``(ids, mask, kept)``: the rows cut to their used columns (unchanged without ``response_mask``)."""
     if response_mask is None:
         return ids, mask, None
-    first, kept = used_columns(mask, response_mask)
-    end = ids.shape[1] - response_mask.shape[1] + kept
-    return ids[:, first:end], mask[:, first:end], kept
+    columns, kept = _sequence_columns(mask, response_mask)
+    return ids[:, columns], mask[:, columns], kept
 
 
 def _chunks(n: int, size: int):
