@@ -106,7 +106,6 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     import_rlcore()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model = build_model(args.shape, torch.bfloat16 if args.dtype == "bf16" else torch.float32, args.device)
     exp, padding = ragged_rollout(args, model.config.vocab_size, args.device)
     results: dict[str, Any] = {}

@@ -142,13 +142,6 @@ def _window(events: list[dict[str, Any]], fallback: list[dict[str, Any]]) -> Opt
     return min(s for s, _ in spans), max(e for _, e in spans)
 
 
-def _top(events: Iterable[dict[str, Any]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for e in events:
-        out[e["name"]] = out.get(e["name"], 0.0) + float(e["dur"])
-    return out
-
-
 def _tally(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for e in events:
@@ -156,6 +149,10 @@ def _tally(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
         entry[0] += float(e["dur"])
         entry[1] += 1
     return out
+
+
+def _top(events: Iterable[dict[str, Any]]) -> dict[str, float]:
+    return {name: us for name, (us, _) in _tally(events).items()}
 
 
 def analyze_events(events: list[dict[str, Any]], source: str = "trace") -> Breakdown:
