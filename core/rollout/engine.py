@@ -4,7 +4,8 @@
 (:mod:`rlcore.rollout.llama`, :mod:`rlcore.rollout.decode`) over the Hugging Face module's weights:
 
 * a KV cache for ``max_batch_size`` slots of ``max_seq_len`` tokens is allocated once;
-* prompts are prefilled in groups, left padded, positions taken from the attention mask;
+* prompts are prefilled in groups, left padded, positions taken from the attention mask; a prompt
+  repeated in a group (``n`` samples per prompt) is prefilled once and its keys/values copied;
 * each decode step runs every slot at its own cache column and attends over the filled columns
   only (rounded up to a length bucket); on CUDA the pointwise work between the matrix products
   is fused by ``torch.compile`` and the step is captured in a CUDA graph per (batch bucket,
@@ -318,23 +319,47 @@ class RolloutEngine:
     def _prefill(self, slots: list[int], prompts: list[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, int]:
         """Prefill ``prompts`` into ``slots`` and reset those slots' decode state.
 
+        A prompt that occurs several times (GRPO's ``n`` samples of one prompt) is run once, in the
+        slot of its first occurrence; its keys/values are then copied to the other slots and its
+        next-token logits shared (each slot still samples on its own).
+
         Returns ``(logits [len(slots), V], width)``: the next-token logits and the padded width
         (the cache column of each slot's first decode step)."""
-        ids, mask = left_pad(prompts, pad_id, self.device)
+        index: dict[tuple[int, ...], int] = {}
+        unique: list[Sequence[int]] = []
+        owner: list[int] = []  # the slot each unique prompt is prefilled into
+        source = []  # per slot: its prompt's place in ``unique``
+        for slot, prompt in zip(slots, prompts):
+            key = tuple(prompt)
+            if key not in index:
+                index[key] = len(unique)
+                unique.append(prompt)
+                owner.append(slot)
+            source.append(index[key])
+        ids, mask = left_pad(unique, pad_id, self.device)
         width = ids.shape[1]
-        padded = any(len(p) != width for p in prompts)
-        rows = torch.tensor(slots, dtype=torch.long, device=self.device)
+        padded = any(len(p) != width for p in unique)
+        rows = torch.tensor(owner, dtype=torch.long, device=self.device)
         chunk = max(1, self.max_prefill_tokens // width)
-        logits = [llama.prefill(self.weights, self.spec, self.cache, rows[i:i + chunk], ids[i:i + chunk],
-                                mask[i:i + chunk], self.cos, self.sin, padded=padded)
-                  for i in range(0, len(slots), chunk)]
+        logits = torch.cat([llama.prefill(self.weights, self.spec, self.cache, rows[i:i + chunk], ids[i:i + chunk],
+                                          mask[i:i + chunk], self.cos, self.sin, padded=padded)
+                            for i in range(0, len(unique), chunk)])
+        rows = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if len(unique) < len(slots):
+            pick = torch.tensor(source, dtype=torch.long, device=self.device)
+            owners = set(owner)
+            copies = [i for i, slot in enumerate(slots) if slot not in owners]
+            dst = rows[copies]
+            src = torch.tensor([owner[source[i]] for i in copies], dtype=torch.long, device=self.device)
+            self.cache[:, :, dst, :, :width] = self.cache[:, :, src, :, :width]
+            logits, mask = logits[pick], mask[pick]
         st = self.state
         bias = torch.full((len(slots), self.max_seq_len), float("-inf"), dtype=self.dtype, device=self.device)
         bias[:, :width].masked_fill_(mask.bool(), 0.0)
         st.bias[rows] = bias
         st.positions[rows] = mask.sum(-1)
         st.cache_index[rows] = width
-        return torch.cat(logits), width
+        return logits, width
 
     def _release(self, rows: torch.Tensor) -> None:
         """Freed slots keep decoding (their output is ignored) until reused: give each a valid

@@ -131,3 +131,38 @@ def test_supports_and_input_errors(qwen2):
         engine.generate([[1]], SamplingParams(max_new_tokens=2, top_p=0.0))
     with pytest.raises(ValueError, match="eos_token_ids"):
         engine.generate([[1]], SamplingParams(max_new_tokens=2, eos_token_ids=(10**6,)))
+
+
+def test_repeated_prompts_prefill_once_and_match_hf(qwen2, monkeypatch):
+    """GRPO's n samples of a prompt: each distinct prompt is prefilled once and its keys/values
+    copied; greedy outputs still equal HF generate for every copy, also with continuous batching."""
+    from rlcore.rollout import llama
+
+    prompts = [p for p in PROMPTS[:4] for _ in range(3)]  # ragged, 3 copies each
+    expected = hf_greedy(qwen2, prompts=prompts)
+    prefilled = []
+    real = llama.prefill
+
+    def counting(weights, spec, cache, slots, ids, *args, **kwargs):
+        prefilled.append(len(ids))
+        return real(weights, spec, cache, slots, ids, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "prefill", counting)
+    for slots in (12, 5):  # all at once, and refilled slot by slot
+        prefilled.clear()
+        got = RolloutEngine(qwen2, max_batch_size=slots, max_seq_len=24).generate(prompts, GREEDY)
+        assert torch.equal(got.response_ids, expected.response_ids)
+        assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+        if slots == 12:
+            assert prefilled == [4]
+        else:
+            assert sum(prefilled) < len(prompts)
+
+
+def test_repeated_prompts_sample_independently(qwen2):
+    prompts = [PROMPTS[0]] * 6
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    got = RolloutEngine(qwen2, max_batch_size=6, max_seq_len=24).generate(prompts, params)
+    assert len({tuple(r) for r in got.response_ids.tolist()}) > 1  # one shared prefill, different draws
+    want = teacher_forced_logprobs(qwen2, got, 1.0)
+    assert torch.allclose(got.logprobs, want, atol=1e-4)
