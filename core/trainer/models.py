@@ -12,6 +12,7 @@ from torch import nn
 
 from rlcore import rlmath
 from rlcore.errors import ConfigError
+from rlcore.trainer import logprob_kernels
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,13 @@ def _row_chunks(logits: torch.Tensor):
             yield b, slice(start, min(length, start + step))
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A float32 copy of ``logits / temperature`` that in-place math may overwrite (``.float()`` of a
+    float32 tensor is the tensor itself)."""
+    z = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     """Log-probs of ``labels`` under ``softmax(logits / T)``, and optionally the entropy (no gradient).
 
@@ -100,19 +108,29 @@ class ChunkedLogprobs(torch.autograd.Function):
     -> ``(logp [B, R] float32, entropy [B, R] float32 or None)``. Works chunk by chunk in float32 and
     saves only the log-normalisers for the backward pass, which recomputes the softmax chunk-wise:
     ``d logp / d logits = (onehot(label) - softmax(z)) / T``. No float32 copy of the logits is kept
-    alive, and the entropy costs one extra read per chunk instead of an autograd graph.
+    alive, and the entropy costs one extra read per chunk instead of an autograd graph. On CUDA the
+    same math runs in the one-pass kernels of :mod:`rlcore.trainer.logprob_kernels`.
     """
+
+    #: use the one-pass kernels of :mod:`rlcore.trainer.logprob_kernels` where they run (CUDA)
+    use_kernels = True
 
     @staticmethod
     def forward(ctx, logits, labels, temperature: float, with_entropy: bool):
+        ctx.temperature = temperature
+        ctx.kernels = ChunkedLogprobs.use_kernels and logprob_kernels.available(logits.device)
+        if ctx.kernels:
+            logp, lse, ent = logprob_kernels.forward(logits, labels, temperature, with_entropy)
+            ctx.save_for_backward(logits, labels, lse)
+            if ent is not None:
+                ctx.mark_non_differentiable(ent)
+            return logp, ent
         shape = logits.shape[:2]
         logp = torch.empty(shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else None
         for b, rows in _row_chunks(logits):
-            z = logits[b, rows].float()
-            if temperature != 1.0:
-                z = z.div_(temperature)
+            z = _scaled(logits[b, rows], temperature)
             norm = torch.logsumexp(z, dim=-1)
             lse[b, rows] = norm
             logp[b, rows] = z.gather(-1, labels[b, rows, None]).squeeze(-1) - norm
@@ -120,7 +138,6 @@ class ChunkedLogprobs(torch.autograd.Function):
                 probs = (z - norm[:, None]).exp_()
                 ent[b, rows] = norm - torch.linalg.vecdot(probs, z)
         ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature = temperature
         if ent is not None:
             ctx.mark_non_differentiable(ent)
         return logp, ent
@@ -129,12 +146,12 @@ class ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):
         logits, labels, lse = ctx.saved_tensors
         temperature = ctx.temperature
+        if ctx.kernels:
+            return logprob_kernels.backward(logits, labels, temperature, lse, grad_logp), None, None, None
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for b, rows in _row_chunks(logits):
             g = grad_logp[b, rows].float()
-            z = logits[b, rows].float()
-            if temperature != 1.0:
-                z = z.div_(temperature)
+            z = _scaled(logits[b, rows], temperature)
             gz = z.sub_(lse[b, rows, None]).exp_().mul_(-g[:, None])  # -softmax * g
             gz.scatter_add_(-1, labels[b, rows, None], g[:, None])
             if temperature != 1.0:
