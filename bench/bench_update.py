@@ -10,17 +10,29 @@ on a fresh copy of the same random-init model:
 * ``grouped`` — ``trim_padding=true group_by_length=true`` (the defaults): the mini-batch sorted by
   length first, so a micro-batch holds similar lengths and its cut removes most padding.
 
+Two more variants change how the defaults compute rather than what they cut:
+
+* ``chunked``  — the defaults with the log-probs in PyTorch chunks instead of the one-pass kernels
+  of ``rlcore.trainer.logprob_kernels`` (which run on CUDA only; on CPU the two are the same);
+* ``compiled`` — the defaults with each decoder layer compiled (``actor.compile=true``).
+
 It reports seconds per update (median of ``--repeats`` after one warm-up), the share of the
 computed token positions that are padding, and the largest difference of the updated weights
-against ``plain`` (the three compute the same update; ``tests/unit/test_trainer_trim.py`` checks it).
+against the first variant (the first three compute the same update;
+``tests/unit/test_trainer_trim.py`` checks it). ``--fixed`` gives every sample the full prompt and
+response length (the GRPO step benchmark's setting: nothing to trim); ``--profile N`` lists the N
+largest kernels of one update of the first variant.
 
 Run (CPU): python bench/bench_update.py --json update.json
 Run (GPU): python3 bench/bench_update.py --device cuda --shape qwen2-0.5b --dtype bf16 --samples 256 --micro 32
+Run (GPU, the GRPO step's update): python3 bench/bench_update.py --device cuda --shape qwen2-1.5b --dtype bf16 \
+    --samples 256 --micro 32 --fixed --variants grouped,chunked,compiled --profile 25
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -38,8 +50,13 @@ SHAPES = {
                   intermediate_size=768, vocab_size=8192),
     "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        intermediate_size=4864, vocab_size=151936),
+    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960, vocab_size=151936),
 }
-VARIANTS = {"plain": (False, False), "trim": (True, False), "grouped": (True, True)}
+#: name -> (trim_padding, group_by_length, log-prob kernels, compiled layers)
+VARIANTS = {"plain": (False, False, True, False), "trim": (True, False, True, False),
+            "grouped": (True, True, True, False), "chunked": (True, True, False, False),
+            "compiled": (True, True, True, True)}
 
 
 def build_model(shape: str, dtype: torch.dtype, device: str):
@@ -61,6 +78,8 @@ def ragged_rollout(args: argparse.Namespace, vocab: int, device: str):
     resp = torch.zeros(b, r)
     prompt_lens = torch.randint(p // 4, p + 1, (b,), generator=g)
     resp_lens = torch.exp(torch.randn(b, generator=g) * 0.6 + torch.log(torch.tensor(r / 3.0))).clamp(1, r).long()
+    if args.fixed:
+        prompt_lens, resp_lens = torch.full((b,), p), torch.full((b,), r)
     for i in range(b):
         mask[i, p - int(prompt_lens[i]):p + int(resp_lens[i])] = 1
         resp[i, :int(resp_lens[i])] = 1
@@ -70,27 +89,53 @@ def ragged_rollout(args: argparse.Namespace, vocab: int, device: str):
     return exp, 1.0 - float(mask.sum()) / mask.numel()
 
 
-def run_variant(model, exp, args, trim: bool, group: bool) -> tuple[list[float], list[torch.Tensor]]:
+def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[float], list[torch.Tensor]]:
     from rlcore.config.schema import PPOConfig
+    from rlcore.distributed.fsdp import compile_layers
+    from rlcore.trainer.models import ChunkedLogprobs
     from rlcore.trainer.update import ppo_update
 
+    trim, group, kernels, compiled = VARIANTS[variant]
     times, last = [], []
-    for _ in range(args.repeats + 1):
-        m = copy.deepcopy(model)
-        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        ppo = PPOConfig(micro_batch_size=args.micro, trim_padding=trim, group_by_length=group)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        ppo_update(exp, actor=m, actor_opt=opt, actor_sched=sched, actor_grad_clip=1.0, ppo=ppo, grad_accum=1,
-                   temperature=1.0, kl_loss_coef=0.0, generator=torch.Generator().manual_seed(0))
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        last = [p.detach().float().cpu() for p in m.parameters()]
-        del m, opt
+    ChunkedLogprobs.use_kernels = kernels
+    try:
+        for repeat in range(args.repeats + 1):
+            m = copy.deepcopy(model)
+            if compiled:
+                compile_layers(m, "actor")
+            opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+            ppo = PPOConfig(micro_batch_size=args.micro, trim_padding=trim, group_by_length=group)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            with _profiled(profile if repeat == args.repeats else 0, args.device):
+                ppo_update(exp, actor=m, actor_opt=opt, actor_sched=sched, actor_grad_clip=1.0, ppo=ppo,
+                           grad_accum=1, temperature=1.0, kl_loss_coef=0.0,
+                           generator=torch.Generator().manual_seed(0))
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            last = [p.detach().float().cpu() for p in m.parameters()]
+            del m, opt
+    finally:
+        ChunkedLogprobs.use_kernels = True
     return times[1:], last
+
+
+@contextlib.contextmanager
+def _profiled(top: int, device: str):
+    """Print the ``top`` largest kernels (or CPU operators) of the enclosed work; nothing when 0."""
+    if not top:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        yield
+    key = "cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
 
 
 def main() -> None:
@@ -103,25 +148,33 @@ def main() -> None:
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fixed", action="store_true", help="every prompt and response at full length")
+    p.add_argument("--variants", default="plain,trim,grouped", help=f"comma list of {sorted(VARIANTS)}")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="list the N largest kernels of one update")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     import_rlcore()
     model = build_model(args.shape, torch.bfloat16 if args.dtype == "bf16" else torch.float32, args.device)
     exp, padding = ragged_rollout(args, model.config.vocab_size, args.device)
     results: dict[str, Any] = {}
     reference = None
-    for name, (trim, group) in VARIANTS.items():
-        times, weights = run_variant(model, exp, args, trim, group)
+    for i, name in enumerate(names):
+        times, weights = run_variant(model, exp, args, name, args.profile if i == 0 else 0)
         reference = reference or weights
         results[name] = {"s_per_update": statistics.median(times), "times": times,
-                         "max_weight_diff_vs_plain": max(float((a - b).abs().max()) for a, b in zip(weights, reference))}
+                         "max_weight_diff_vs_first": max(float((a - b).abs().max())
+                                                         for a, b in zip(weights, reference))}
         print(f"{name:<8} {results[name]['s_per_update']:8.3f} s/update  "
-              f"max |w - w_plain| {results[name]['max_weight_diff_vs_plain']:.2e}", flush=True)
-    base = results["plain"]["s_per_update"]
+              f"max |w - w_{names[0]}| {results[name]['max_weight_diff_vs_first']:.2e}", flush=True)
+    base = results[names[0]]["s_per_update"]
     for r in results.values():
-        r["speedup_vs_plain"] = base / r["s_per_update"]
-    print(f"padding share of the full width: {padding:.1%}; speed-up trim {results['trim']['speedup_vs_plain']:.2f}x, "
-          f"grouped {results['grouped']['speedup_vs_plain']:.2f}x")
+        r[f"speedup_vs_{names[0]}"] = base / r["s_per_update"]
+    print(f"padding share of the full width: {padding:.1%}; speed-up vs {names[0]}: " +
+          ", ".join(f"{n} {results[n][f'speedup_vs_{names[0]}']:.2f}x" for n in names[1:]))
     payload = {"environment": environment(), "args": vars(args), "padding_share": padding, "results": results,
                "threads": torch.get_num_threads()}
     if args.json:

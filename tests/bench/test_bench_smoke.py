@@ -22,6 +22,8 @@ CASES = {
                    "--json", "{out}"],
     "update": ["bench_update.py", "--samples", "8", "--prompt-len", "16", "--response-len", "16", "--micro", "2",
                "--repeats", "1", "--json", "{out}"],
+    "update_fixed": ["bench_update.py", "--samples", "4", "--prompt-len", "8", "--response-len", "8", "--micro", "2",
+                     "--repeats", "1", "--fixed", "--variants", "grouped,chunked", "--profile", "3", "--json", "{out}"],
     "data": ["bench_data.py", "all", "--dir", "{tmp}/data", "--shard-mib", "2", "--shards", "4", "--batches", "5",
              "--batch-size", "16", "--json", "{out}"],
 }
