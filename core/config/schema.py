@@ -128,8 +128,8 @@ class ModelRoleConfig:
     grad_clip: float = 1.0
     #: Recompute activations in the backward pass to save memory.
     gradient_checkpointing: bool = False
-    #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products; the first steps include compiling).
-    compile: bool = False
+    #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products; the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
+    compile: Optional[bool] = None
     #: Training dtype of the weights: fp32 | bf16.
     dtype: str = "fp32"
     #: Per-role FSDP settings (unset keys inherit the top-level ``fsdp``).

@@ -172,21 +172,32 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def compile_layers(model: nn.Module, role: str = "model") -> nn.Module:
+def compile_layers(model: nn.Module, role: str = "model", fallback: bool = False) -> nn.Module:
     """Compile each decoder layer in place with ``torch.compile`` (dynamic shapes: micro-batches
     vary in length), before FSDP wraps the layers, as regional compilation composes with FSDP2
     and activation checkpointing. Inductor fuses the pointwise work between the matrix products
     (norms, rotary embedding, SiLU-gated MLP, residual adds) in the forward and backward passes.
 
-    :raises ConfigError: the model has no decoder layers to compile.
+    ``fallback=True`` (compilation chosen by default, not asked for): a model without decoder
+    layers stays as it is, and a layer that fails to compile runs eagerly with a warning
+    (``torch._dynamo.config.suppress_errors``) instead of stopping the run.
+
+    :raises ConfigError: the model has no decoder layers to compile (without ``fallback``).
     """
     layers = decoder_layers(model)
     if not layers:
+        if fallback:
+            log.info("%s: no decoder layers found, training uncompiled", role)
+            return model
         raise ConfigError([f"{role}.compile: {type(model).__name__} has no decoder layers to compile"])
+    if fallback:
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True
     for layer in layers:
         layer.compile(dynamic=True)
-    log.info("%s: %d decoder layers compiled with torch.compile (the first steps include compiling)",
-             role, len(layers))
+    log.info("%s: %d decoder layers compiled with torch.compile (the first steps include compiling; "
+             "%s.compile=false turns it off)", role, len(layers), role)
     return model
 
 

@@ -236,6 +236,11 @@ def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, dev
     return PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist), val_rows, ensure
 
 
+def _wants_compile(setting: Optional[bool], device: torch.device | str) -> bool:
+    """``<role>.compile``: as set, or (``null``) on for a role that trains on CUDA."""
+    return bool(setting) if setting is not None else torch.device(device).type == "cuda"
+
+
 def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placement: Any, actor_fsdp: Any,
                  dist: DistInfo) -> tuple[torch.nn.Module, Optional[torch.nn.Module], Optional[torch.nn.Module]]:
     """``(actor, frozen reference or None, critic or None)``, full (not yet sharded) models, with
@@ -254,10 +259,10 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
             lambda: models.load_causal_lm(critic_path, critic_cfg.dtype, placement.device_for("critic")),
             resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
-    if actor_cfg.compile:  # after the reference copy: the frozen reference runs uncompiled
-        compile_layers(actor, "actor")
-    if critic is not None and critic_cfg.compile:
-        compile_layers(critic, "critic")
+    if _wants_compile(actor_cfg.compile, device):  # after the reference copy: the reference runs uncompiled
+        compile_layers(actor, "actor", fallback=actor_cfg.compile is None)
+    if critic is not None and _wants_compile(critic_cfg.compile, placement.device_for("critic")):
+        compile_layers(critic, "critic", fallback=critic_cfg.compile is None)
     return actor, ref, critic
 
 

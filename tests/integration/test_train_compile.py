@@ -42,3 +42,16 @@ def test_a_model_without_decoder_layers_is_refused():
 
     with pytest.raises(ConfigError, match="actor.compile"):
         compile_layers(torch.nn.Linear(2, 2), "actor")
+
+
+def test_by_default_compiled_on_cuda_only_and_without_layers_left_as_is(tmp_path):
+    from rlcore.distributed.fsdp import compile_layers, decoder_layers
+    from rlcore.trainer.components import _wants_compile
+
+    assert _wants_compile(None, "cuda") and not _wants_compile(None, "cpu")
+    assert _wants_compile(True, "cpu") and not _wants_compile(False, "cuda")
+    plain = torch.nn.Linear(2, 2)
+    assert compile_layers(plain, "actor", fallback=True) is plain
+    trainer, _ = steps(tmp_path, n=1)  # the demo on CPU, actor.compile unset
+    assert trainer.cfg.actor.compile is None
+    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(trainer.c.actor_module))
