@@ -21,7 +21,7 @@ computed token positions that are padding, and the largest difference of the upd
 against the first variant (the first three compute the same update;
 ``tests/unit/test_trainer_trim.py`` checks it). ``--fixed`` gives every sample the full prompt and
 response length (the GRPO step benchmark's setting: nothing to trim); ``--profile N`` lists the N
-largest kernels of one update of the first variant.
+largest kernels of one more (untimed) update of the first variant.
 
 Run (CPU): python bench/bench_update.py --json update.json
 Run (GPU): python3 bench/bench_update.py --device cuda --shape qwen2-0.5b --dtype bf16 --samples 256 --micro 32
@@ -99,7 +99,8 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     times, last = [], []
     ChunkedLogprobs.use_kernels = kernels
     try:
-        for repeat in range(args.repeats + 1):
+        for repeat in range(args.repeats + 1 + bool(profile)):  # warm-up, timed repeats, profiled run
+            profiled = repeat == args.repeats + 1
             m = copy.deepcopy(model)
             if compiled:
                 compile_layers(m, "actor")
@@ -109,12 +110,14 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
             if args.device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            with _profiled(profile if repeat == args.repeats else 0, args.device):
+            with _profiled(profile if profiled else 0, args.device):
                 ppo_update(exp, actor=m, actor_opt=opt, actor_sched=sched, actor_grad_clip=1.0, ppo=ppo,
                            grad_accum=1, temperature=1.0, kl_loss_coef=0.0,
                            generator=torch.Generator().manual_seed(0))
                 if args.device == "cuda":
                     torch.cuda.synchronize()
+            if profiled:
+                continue
             times.append(time.perf_counter() - t)
             last = [p.detach().float().cpu() for p in m.parameters()]
             del m, opt
