@@ -133,10 +133,7 @@ VARIANTS = {
     "engine_torch_sampler": {"fused_sampling": False},
     "engine_sdpa_attn": {"attention": "sdpa"},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
-    "engine_2streams": {"decode_streams": 2},
-    "engine_3streams": {"decode_streams": 3},
 }
-DEFAULT_VARIANTS = ("engine", "engine_uncompiled", "engine_matmul_attn", "engine_torch_sampler", "engine_sdpa_attn")
 
 
 def engine_run(name: str, model, prompts, batch: int, args, kwargs: dict, profile: bool) -> dict[str, Any]:
@@ -344,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--static-batches", default="", help="run HF static cache only at these batch sizes")
     parser.add_argument("--skip-dynamic", action="store_true",
                         help="time only HF's 1-token call (for the static-cache step estimate), not its full run")
-    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v in DEFAULT_VARIANTS),
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "engine_autotune"),
                         help=f"engine configurations to time, from {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true", help="list the kernels of one decode step (first case)")
     parser.add_argument("--no-check", action="store_true")

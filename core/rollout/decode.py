@@ -177,7 +177,7 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
 @torch.no_grad()
 def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: int, length: int,
            cos_table: torch.Tensor, sin_table: torch.Tensor, fns: StepFunctions,
-           attention: str = "sdpa", parts: int = 1, streams: list | None = None) -> torch.Tensor:
+           attention: str = "sdpa") -> torch.Tensor:
     """One decode step for slots ``0..n-1``; no host synchronisation, fixed shapes.
 
     Writes each slot's key/value at its ``cache_index``, marks it valid in ``bias``, attends over
@@ -187,53 +187,21 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     Args:
         cache: ``[L, 2, B, KVH, S, D]``. cos_table, sin_table: ``[S, D]`` in the compute dtype
             (``sin_table`` signed). fns: :func:`step_functions`.
-        parts: cut the slots into this many contiguous parts, each run through all the layers on
-            its own (the same result). With ``streams`` (CUDA streams, ``parts - 1`` of them) part
-            ``i > 0`` runs on ``streams[i - 1]`` so the small kernels of the parts overlap on the
-            device; part 0 runs on the current stream, which waits for the others at the end.
     Returns:
         ``[n, V]`` next-token logits in the compute dtype.
     """
-    parts = max(1, min(int(parts), n))
-    if parts == 1:
-        return _decode_rows(weights, cache, state, 0, n, length, cos_table, sin_table, fns, attention)
-    size = -(-n // parts)
-    bounds = [(a, min(n, a + size)) for a in range(0, n, size)]
-    main = torch.cuda.current_stream(cache.device) if streams else None
-    outs = []
-    for i, (a, b) in enumerate(bounds):
-        stream = streams[i - 1] if streams and i > 0 else None
-        if stream is None:
-            outs.append(_decode_rows(weights, cache, state, a, b, length, cos_table, sin_table, fns, attention))
-            continue
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            out = _decode_rows(weights, cache, state, a, b, length, cos_table, sin_table, fns, attention)
-        out.record_stream(main)
-        outs.append(out)
-    for i in range(1, len(bounds)):
-        if streams:
-            main.wait_stream(streams[i - 1])
-    return torch.cat(outs)
-
-
-def _decode_rows(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, a: int, b: int, length: int,
-                 cos_table: torch.Tensor, sin_table: torch.Tensor, fns: StepFunctions,
-                 attention: str) -> torch.Tensor:
-    """The decode step of slots ``a..b-1`` (see :func:`decode`)."""
-    n = b - a
     dim, last_column = cache.shape[-1], cache.shape[4] - 1
-    positions, cache_index = state.positions[a:b], state.cache_index[a:b]
-    bias = state.bias[a:b]
-    flat = (state.flat_base[:, a:b] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
+    positions, cache_index = state.positions[:n], state.cache_index[:n]
+    bias = state.bias[:n]
+    flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
     layers = weights.layers
-    x, q, kv, cos, sin = fns.first(state.tokens[a:b], positions, cos_table, sin_table, weights.embed,
+    x, q, kv, cos, sin = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
                                    *head_args(layers[0]))
     for index, lw in enumerate(layers):
         layer = cache[index]  # [2, B, KVH, S, D]
         layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
-        attn = attend(q, layer[:, a:b] if a else layer, bias, length, attention)
+        attn = attend(q, layer, bias, length, attention)
         if index + 1 < len(layers):
             x, q, kv = fns.middle(x, attn, cos, sin, *tail_args(lw), *head_args(layers[index + 1]))
         else:

@@ -128,10 +128,6 @@ class RolloutEngine:
             PyTorch; without Triton or CUDA, or if the check fails, the engine logs a warning and uses
             ``"sdpa"``).
         attention_length_step: granularity of the attended cache length (default: :func:`length_step`).
-        decode_streams: cut a decode step of at least ``64 × decode_streams`` slots into that many
-            parts, each through all the layers on its own CUDA stream (captured in the same graph),
-            so that the small matrix products and attention calls of one part run beside the
-            other's. 1 (default): one part. Off CUDA the parts run one after the other.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -139,7 +135,7 @@ class RolloutEngine:
                  graph_batch_buckets: Sequence[int] = DEFAULT_BUCKETS, share_weights: bool | None = None,
                  admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
-                 attention: str = "auto", attention_length_step: int | None = None, decode_streams: int = 1):
+                 attention: str = "auto", attention_length_step: int | None = None):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -171,11 +167,6 @@ class RolloutEngine:
         self.eos_check_interval = max(1, int(eos_check_interval))
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.fused_sampling = bool(fused_sampling)
-        if int(decode_streams) < 1:
-            raise ValueError(f"RolloutEngine: decode_streams must be >= 1, got {decode_streams}")
-        self.decode_streams = int(decode_streams)
-        self._streams = ([torch.cuda.Stream(device=self.device) for _ in range(self.decode_streams - 1)]
-                         if self.device.type == "cuda" and self.decode_streams > 1 else None)
         self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self._plain = decode.step_functions(self.spec)
@@ -296,9 +287,8 @@ class RolloutEngine:
         return self._step(n, length, self._plain)
 
     def _step(self, n: int, length: int, fns: decode.StepFunctions) -> torch.Tensor:
-        parts = self.decode_streams if n >= 64 * self.decode_streams else 1
         return decode.decode(self.weights, self.cache, self.state, n, length, self.step_cos, self.step_sin,
-                             fns, self.attention, parts=parts, streams=self._streams)
+                             fns, self.attention)
 
     def _warm_eager(self, n: int) -> None:
         """Run (and so compile) a step of ``n`` slots, leaving the decode state as it was."""

@@ -166,22 +166,3 @@ def test_repeated_prompts_sample_independently(qwen2):
     assert len({tuple(r) for r in got.response_ids.tolist()}) > 1  # one shared prefill, different draws
     want = teacher_forced_logprobs(qwen2, got, 1.0)
     assert torch.allclose(got.logprobs, want, atol=1e-4)
-
-
-def test_decode_in_parts_gives_the_same_tokens(qwen2):
-    """``decode_streams=2``: a step of >= 128 slots runs as two parts (on CPU one after the other)."""
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 100, (int(k),), generator=gen).tolist()
-               for k in torch.randint(1, 9, (130,), generator=gen)]
-    params = SamplingParams(max_new_tokens=6, temperature=0.0)
-    whole = RolloutEngine(qwen2, max_batch_size=128, max_seq_len=16).generate(prompts, params)
-    split = RolloutEngine(qwen2, max_batch_size=128, max_seq_len=16, decode_streams=2)
-    calls = []
-    real = split._step
-    split._step = lambda n, length, fns: calls.append(n) or real(n, length, fns)
-    got = split.generate(prompts, params)
-    assert 128 in calls  # the split size was reached
-    assert torch.equal(got.response_ids, whole.response_ids)
-    assert torch.allclose(got.logprobs, whole.logprobs, atol=1e-5)
-    with pytest.raises(ValueError, match="decode_streams"):
-        RolloutEngine(qwen2, max_batch_size=4, max_seq_len=16, decode_streams=0)
