@@ -22,11 +22,8 @@ import os
 
 import torch
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU builds and other accelerators go without
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from rlcore.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
+from rlcore.triton_support import tl, triton
 
 BLOCK_N = 64
 #: key/value columns per block for head dims of 128 and more (fewer registers per program)
@@ -134,15 +131,6 @@ if triton is not None:
         out = acc / run_sum[:, None]
         tl.store(out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d,
                  out.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def available(device: torch.device | str) -> bool:
-    """Whether the kernels can run on ``device``: CUDA with Triton, or Triton's CPU interpreter
-    (``TRITON_INTERPRET=1``, for tests)."""
-    device = torch.device(device)
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,23 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+def _distinct(slots: Sequence[int], prompts: Sequence[Sequence[int]]):
+    """``(unique, owner, source)``: the distinct prompts in order of first occurrence, the slot of
+    each one's first occurrence, and for every slot the index of its prompt in ``unique``."""
+    index: dict[tuple[int, ...], int] = {}
+    unique: list[Sequence[int]] = []
+    owner: list[int] = []
+    source: list[int] = []
+    for slot, prompt in zip(slots, prompts):
+        key = tuple(prompt)
+        if key not in index:
+            index[key] = len(unique)
+            unique.append(prompt)
+            owner.append(slot)
+        source.append(index[key])
+    return unique, owner, source
+
+
 def _model_device(model) -> torch.device:
     param = next(model.parameters())
     return param.device
@@ -325,33 +342,21 @@ class RolloutEngine:
 
         Returns ``(logits [len(slots), V], width)``: the next-token logits and the padded width
         (the cache column of each slot's first decode step)."""
-        index: dict[tuple[int, ...], int] = {}
-        unique: list[Sequence[int]] = []
-        owner: list[int] = []  # the slot each unique prompt is prefilled into
-        source = []  # per slot: its prompt's place in ``unique``
-        for slot, prompt in zip(slots, prompts):
-            key = tuple(prompt)
-            if key not in index:
-                index[key] = len(unique)
-                unique.append(prompt)
-                owner.append(slot)
-            source.append(index[key])
+        unique, owner, source = _distinct(slots, prompts)
         ids, mask = left_pad(unique, pad_id, self.device)
         width = ids.shape[1]
         padded = any(len(p) != width for p in unique)
-        rows = torch.tensor(owner, dtype=torch.long, device=self.device)
+        owner_rows = torch.tensor(owner, dtype=torch.long, device=self.device)
         chunk = max(1, self.max_prefill_tokens // width)
-        logits = torch.cat([llama.prefill(self.weights, self.spec, self.cache, rows[i:i + chunk], ids[i:i + chunk],
-                                          mask[i:i + chunk], self.cos, self.sin, padded=padded)
+        logits = torch.cat([llama.prefill(self.weights, self.spec, self.cache, owner_rows[i:i + chunk],
+                                          ids[i:i + chunk], mask[i:i + chunk], self.cos, self.sin, padded=padded)
                             for i in range(0, len(unique), chunk)])
         rows = torch.tensor(slots, dtype=torch.long, device=self.device)
         if len(unique) < len(slots):
-            pick = torch.tensor(source, dtype=torch.long, device=self.device)
-            owners = set(owner)
-            copies = [i for i, slot in enumerate(slots) if slot not in owners]
-            dst = rows[copies]
+            copies = [i for i, slot in enumerate(slots) if slot != owner[source[i]]]
             src = torch.tensor([owner[source[i]] for i in copies], dtype=torch.long, device=self.device)
-            self.cache[:, :, dst, :, :width] = self.cache[:, :, src, :, :width]
+            self.cache[:, :, rows[copies], :, :width] = self.cache[:, :, src, :, :width]
+            pick = torch.tensor(source, dtype=torch.long, device=self.device)
             logits, mask = logits[pick], mask[pick]
         st = self.state
         bias = torch.full((len(slots), self.max_seq_len), float("-inf"), dtype=self.dtype, device=self.device)

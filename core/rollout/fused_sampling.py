@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU builds and other accelerators go without
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from rlcore.triton_support import tl, triton
 
 BLOCK = 1024
 #: aim for at least this many programs in the first pass (a few per multiprocessor)

@@ -15,15 +15,10 @@ Triton, or Triton's CPU interpreter when ``TRITON_INTERPRET=1`` (for tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU builds and other accelerators go without
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from rlcore.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
+from rlcore.triton_support import tl, triton
 
 #: columns a program reads per iteration
 BLOCK = 4096
@@ -32,12 +27,15 @@ if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # a finite "minus infinity": exp(_NEG - m) is 0 and 0 * _NEG is not NaN
 
     @triton.jit
+    def _row_start(logits_ptr, row, stride_b, stride_r, rows_per_batch):
+        """The first logit of ``row`` (``b * R + r``) of a ``[B, R, V]`` tensor with the given strides."""
+        return logits_ptr + (row // rows_per_batch).to(tl.int64) * stride_b + (row % rows_per_batch).to(tl.int64) * stride_r
+
+    @triton.jit
     def _forward_rows(logits_ptr, stride_b, stride_r, rows_per_batch, labels_ptr, vocab, inv_temp,
                       logp_ptr, lse_ptr, ent_ptr, WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        b = row // rows_per_batch
-        r = row % rows_per_batch
-        base = logits_ptr + b.to(tl.int64) * stride_b + r.to(tl.int64) * stride_r
+        base = _row_start(logits_ptr, row, stride_b, stride_r, rows_per_batch)
         cols = tl.arange(0, BLOCK)
         run_max = tl.max(tl.full([BLOCK], _NEG, tl.float32), axis=0)  # a scalar: one exp per element
         run_sum = tl.zeros([BLOCK], tl.float32)
@@ -67,9 +65,7 @@ if triton is not None:
     def _backward_rows(logits_ptr, stride_b, stride_r, rows_per_batch, labels_ptr, vocab, inv_temp,
                        lse_ptr, grad_out_ptr, grad_ptr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        b = row // rows_per_batch
-        r = row % rows_per_batch
-        base = logits_ptr + b.to(tl.int64) * stride_b + r.to(tl.int64) * stride_r
+        base = _row_start(logits_ptr, row, stride_b, stride_r, rows_per_batch)
         out = grad_ptr + row.to(tl.int64) * vocab
         lse = tl.load(lse_ptr + row)
         g = tl.load(grad_out_ptr + row) * inv_temp
@@ -81,15 +77,6 @@ if triton is not None:
             z = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
             d = tl.where(offs == label, 1.0, 0.0) - tl.exp(z - lse)
             tl.store(out + offs, (d * g).to(grad_ptr.dtype.element_ty), mask=valid)
-
-
-def available(device: torch.device | str) -> bool:
-    """Whether the kernels can run on ``device``: CUDA with Triton, or Triton's CPU interpreter
-    (``TRITON_INTERPRET=1``)."""
-    device = torch.device(device)
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _rows(logits: torch.Tensor) -> tuple[int, int, int, int]:

@@ -119,24 +119,8 @@ class ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, temperature: float, with_entropy: bool):
         ctx.temperature = temperature
         ctx.kernels = ChunkedLogprobs.use_kernels and logprob_kernels.available(logits.device)
-        if ctx.kernels:
-            logp, lse, ent = logprob_kernels.forward(logits, labels, temperature, with_entropy)
-            ctx.save_for_backward(logits, labels, lse)
-            if ent is not None:
-                ctx.mark_non_differentiable(ent)
-            return logp, ent
-        shape = logits.shape[:2]
-        logp = torch.empty(shape, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(logp)
-        ent = torch.empty_like(logp) if with_entropy else None
-        for b, rows in _row_chunks(logits):
-            z = _scaled(logits[b, rows], temperature)
-            norm = torch.logsumexp(z, dim=-1)
-            lse[b, rows] = norm
-            logp[b, rows] = z.gather(-1, labels[b, rows, None]).squeeze(-1) - norm
-            if ent is not None:
-                probs = (z - norm[:, None]).exp_()
-                ent[b, rows] = norm - torch.linalg.vecdot(probs, z)
+        run = logprob_kernels.forward if ctx.kernels else _chunked_forward
+        logp, lse, ent = run(logits, labels, temperature, with_entropy)
         ctx.save_for_backward(logits, labels, lse)
         if ent is not None:
             ctx.mark_non_differentiable(ent)
@@ -145,19 +129,39 @@ class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         logits, labels, lse = ctx.saved_tensors
-        temperature = ctx.temperature
-        if ctx.kernels:
-            return logprob_kernels.backward(logits, labels, temperature, lse, grad_logp), None, None, None
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for b, rows in _row_chunks(logits):
-            g = grad_logp[b, rows].float()
-            z = _scaled(logits[b, rows], temperature)
-            gz = z.sub_(lse[b, rows, None]).exp_().mul_(-g[:, None])  # -softmax * g
-            gz.scatter_add_(-1, labels[b, rows, None], g[:, None])
-            if temperature != 1.0:
-                gz = gz.div_(temperature)
-            grad[b, rows] = gz
-        return grad, None, None, None
+        run = logprob_kernels.backward if ctx.kernels else _chunked_backward
+        return run(logits, labels, ctx.temperature, lse, grad_logp), None, None, None
+
+
+def _chunked_forward(logits, labels, temperature: float, with_entropy: bool):
+    """:func:`rlcore.trainer.logprob_kernels.forward` in PyTorch, chunk by chunk."""
+    shape = logits.shape[:2]
+    logp = torch.empty(shape, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if with_entropy else None
+    for b, rows in _row_chunks(logits):
+        z = _scaled(logits[b, rows], temperature)
+        norm = torch.logsumexp(z, dim=-1)
+        lse[b, rows] = norm
+        logp[b, rows] = z.gather(-1, labels[b, rows, None]).squeeze(-1) - norm
+        if ent is not None:
+            probs = (z - norm[:, None]).exp_()
+            ent[b, rows] = norm - torch.linalg.vecdot(probs, z)
+    return logp, lse, ent
+
+
+def _chunked_backward(logits, labels, temperature: float, lse, grad_logp):
+    """:func:`rlcore.trainer.logprob_kernels.backward` in PyTorch, chunk by chunk."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    for b, rows in _row_chunks(logits):
+        g = grad_logp[b, rows].float()
+        z = _scaled(logits[b, rows], temperature)
+        gz = z.sub_(lse[b, rows, None]).exp_().mul_(-g[:, None])  # -softmax * g
+        gz.scatter_add_(-1, labels[b, rows, None], g[:, None])
+        if temperature != 1.0:
+            gz = gz.div_(temperature)
+        grad[b, rows] = gz
+    return grad
 
 
 def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
