@@ -132,6 +132,7 @@ VARIANTS = {
     "engine_matmul_attn": {"attention": "matmul"},
     "engine_torch_sampler": {"fused_sampling": False},
     "engine_sdpa_attn": {"attention": "sdpa"},
+    "engine_rope_separate": {"rope_in_attention": False},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
 }
 

@@ -9,7 +9,10 @@ A step is split around the attention of each layer into three functions of tenso
 
 where head = RMSNorm, fused q/k/v projection, RoPE; tail = o-projection + residual, RMSNorm,
 SiLU-gated MLP + residual. Between them the eager part writes the new keys/values into the
-static cache and attends over its filled columns.
+static cache and attends over its filled columns. With the Triton attention kernel the head
+stops at the projection (``rope_in_attention``): one kernel per layer then rotates the queries
+and the new key, writes the new key/value to the cache and attends
+(:func:`rlcore.rollout.decode_attention.attend_new`).
 
 With ``torch.compile`` (:func:`step_functions` with a mode) Inductor fuses the pointwise work
 of each piece (residual adds, the norms, RoPE, SiLU·mul, the key/value packing) into a few
@@ -57,13 +60,18 @@ class DecodeState:
 
 # ----------------------------------------------------------------------------- the pieces
 
+def _project(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, eps: float) -> torch.Tensor:
+    """``x [n, H]`` -> the fused q/k/v projection ``[n, (heads + 2·kv_heads)·D]`` of ``norm(x)``."""
+    return linear_group(rms_norm(x, ln1, eps), qkv, qkv_bias)
+
+
 def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: torch.Tensor, sin: torch.Tensor,
           eps: float, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [n, H]`` -> ``(q [n, KVH, G, D], kv [2, n, KVH, D])`` with RoPE applied to q and k.
 
     ``cos``, ``sin`` ``[n, 1, D]`` (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`)."""
     n, dim = x.shape[0], cos.shape[-1]
-    proj = linear_group(rms_norm(x, ln1, eps), qkv, qkv_bias)
+    proj = _project(x, ln1, qkv, qkv_bias, eps)
     qk = rotate(proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
     v = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
     q = qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
@@ -87,15 +95,22 @@ def tail_args(lw: LayerWeights) -> tuple:
 
 @dataclass(frozen=True)
 class StepFunctions:
-    """The three pieces of a step (see the module docstring), plain or compiled."""
+    """The three pieces of a step (see the module docstring), plain or compiled.
+
+    With ``rope_in_attention`` the head of a layer stops at the q/k/v projection: RoPE and the
+    cache write happen in the attention kernel (:func:`rlcore.rollout.decode_attention.attend_new`).
+    """
 
     first: Callable
     middle: Callable
     last: Callable
     compiled: bool
+    spec: DecoderSpec
+    rope_in_attention: bool = False
 
 
-def step_functions(spec: DecoderSpec, compile_mode: str | None = None) -> StepFunctions:
+def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
+                   rope_in_attention: bool = False) -> StepFunctions:
     """The step pieces for ``spec``, compiled with ``torch.compile(mode=compile_mode)`` unless ``None``.
 
     Compilation is lazy (first call); the caller falls back to the plain pieces if it raises.
@@ -114,18 +129,29 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None) -> StepFu
         q, kv = _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads)
         return x, q, kv
 
+    def first_projected(tokens, embed, ln1, qkv, qkv_bias):
+        x = F.embedding(tokens, embed)
+        return x, _project(x, ln1, qkv, qkv_bias, eps)
+
+    def middle_projected(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
+        return x, _project(x, ln1, qkv, qkv_bias, eps)
+
     def last(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, norm, lm_head):
         x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
         return F.linear(rms_norm(x, norm, eps), lm_head)
 
+    if rope_in_attention:
+        first, middle = first_projected, middle_projected
     if compile_mode is None:
-        return StepFunctions(first, middle, last, compiled=False)
+        return StepFunctions(first, middle, last, compiled=False, spec=spec, rope_in_attention=rope_in_attention)
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"rollout engine: compile_mode {compile_mode!r} is not one of {COMPILE_MODES}")
     _raise_recompile_limit(64)
     options = dict(fullgraph=True, mode=None if compile_mode == "default" else compile_mode)
     return StepFunctions(torch.compile(first, **options), torch.compile(middle, **options),
-                         torch.compile(last, **options), compiled=True)
+                         torch.compile(last, **options), compiled=True, spec=spec,
+                         rope_in_attention=rope_in_attention)
 
 
 def _raise_recompile_limit(at_least: int) -> None:
@@ -185,16 +211,29 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     ``positions`` and ``cache_index`` (clamped to ``S-1`` so idle slots stay in bounds).
 
     Args:
-        cache: ``[L, 2, B, KVH, S, D]``. cos_table, sin_table: ``[S, D]`` in the compute dtype
-            (``sin_table`` signed). fns: :func:`step_functions`.
+        cache: ``[L, 2, B, KVH, S, D]``. cos_table, sin_table: ``[S, D]`` (``sin_table`` signed), in
+            the compute dtype for the separate RoPE, any float dtype for ``fns.rope_in_attention``
+            (which needs ``attention="triton"``). fns: :func:`step_functions`.
     Returns:
         ``[n, V]`` next-token logits in the compute dtype.
     """
-    dim, last_column = cache.shape[-1], cache.shape[4] - 1
+    last_column = cache.shape[4] - 1
     positions, cache_index = state.positions[:n], state.cache_index[:n]
     bias = state.bias[:n]
-    flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
+    if fns.rope_in_attention:
+        logits = _layers_rope_in_attention(weights, cache, state, n, length, cos_table, sin_table, fns)
+    else:
+        logits = _layers(weights, cache, state, n, length, cos_table, sin_table, fns, attention)
+    positions.add_(1).clamp_(max=last_column)
+    cache_index.add_(1).clamp_(max=last_column)
+    return logits
+
+
+def _layers(weights, cache, state, n, length, cos_table, sin_table, fns, attention) -> torch.Tensor:
+    dim = cache.shape[-1]
+    positions, cache_index, bias = state.positions[:n], state.cache_index[:n], state.bias[:n]
+    flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
     layers = weights.layers
     x, q, kv, cos, sin = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
                                    *head_args(layers[0]))
@@ -206,6 +245,19 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
             x, q, kv = fns.middle(x, attn, cos, sin, *tail_args(lw), *head_args(layers[index + 1]))
         else:
             logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
-    positions.add_(1).clamp_(max=last_column)
-    cache_index.add_(1).clamp_(max=last_column)
+    return logits
+
+
+def _layers_rope_in_attention(weights, cache, state, n, length, cos_table, sin_table, fns) -> torch.Tensor:
+    heads, kv_heads = fns.spec.num_heads, fns.spec.num_kv_heads
+    positions, cache_index, bias = state.positions[:n], state.cache_index[:n], state.bias[:n]
+    layers = weights.layers
+    x, proj = fns.first(state.tokens[:n], weights.embed, *head_args(layers[0]))
+    for index, lw in enumerate(layers):
+        attn = decode_attention.attend_new(proj, cache[index], bias, length, cos_table, sin_table, positions,
+                                           cache_index, heads, kv_heads)
+        if index + 1 < len(layers):
+            x, proj = fns.middle(x, attn, *tail_args(lw), *head_args(layers[index + 1]))
+        else:
+            logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
     return logits

@@ -46,8 +46,11 @@ if triton is not None:
                      bias_ptr, sb_n, sb_s,
                      out_ptr, so_n, so_h, so_g, so_d,
                      stat_ptr, stat_plane,
-                     length, chunk, scale, group: tl.constexpr, dim: tl.constexpr,
+                     length, chunk, scale,
+                     new_ptr, sn_n, k_off, v_off, cos_ptr, sin_ptr, s_rope, pos_ptr, col_ptr,
+                     group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
+                     NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
@@ -67,6 +70,31 @@ if triton is not None:
         run_max = tl.full([BLOCK_G], _NEG, tl.float32)
         run_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        new_col = -1
+        if NEW:
+            # RoPE (half-split layout: x * cos + roll(x, D/2) * signed sin) of the G query rows and of
+            # the new key, in float32; the new key/value go to the cache at the slot's column and
+            # enter the softmax from registers (part 0), the column itself is skipped below
+            new_col = tl.load(col_ptr + slot)
+            position = tl.load(pos_ptr + slot)
+            turned = (feats + dim // 2) % dim
+            cos = tl.load(cos_ptr + position * s_rope + feats, mask=feat_ok, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + position * s_rope + feats, mask=feat_ok, other=0.0).to(tl.float32)
+            q_turned = tl.load(q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g + turned[None, :] * sq_d,
+                               mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
+            q = (q.to(tl.float32) * cos[None, :] + q_turned.to(tl.float32) * sin[None, :]).to(q.dtype)
+            row_new = new_ptr + slot * sn_n + head * dim
+            key = tl.load(row_new + k_off + feats, mask=feat_ok, other=0.0).to(tl.float32)
+            key_turned = tl.load(row_new + k_off + turned, mask=feat_ok, other=0.0).to(tl.float32)
+            key = (key * cos + key_turned * sin).to(k_ptr.dtype.element_ty)
+            value = tl.load(row_new + v_off + feats, mask=feat_ok, other=0.0)
+            if part == 0:
+                at = new_col.to(tl.int64) * sc_s + feats * sc_d
+                tl.store(k_ptr + slot * sc_b + head * sc_h + at, key, mask=feat_ok)
+                tl.store(v_ptr + slot * sc_b + head * sc_h + at, value.to(v_ptr.dtype.element_ty), mask=feat_ok)
+                run_max = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale
+                run_sum = tl.full([BLOCK_G], 1.0, tl.float32)
+                acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
         lo = part * chunk
         hi = tl.minimum(lo + chunk, length)
         for start in range(lo, hi, BLOCK_N):
@@ -82,7 +110,7 @@ if triton is not None:
             else:
                 scores = tl.dot(q, tl.trans(k))
             scores = scores * scale + bias[None, :]
-            scores = tl.where(col_ok[None, :], scores, float("-inf"))
+            scores = tl.where((col_ok & (col != new_col))[None, :], scores, float("-inf"))
             new_max = tl.maximum(run_max, tl.max(scores, axis=1))
             p = tl.exp(scores - new_max[:, None])
             alpha = tl.exp(run_max - new_max)
@@ -177,6 +205,39 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages)
+
+
+def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
+               sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
+               splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
+               num_stages: int | None = None) -> torch.Tensor:
+    """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
+    queries and the new key, the new key/value written to the cache at each slot's column, and
+    attention over columns ``0..length-1`` with the new column taken from registers.
+
+    Args:
+        proj: ``[n, (heads + 2·kv_heads)·D]`` the fused q/k/v projection (bias included), last
+            dimension contiguous.
+        layer: ``[2, B, KVH, S, D]`` one layer's cache; column ``columns[i]`` of row ``i`` is written.
+        bias: ``[n, S]`` additive key mask; ``bias[i, columns[i]]`` must already be 0.
+        cos, sin: ``[S, D]`` RoPE tables (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`).
+        positions, columns: ``[n]`` int64 RoPE position and cache column of each slot's new token.
+    Returns:
+        ``[n, heads·D]`` in ``proj``'s dtype.
+    """
+    n = proj.shape[0]
+    dim = layer.shape[-1]
+    if proj.stride(-1) != 1 or proj.shape[1] != (heads + 2 * kv_heads) * dim or cos.stride(-1) != 1 \
+            or sin.stride() != cos.stride():
+        raise ValueError(f"decode attention: projection {tuple(proj.shape)} does not hold {heads} + 2 x {kv_heads} "
+                         f"heads of {dim}, or RoPE tables not row-major")
+    q = proj[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
+    new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0), positions, columns)
+    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages)
+
+
+def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -195,17 +256,19 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         options["num_stages"] = num_stages
     shared = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
     sizes = (length, chunk, dim ** -0.5)
+    new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)
     # the interpreter multiplies bfloat16 as raw integers, so it takes the float32 products
     ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-    constants = dict(group=group, dim=dim, IEEE=ieee, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
+    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, BLOCK_G=block_g, BLOCK_D=block_d,
+                     BLOCK_N=block_n)
     if splits == 1:
-        _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, *sizes, SPLIT=False,
+        _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, *sizes, *new_args, SPLIT=False,
                                        **constants, **options)
         return out.view(n, -1)
     parts = torch.empty(n, kv_heads, splits, group, dim, dtype=torch.float32, device=device)
     stats = torch.empty(2, n, kv_heads, splits, group, dtype=torch.float32, device=device)
     plane = stats[0].numel()
-    _attend_part[(n, kv_heads, splits)](*shared, parts, *parts.stride()[:2], dim, 1, stats, plane, *sizes,
+    _attend_part[(n, kv_heads, splits)](*shared, parts, *parts.stride()[:2], dim, 1, stats, plane, *sizes, *new_args,
                                         SPLIT=True, **constants, **options)
     _merge_parts[(n, kv_heads)](parts, stats, plane, out, *out.stride(), splits, group=group, dim=dim,
                                 BLOCK_G=block_g, BLOCK_D=block_d, num_warps=num_warps)
@@ -218,6 +281,21 @@ def reference(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: 
     keys, values = layer[0, :n, :, :length].float(), layer[1, :n, :, :length].float()
     scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * dim ** -0.5 + bias[:, None, None, :length].float()
     return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(n, -1)
+
+
+def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
+                  sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int,
+                  kv_heads: int) -> torch.Tensor:
+    """:func:`attend_new` in PyTorch: rotates in float32, writes the new key/value into ``layer``
+    (in place) and returns :func:`reference` over it, ``[n, heads·D]`` float32."""
+    n, dim = proj.shape[0], layer.shape[-1]
+    c, s = cos[positions].float()[:, None], sin[positions].float()[:, None]
+    qk = proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float()
+    qk = (qk * c + qk.roll(dim // 2, dims=-1) * s).to(proj.dtype)
+    rows = torch.arange(n, device=proj.device)
+    layer[0, rows, :, columns] = qk[:, heads:].to(layer.dtype)
+    layer[1, rows, :, columns] = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim).to(layer.dtype)
+    return reference(qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim), layer, bias, length)
 
 
 def usable(device: torch.device | str, dtype: torch.dtype, kv_heads: int, group: int,
@@ -246,6 +324,11 @@ def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
     bias[1, length - 30:] = float("-inf")
     bias = bias.to(device, dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    heads = kv_heads * group
+    proj = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    cos, sin = torch.randn(2, columns, head_dim, generator=gen).to(device)
+    positions = torch.tensor([3, 70, 11], device=device)
+    at = torch.tensor([length - 1, 9, length - 20], device=device)
     try:
         expected = reference(q, layer, bias, length)
         for splits in (1, 2):
@@ -253,6 +336,17 @@ def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
             if not torch.allclose(got, expected, atol=tolerance, rtol=tolerance):
                 error = float((got - expected).abs().max())
                 return False, f"disagrees with PyTorch attention (splits {splits}, max abs error {error:.3g})"
+        expected_layer = layer.clone()
+        expected = reference_new(proj, expected_layer, bias, length, cos, sin, positions, at, heads, kv_heads)
+        for splits in (1, 2):
+            got_layer = layer.clone()
+            got = attend_new(proj, got_layer, bias, length, cos, sin, positions, at, heads, kv_heads,
+                             splits=splits).float()
+            error = float((got - expected).abs().max())
+            written = float((got_layer.float() - expected_layer.float()).abs().max())
+            if error > tolerance * 3 or written > tolerance * 3:
+                return False, (f"RoPE-and-write attention disagrees with PyTorch (splits {splits}, max abs error "
+                               f"{error:.3g}, cache {written:.3g})")
     except Exception as error:  # noqa: BLE001 - any failure means: use the PyTorch path
         return False, f"{type(error).__name__}: {str(error)[:300]}"
     return True, "ok"

@@ -145,6 +145,9 @@ class RolloutEngine:
             PyTorch; without Triton or CUDA, or if the check fails, the engine logs a warning and uses
             ``"sdpa"``).
         attention_length_step: granularity of the attended cache length (default: :func:`length_step`).
+        rope_in_attention: with ``attention="triton"``, let the attention kernel also apply RoPE and
+            write the new key/value to the cache (one kernel per layer instead of three; default on).
+            Ignored for the other attention kinds.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -152,7 +155,8 @@ class RolloutEngine:
                  graph_batch_buckets: Sequence[int] = DEFAULT_BUCKETS, share_weights: bool | None = None,
                  admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
-                 attention: str = "auto", attention_length_step: int | None = None):
+                 attention: str = "auto", attention_length_step: int | None = None,
+                 rope_in_attention: bool | None = None):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -186,15 +190,18 @@ class RolloutEngine:
         self.fused_sampling = bool(fused_sampling)
         self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
-        self._plain = decode.step_functions(self.spec)
-        self._fns = decode.step_functions(self.spec, compile_mode) if self.compile else self._plain
+        self.rope_in_attention = self.attention == "triton" and rope_in_attention is not False
+        self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention)
+        self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention) if self.compile
+                     else self._plain)
         self._allocate()
         if self.compile:
             self._mark_static()
         self._graphs = _Graphs(self) if self.use_cuda_graphs else None
         log.info("rollout engine: %d layers, %d slots x %d tokens, %s on %s, cuda graphs %s, compile %s, "
-                 "attention %s", self.spec.num_layers, max_batch_size, max_seq_len, self.dtype, self.device,
-                 "on" if self.use_cuda_graphs else "off", compile_mode if self.compile else "off", self.attention)
+                 "attention %s%s", self.spec.num_layers, max_batch_size, max_seq_len, self.dtype, self.device,
+                 "on" if self.use_cuda_graphs else "off", compile_mode if self.compile else "off", self.attention,
+                 " (with RoPE and cache write)" if self.rope_in_attention else "")
 
     # ------------------------------------------------------------------ public API
 
@@ -304,8 +311,8 @@ class RolloutEngine:
         return self._step(n, length, self._plain)
 
     def _step(self, n: int, length: int, fns: decode.StepFunctions) -> torch.Tensor:
-        return decode.decode(self.weights, self.cache, self.state, n, length, self.step_cos, self.step_sin,
-                             fns, self.attention)
+        cos, sin = (self.cos, self.sin) if fns.rope_in_attention else (self.step_cos, self.step_sin)
+        return decode.decode(self.weights, self.cache, self.state, n, length, cos, sin, fns, self.attention)
 
     def _warm_eager(self, n: int) -> None:
         """Run (and so compile) a step of ``n`` slots, leaving the decode state as it was."""

@@ -16,9 +16,14 @@ Only used without top-k / top-p; :func:`available` says whether Triton can run h
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from rlcore.triton_support import tl, triton
+
+if triton is not None:
+    from triton.language.extra import libdevice
 
 BLOCK = 1024
 #: aim for at least this many programs in the first pass (a few per multiprocessor)
@@ -29,13 +34,15 @@ if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite "minus infinity": keeps the running sums free of inf - inf
 
     @triton.jit
-    def _fold(x, offs, valid, noise, run_max, run_sum, best, best_idx, GREEDY: tl.constexpr):
+    def _fold(x, offs, valid, noise, run_max, run_sum, best, best_idx, GREEDY: tl.constexpr, FAST: tl.constexpr):
         """Fold one sub-block of (temperature-scaled) logits into the per-lane running state."""
         x = tl.where(valid, x, _NEG)
         new_max = tl.maximum(run_max, x)
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.where(valid, tl.exp(x - new_max), 0.0)
         if GREEDY:
             key = x
+        elif FAST:  # the hardware's approximate logarithm: the Gumbel noise needs no more
+            key = tl.where(valid, x - libdevice.fast_logf(-libdevice.fast_logf(noise)), _NEG)
         else:
             key = tl.where(valid, x - tl.log(-tl.log(noise)), _NEG)
         better = key > best
@@ -43,7 +50,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed"])
     def _partial_rows(logits_ptr, stride, vocab, chunk, inv_temp, seed, max_ptr, sum_ptr, key_ptr, idx_ptr,
-                      splits, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+                      splits, GREEDY: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr):
         # A block of BLOCK columns is four sub-blocks of SUB lanes; one Philox call gives each lane
         # four uniforms, one per sub-block, keyed by (row, block index in the row, lane).
         SUB: tl.constexpr = BLOCK // 4
@@ -73,19 +80,23 @@ if triton is not None:
             offs = start + lane
             valid = offs < hi
             x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u0, run_max, run_sum, best, best_idx, GREEDY)
+            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u0, run_max, run_sum, best, best_idx,
+                                                     GREEDY, FAST)
             offs = start + SUB + lane
             valid = offs < hi
             x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u1, run_max, run_sum, best, best_idx, GREEDY)
+            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u1, run_max, run_sum, best, best_idx,
+                                                     GREEDY, FAST)
             offs = start + 2 * SUB + lane
             valid = offs < hi
             x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u2, run_max, run_sum, best, best_idx, GREEDY)
+            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u2, run_max, run_sum, best, best_idx,
+                                                     GREEDY, FAST)
             offs = start + 3 * SUB + lane
             valid = offs < hi
             x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u3, run_max, run_sum, best, best_idx, GREEDY)
+            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u3, run_max, run_sum, best, best_idx,
+                                                     GREEDY, FAST)
         top = tl.max(run_max, axis=0)
         total = tl.sum(run_sum * tl.exp(run_max - top), axis=0)
         winner = tl.max(best, axis=0)
@@ -131,14 +142,16 @@ def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
     return -(-vocab // chunk), chunk
 
 
-def sample_rows(logits: torch.Tensor, temperature: float, seed: int,
-                splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int | None = None,
+                fast_math: bool | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy (``temperature <= 0``) or temperature sampling of each row, in one pass over the logits.
 
     Args:
         logits: ``[B, V]`` raw logits, last dimension contiguous (any float dtype).
         seed: per-call noise seed (ignored when greedy).
         splits: chunks per row (default: enough for about :data:`TARGET_PROGRAMS` programs).
+        fast_math: draw the Gumbel noise with the hardware's approximate logarithm (default: on
+            CUDA; the interpreter has only the exact one).
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)``, log-probs under ``log_softmax(logits / T)``
         (``T = 1`` when greedy), as :func:`rlcore.rollout.sampling.sample_next` defines them.
@@ -154,9 +167,11 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int,
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     greedy = temperature <= 0
     inv_temp = 1.0 if greedy else 1.0 / temperature
+    if fast_math is None:
+        fast_math = os.environ.get("TRITON_INTERPRET") != "1"
     _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, int(seed) & 0x7FFFFFFF,
                                   part[0], part[1], part[2], part_idx, splits,
-                                  GREEDY=greedy, BLOCK=BLOCK, num_warps=4)
+                                  GREEDY=greedy, FAST=bool(fast_math), BLOCK=BLOCK, num_warps=num_warps)
     _merge_rows[(rows,)](logits, logits.stride(0), vocab, inv_temp, part[0], part[1], part[2], part_idx, splits,
                          tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=1)
     return tokens, logprobs

@@ -135,3 +135,47 @@ def test_unknown_attention_kind_is_refused(qwen2):
     with pytest.raises(ValueError, match="attention"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention="flash")
 
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits):
+    gen = torch.Generator().manual_seed(3)
+    n, kv_heads, group, dim, columns, length = 5, 2, 3, 16, 80, 70
+    heads = kv_heads * group
+    layer = torch.randn(2, n + 1, kv_heads, columns, dim, generator=gen).to(DEVICE, dtype)
+    proj = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+    cos, sin = torch.randn(2, columns, dim, generator=gen).to(DEVICE)
+    positions = torch.randint(0, columns, (n,), generator=gen).to(DEVICE)
+    at = torch.tensor([1, 69, 30, 64, 5], device=DEVICE)  # the new column, anywhere below length
+    bias = torch.zeros(n, columns, dtype=dtype, device=DEVICE)
+    bias[0, 20:] = float("-inf")
+    bias[3, :10] = float("-inf")
+    bias[torch.arange(n), at] = 0.0
+    stale = layer.clone()
+    expected_layer = layer.clone()
+    expected = decode_attention.reference_new(proj, expected_layer, bias, length, cos, sin, positions, at, heads,
+                                              kv_heads)
+    got = decode_attention.attend_new(proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads,
+                                      splits=splits)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
+    assert torch.allclose(layer.float(), expected_layer.float(), atol=tol * 4, rtol=tol)
+    changed = (layer != stale).any(-1)  # [2, B, KVH, S]: only each slot's new column was written
+    cols = changed.nonzero()[:, 3]
+    rows = changed.nonzero()[:, 1]
+    assert torch.equal(cols.cpu(), at[rows].cpu())
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_engine_rope_in_attention_matches_the_separate_steps(qwen2):
+    kwargs = dict(max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
+                  attention="triton", device=DEVICE)
+    separate = RolloutEngine(qwen2, rope_in_attention=False, **kwargs)
+    fused = RolloutEngine(qwen2, **kwargs)
+    assert fused.rope_in_attention and not separate.rope_in_attention
+    expected, got = separate.generate(PROMPTS, GREEDY), fused.generate(PROMPTS, GREEDY)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
