@@ -73,9 +73,10 @@ def test_a_failing_compiled_step_falls_back_to_the_plain_one(qwen2, monkeypatch,
 
     real = decode.step_functions
 
-    def fake(spec, compile_mode=None):
-        plain = real(spec)
-        return plain if compile_mode is None else decode.StepFunctions(broken, broken, broken, compiled=True)
+    def fake(spec, compile_mode=None, rope_in_attention=False):
+        plain = real(spec, rope_in_attention=rope_in_attention)
+        return plain if compile_mode is None else decode.StepFunctions(broken, broken, broken, compiled=True,
+                                                                        spec=spec)
 
     monkeypatch.setattr(decode, "step_functions", fake)
     engine = RolloutEngine(qwen2, max_batch_size=8, max_seq_len=24, compile=True)
