@@ -1,15 +1,15 @@
-"""The decode step's parts, one at a time, side by side: matrix products, sampler, attention.
+"""The decode step's parts, one at a time: the fused sampler, decode attention, and a whole loop.
 
-For each projection of a decode step (q/k/v, o, gate/up, down) at the given batch, the library
-GEMM the step uses by default (with its epilogue: bias, residual add, SiLU·mul) is timed against
-:mod:`rlcore.rollout.decode_gemm`'s Triton kernel with the default tile rule and with each tile
-configuration of a small sweep. Every measurement is a CUDA graph of one call per layer, each on
-its own weight copy (so the weights come from memory, not L2, as in a real step); the median of
-the replays is reported per call. The fused sampler (exact vs approximate logarithm) and the
-decode-attention kernel's tuning knobs are timed the same way, and ``--loop`` profiles a whole
-``generate`` call of the engine (device time by kernel and per decode step).
+* ``sampler``: :func:`rlcore.rollout.fused_sampling.sample_rows` with the exact and the
+  approximate logarithm, several warp counts and row splits;
+* ``attention``: the decode-attention kernel's tuning knobs, one call per layer, each on its own
+  cache (so keys and values come from memory, not L2, as in a real step);
+* ``--loop``: device time by kernel over a whole ``generate`` call of the engine, per decode step,
+  for one or more engine configurations.
 
-    python bench/bench_decode_parts.py --shapes qwen2-0.5b,qwen2-1.5b --batch 256 --loop --out parts.json
+Every part is timed as the median replay of a CUDA graph.
+
+    python bench/bench_decode_parts.py --shapes qwen2-0.5b --loop --loop-variants 'default;{"rope_in_attention": false}'
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from _common import environment, import_rlcore  # noqa: E402
 
 import_rlcore()
 
-from rlcore.rollout import decode_attention, decode_gemm, fused_sampling  # noqa: E402
+from rlcore.rollout import decode_attention, fused_sampling  # noqa: E402
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
     "qwen2-0.5b": (896, 24, 14, 2, 4864, 151936),
@@ -57,110 +57,6 @@ def graph_ms(fn: Callable[[], Any], replays: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def projections(shape: str) -> dict[str, dict[str, Any]]:
-    hidden, _, heads, kv_heads, inter, _ = SHAPES[shape]
-    dim = hidden // heads
-    return {
-        "qkv": dict(n=(heads + 2 * kv_heads) * dim, k=hidden, bias=True),
-        "o": dict(n=hidden, k=hidden, residual=True),
-        "gate_up": dict(n=inter, k=hidden, gated=True),
-        "down": dict(n=hidden, k=inter, residual=True),
-    }
-
-
-def sweep_configs(gated: bool, k: int) -> list[decode_gemm.TileConfig]:
-    out = []
-    for bm, bn, (bk, stages) in itertools.product((64, 128), (32, 64, 128), ((64, 4), (128, 3))):
-        if (gated or bm == 128) and bn > 64:
-            continue
-        splits = (1,) if gated else tuple(s for s in (1, 2, 4, 8) if k // s >= 448)
-        for split in splits:
-            warps = 8 if bm * bn >= 128 * 128 else 4
-            out.append(decode_gemm.TileConfig(bm, bn, bk, split, warps, stages))
-    return out
-
-
-def bench_gemm(shape: str, batch: int, layers: int, sweep: bool, tunable: bool) -> list[dict[str, Any]]:
-    import torch.nn.functional as F
-
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    rows = []
-    for name, p in projections(shape).items():
-        n, k, gated = p["n"], p["k"], p.get("gated", False)
-        ws = [torch.randn(2 * n if gated else n, k, device=dev, dtype=dtype) * 0.02 for _ in range(layers)]
-        bias = torch.randn(n, device=dev, dtype=dtype) * 0.02 if p.get("bias") else None
-        a = torch.randn(batch, k, device=dev, dtype=dtype)
-        res = torch.randn(batch, n, device=dev, dtype=dtype) if p.get("residual") else None
-
-        def library():
-            for w in ws:
-                if gated:
-                    g, u = F.linear(a, w).chunk(2, dim=-1)
-                    F.silu(g) * u
-                elif res is not None:
-                    torch.addmm(res, a, w.t())
-                else:
-                    F.linear(a, w, bias)
-
-        def triton_call(config):
-            def fn():
-                for w in ws:
-                    out = decode_gemm.linear(a, w, bias if config.split_k == 1 else None,
-                                             res if config.split_k == 1 else None, gated=gated, config=config)
-                    if config.split_k > 1:  # the sum and epilogue ride in the next fused kernel in the step
-                        out = out.sum(0)
-            return fn
-
-        weight_mb = ws[0].numel() * 2 / 1e6
-        flops = 2 * batch * ws[0].numel()
-        row: dict[str, Any] = {"shape": shape, "proj": name, "m": batch, "n": n, "k": k, "weight_mb": weight_mb}
-        row["library_us"] = graph_ms(library) * 1e3 / layers
-        for blas in ("cublas", "cublaslt"):
-            previous = torch.backends.cuda.preferred_blas_library()
-            try:
-                torch.backends.cuda.preferred_blas_library(blas)
-                row[f"library_{blas}_us"] = graph_ms(library) * 1e3 / layers
-            finally:
-                torch.backends.cuda.preferred_blas_library(previous)
-        if tunable:
-            torch.cuda.tunable.enable(True)
-            torch.cuda.tunable.tuning_enable(True)
-            try:
-                row["library_tunableop_us"] = graph_ms(library) * 1e3 / layers
-            finally:
-                torch.cuda.tunable.enable(False)
-        ref = decode_gemm.reference(a, ws[0], bias, res, gated)
-        rule = decode_gemm.tile_config(batch, n, k, gated, torch.cuda.get_device_properties(0).multi_processor_count)
-        got = decode_gemm.linear(a, ws[0], bias if rule.split_k == 1 else None, res if rule.split_k == 1 else None,
-                                 gated=gated, config=rule)
-        got = got.sum(0) + (bias.float() if bias is not None else 0) + (res.float() if res is not None else 0) \
-            if rule.split_k > 1 else got.float()
-        row["rule_max_err"] = float((got - ref).abs().max())
-        row["rule"] = rule.__dict__
-        row["rule_us"] = graph_ms(triton_call(rule)) * 1e3 / layers
-        if sweep:
-            best = None
-            for config in sweep_configs(gated, k):
-                try:
-                    us = graph_ms(triton_call(config), replays=10) * 1e3 / layers
-                except Exception as error:  # noqa: BLE001 - a config the compiler refuses is skipped
-                    print(f"      {config}: {type(error).__name__}", flush=True)
-                    continue
-                if best is None or us < best[0]:
-                    best = (us, config)
-            if best:
-                row["best_us"], row["best"] = best[0], best[1].__dict__
-        row["library_tflops"] = flops / row["library_us"] / 1e6
-        print(f"    {shape} {name:8s} n={n:5d} k={k:5d}: library {row['library_us']:6.2f} us (cublas "
-              f"{row['library_cublas_us']:.2f}, cublaslt {row['library_cublaslt_us']:.2f}, tunableop "
-              f"{row.get('library_tunableop_us', float('nan')):.2f}), "
-              f"rule {row['rule_us']:6.2f} us {rule}, best {row.get('best_us', float('nan')):6.2f} us "
-              f"{row.get('best', '')}, err {row['rule_max_err']:.3g}", flush=True)
-        rows.append(row)
-        del ws
-    return rows
 
 
 def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
@@ -254,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: " + ",".join(SHAPES))
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--parts", default="gemm,sampler,attention", help="gemm,sampler,attention (any)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the GEMM tile configurations")
-    parser.add_argument("--tunable", action="store_true", help="also time the library GEMMs under TunableOp")
+    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention (any, or none)")
     parser.add_argument("--loop", action="store_true", help="profile a whole generate call per shape")
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
@@ -267,13 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_decode_parts: needs a CUDA GPU", file=sys.stderr)
         return 2
     parts = set(args.parts.split(","))
-    results: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "gemm": [], "sampler": [],
+    results: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "sampler": [],
                                "attention": [], "loop": []}
     for shape in args.shapes.split(","):
         layers = SHAPES[shape][1]
-        if "gemm" in parts:
-            results["gemm"] += bench_gemm(shape, args.batch, layers, args.sweep, args.tunable)
-            save(results, args.out)
         if "attention" in parts:
             results["attention"] += bench_attention(shape, args.batch, layers, 320)
             save(results, args.out)

@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore.rollout import decode_attention
-from rlcore.rollout.llama import (DecoderSpec, DecoderWeights, LayerWeights, linear_group, mlp_residual,
-                                  residual_linear, rms_norm, rotate)
+from rlcore.rollout.llama import DecoderSpec, DecoderWeights, LayerWeights, linear_group, rms_norm, rotate
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +79,13 @@ def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: 
 
 def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: torch.Tensor, gate_up: tuple,
           gate_up_bias: tuple, down: torch.Tensor, down_bias, eps: float) -> torch.Tensor:
-    """``x + o(attn)``, then ``+ mlp(norm(.))``; ``x [n, H]``, ``attn [n, heads·D]``."""
-    x = residual_linear(x, attn, o, o_bias)
-    return mlp_residual(x, rms_norm(x, ln2, eps), gate_up, gate_up_bias, down, down_bias)
+    """``x + o(attn)``, then ``+ mlp(norm(.))``; ``x [n, H]``, ``attn [n, heads·D]``.
+
+    The residual adds are left to the compiler, which fuses them into the next RMSNorm kernel
+    (``addmm`` would first copy the residual into its output: two extra copies per layer)."""
+    x = x + F.linear(attn, o, o_bias)
+    gate, up = linear_group(rms_norm(x, ln2, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down, down_bias)
 
 
 def head_args(lw: LayerWeights) -> tuple:

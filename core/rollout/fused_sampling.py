@@ -27,7 +27,7 @@ if triton is not None:
 
 BLOCK = 1024
 #: aim for at least this many programs in the first pass (a few per multiprocessor)
-TARGET_PROGRAMS = 1024
+TARGET_PROGRAMS = 2048
 MAX_SPLITS = 64
 
 if triton is not None:
@@ -143,7 +143,7 @@ def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
 
 
 def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int | None = None,
-                fast_math: bool | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                fast_math: bool | None = None, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy (``temperature <= 0``) or temperature sampling of each row, in one pass over the logits.
 
     Args:
