@@ -79,13 +79,19 @@ def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: 
 
 def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: torch.Tensor, gate_up: tuple,
           gate_up_bias: tuple, down: torch.Tensor, down_bias, eps: float) -> torch.Tensor:
-    """``x + o(attn)``, then ``+ mlp(norm(.))``; ``x [n, H]``, ``attn [n, heads·D]``.
-
-    The residual adds are left to the compiler, which fuses them into the next RMSNorm kernel
-    (``addmm`` would first copy the residual into its output: two extra copies per layer)."""
-    x = x + F.linear(attn, o, o_bias)
+    """``x + o(attn)``, then ``+ mlp(norm(.))``; ``x [n, H]``, ``attn [n, heads·D]``."""
+    x = _add(x, F.linear(attn, o, o_bias))
     gate, up = linear_group(rms_norm(x, ln2, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down, down_bias)
+    return _add(x, F.linear(F.silu(gate) * up, down, down_bias))
+
+
+def _add(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``residual + out`` rounded once to the compute dtype (as the plain half-precision add).
+
+    Written through float32 so that the compiler fuses the add into the next RMSNorm kernel
+    instead of folding it into the matrix product as ``addmm``, whose library kernel first copies
+    the residual into its output (two extra copies per layer)."""
+    return (residual.float() + out.float()).to(residual.dtype)
 
 
 def head_args(lw: LayerWeights) -> tuple:
