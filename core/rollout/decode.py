@@ -127,24 +127,25 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
     """
     eps, heads, kv_heads = spec.rms_eps, spec.num_heads, spec.num_kv_heads
 
+    # first: (tokens, positions, tables, embed, layer 0 head weights) -> (x, head, rope);
+    # middle: (x, attn, rope, layer i tail weights, layer i+1 head weights) -> (x, head).
+    # head is (q, kv) with RoPE applied, or (projection,) for the attention kernel to rotate.
     def first(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias):
         cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
         x = F.embedding(tokens, embed)
-        q, kv = _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads)
-        return x, q, kv, cos, sin
+        return x, _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads), (cos, sin)
 
-    def middle(x, attn, cos, sin, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
+    def middle(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
         x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
-        q, kv = _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads)
-        return x, q, kv
+        return x, _head(x, ln1, qkv, qkv_bias, *rope, eps, heads, kv_heads)
 
-    def first_projected(tokens, embed, ln1, qkv, qkv_bias):
+    def first_projected(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias):
         x = F.embedding(tokens, embed)
-        return x, _project(x, ln1, qkv, qkv_bias, eps)
+        return x, (_project(x, ln1, qkv, qkv_bias, eps),), ()
 
-    def middle_projected(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
+    def middle_projected(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
         x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
-        return x, _project(x, ln1, qkv, qkv_bias, eps)
+        return x, (_project(x, ln1, qkv, qkv_bias, eps),)
 
     def last(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, norm, lm_head):
         x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
@@ -231,42 +232,30 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     bias = state.bias[:n]
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
     if fns.rope_in_attention:
-        logits = _layers_rope_in_attention(weights, cache, state, n, length, cos_table, sin_table, fns)
+        spec = fns.spec
+
+        def attend_layer(layer, head):
+            return decode_attention.attend_new(head[0], layer, bias, length, cos_table, sin_table, positions,
+                                               cache_index, spec.num_heads, spec.num_kv_heads)
     else:
-        logits = _layers(weights, cache, state, n, length, cos_table, sin_table, fns, attention)
+        dim = cache.shape[-1]
+        flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
+
+        def attend_layer(layer, head):
+            q, kv = head
+            layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
+            return attend(q, layer, bias, length, attention)
+
+    layers = weights.layers
+    x, head, rope = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
+                              *head_args(layers[0]))
+    for index, lw in enumerate(layers):
+        attn = attend_layer(cache[index], head)  # cache[index]: [2, B, KVH, S, D]
+        if index + 1 < len(layers):
+            x, head = fns.middle(x, attn, rope, *tail_args(lw), *head_args(layers[index + 1]))
+        else:
+            logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
     positions.add_(1).clamp_(max=last_column)
     cache_index.add_(1).clamp_(max=last_column)
     return logits
 
-
-def _layers(weights, cache, state, n, length, cos_table, sin_table, fns, attention) -> torch.Tensor:
-    dim = cache.shape[-1]
-    positions, cache_index, bias = state.positions[:n], state.cache_index[:n], state.bias[:n]
-    flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
-    layers = weights.layers
-    x, q, kv, cos, sin = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
-                                   *head_args(layers[0]))
-    for index, lw in enumerate(layers):
-        layer = cache[index]  # [2, B, KVH, S, D]
-        layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
-        attn = attend(q, layer, bias, length, attention)
-        if index + 1 < len(layers):
-            x, q, kv = fns.middle(x, attn, cos, sin, *tail_args(lw), *head_args(layers[index + 1]))
-        else:
-            logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
-    return logits
-
-
-def _layers_rope_in_attention(weights, cache, state, n, length, cos_table, sin_table, fns) -> torch.Tensor:
-    heads, kv_heads = fns.spec.num_heads, fns.spec.num_kv_heads
-    positions, cache_index, bias = state.positions[:n], state.cache_index[:n], state.bias[:n]
-    layers = weights.layers
-    x, proj = fns.first(state.tokens[:n], weights.embed, *head_args(layers[0]))
-    for index, lw in enumerate(layers):
-        attn = decode_attention.attend_new(proj, cache[index], bias, length, cos_table, sin_table, positions,
-                                           cache_index, heads, kv_heads)
-        if index + 1 < len(layers):
-            x, proj = fns.middle(x, attn, *tail_args(lw), *head_args(layers[index + 1]))
-        else:
-            logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
-    return logits

@@ -146,8 +146,8 @@ class RolloutEngine:
             ``"sdpa"``).
         attention_length_step: granularity of the attended cache length (default: :func:`length_step`).
         rope_in_attention: with ``attention="triton"``, let the attention kernel also apply RoPE and
-            write the new key/value to the cache (one kernel per layer instead of three; default on).
-            Ignored for the other attention kinds.
+            write the new key/value to the cache (one kernel per layer instead of three). Ignored
+            for the other attention kinds.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -156,7 +156,7 @@ class RolloutEngine:
                  admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
-                 rope_in_attention: bool | None = None):
+                 rope_in_attention: bool = True):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -190,7 +190,7 @@ class RolloutEngine:
         self.fused_sampling = bool(fused_sampling)
         self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
-        self.rope_in_attention = self.attention == "triton" and rope_in_attention is not False
+        self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
         self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention)
         self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention) if self.compile
                      else self._plain)
