@@ -81,6 +81,35 @@ def cuda_ms(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
+def graph_ms(fn: Callable[[], Any], repeats: int = 20, replays: int = 1, warmup: int = 2) -> float:
+    """Median device milliseconds of one replay of a CUDA graph of ``fn``.
+
+    ``fn`` runs ``warmup`` times on a side stream first (compilation, library handles), is captured,
+    replayed 3 times, then timed ``repeats`` times over ``replays`` back-to-back replays each."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def device_ceilings() -> dict[str, float]:
     """Measured copy bandwidth (bytes read + written per second) and dense bf16 matmul rate."""
     src = torch.randn(2**28, device="cuda")  # 1 GiB of float32

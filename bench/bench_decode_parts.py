@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-from _common import environment, import_rlcore  # noqa: E402
+from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E402
 
 import_rlcore()
 
@@ -35,28 +34,6 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
     "qwen2-0.5b": (896, 24, 14, 2, 4864, 151936),
     "qwen2-1.5b": (1536, 28, 12, 2, 8960, 151936),
 }
-
-
-def graph_ms(fn: Callable[[], Any], replays: int = 20) -> float:
-    """Median device milliseconds of one replay of a CUDA graph of ``fn``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
@@ -87,7 +64,7 @@ def bench_attention(shape: str, batch: int, layers: int, length: int) -> list[di
             for layer in caches:
                 decode_attention.attend(q, layer, bias, length, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
-            us = graph_ms(fn, replays=10) * 1e3 / layers
+            us = graph_ms(fn, repeats=10) * 1e3 / layers
         except Exception as error:  # noqa: BLE001
             print(f"    attention {block_n}/{warps}/{stages}: {type(error).__name__}", flush=True)
             continue
@@ -167,23 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         layers = SHAPES[shape][1]
         if "attention" in parts:
             results["attention"] += bench_attention(shape, args.batch, layers, 320)
-            save(results, args.out)
+            write_json(args.out, results)  # after each part: a later failure loses nothing
         if args.loop:
             for variant in args.loop_variants.split(";"):
                 kwargs = {} if variant == "default" else json.loads(variant)
                 results["loop"].append({"variant": variant, **loop_profile(shape, args.batch, 128, 65, kwargs)})
-                save(results, args.out)
+                write_json(args.out, results)  # after each part: a later failure loses nothing
     if "sampler" in parts:
         results["sampler"] = bench_sampler(args.batch, SHAPES["qwen2-0.5b"][5])
-    save(results, args.out)
+    write_json(args.out, results)
     return 0
-
-
-def save(results: dict[str, Any], path: str | None) -> None:
-    """Write what is measured so far (a later part that fails loses nothing)."""
-    if path:
-        with open(path, "w") as fh:
-            json.dump(results, fh, indent=1)
 
 
 if __name__ == "__main__":

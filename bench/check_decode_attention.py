@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import environment, import_rlcore, write_json  # noqa: E402
+from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E402
 
 import_rlcore()
 from rlcore.rollout import decode, decode_attention  # noqa: E402
@@ -79,29 +79,10 @@ def accuracy(inputs: dict[str, Any]) -> dict[str, float]:
 
 def graph_us_per_layer(call: Callable[[int], Any], layers: int, repeats: int, replays: int = 10) -> float:
     """Median microseconds per layer of a CUDA graph calling ``call(i)`` for every layer."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(layers):  # compile / pick algorithms outside the capture
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def every_layer():
         for i in range(layers):
             call(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * layers))
-    times.sort()
-    return times[len(times) // 2]
+    return graph_ms(every_layer, repeats, replays, warmup=1) * 1e3 / layers
 
 
 def copy_bandwidth() -> float:

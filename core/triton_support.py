@@ -18,10 +18,16 @@ except ImportError:  # pragma: no cover - depends on the installation
     tl = None
 
 
+def interpreting() -> bool:
+    """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET=1``, for tests): it multiplies
+    half-precision numbers as raw integers and has no fast-math intrinsics, so kernels take their
+    float32 / exact paths under it."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def kernels_run_on(device: torch.device | str) -> bool:
-    """Whether Triton kernels can run on ``device``: CUDA with Triton, or Triton's CPU interpreter
-    (``TRITON_INTERPRET=1``, for tests)."""
+    """Whether Triton kernels can run on ``device``: CUDA with Triton, or Triton's CPU interpreter."""
     device = torch.device(device)
     if triton is None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())

@@ -18,12 +18,11 @@ Everything is read through strides (no copies), the grid and every buffer depend
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from rlcore.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
-from rlcore.triton_support import tl, triton
+from rlcore.triton_support import interpreting, tl, triton
 
 BLOCK_N = 64
 #: key/value columns per block for head dims of 128 and more (fewer registers per program)
@@ -39,6 +38,22 @@ _CHECKED: dict[tuple, tuple[bool, str]] = {}
 
 if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite start of the running maximum: no inf - inf on empty blocks
+
+    @triton.jit
+    def _rotate_new(q, q_rows, sq_d, row_ok, row_new, k_off, v_off, cos_ptr, sin_ptr, rope_at, feats, feat_ok,
+                    dim: tl.constexpr):
+        """RoPE (half-split layout: ``x * cos + roll(x, D/2) * signed sin``, in float32) of the query
+        rows ``q`` (pointers ``q_rows``) and of the new key in the projection row ``row_new``; returns
+        ``(rotated q in q's dtype, rotated key float32, value)``."""
+        turned = (feats + dim // 2) % dim
+        cos = tl.load(cos_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32)
+        q_turned = tl.load(q_rows + turned[None, :] * sq_d, mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + q_turned.to(tl.float32) * sin[None, :]).to(q.dtype)
+        key = tl.load(row_new + k_off + feats, mask=feat_ok, other=0.0).to(tl.float32)
+        key_turned = tl.load(row_new + k_off + turned, mask=feat_ok, other=0.0).to(tl.float32)
+        value = tl.load(row_new + v_off + feats, mask=feat_ok, other=0.0)
+        return q, key * cos + key_turned * sin, value
 
     @triton.jit
     def _attend_part(q_ptr, sq_n, sq_h, sq_g, sq_d,
@@ -72,22 +87,13 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         new_col = -1
         if NEW:
-            # RoPE (half-split layout: x * cos + roll(x, D/2) * signed sin) of the G query rows and of
-            # the new key, in float32; the new key/value go to the cache at the slot's column and
-            # enter the softmax from registers (part 0), the column itself is skipped below
+            # rotate the G query rows and the new key; the new key/value go to the cache at the
+            # slot's column and enter the softmax from registers (part 0); the column is skipped below
             new_col = tl.load(col_ptr + slot)
-            position = tl.load(pos_ptr + slot)
-            turned = (feats + dim // 2) % dim
-            cos = tl.load(cos_ptr + position * s_rope + feats, mask=feat_ok, other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + position * s_rope + feats, mask=feat_ok, other=0.0).to(tl.float32)
-            q_turned = tl.load(q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g + turned[None, :] * sq_d,
-                               mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
-            q = (q.to(tl.float32) * cos[None, :] + q_turned.to(tl.float32) * sin[None, :]).to(q.dtype)
-            row_new = new_ptr + slot * sn_n + head * dim
-            key = tl.load(row_new + k_off + feats, mask=feat_ok, other=0.0).to(tl.float32)
-            key_turned = tl.load(row_new + k_off + turned, mask=feat_ok, other=0.0).to(tl.float32)
-            key = (key * cos + key_turned * sin).to(k_ptr.dtype.element_ty)
-            value = tl.load(row_new + v_off + feats, mask=feat_ok, other=0.0)
+            q, key, value = _rotate_new(q, q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g, sq_d,
+                                        row_ok, new_ptr + slot * sn_n + head * dim, k_off, v_off,
+                                        cos_ptr, sin_ptr, tl.load(pos_ptr + slot) * s_rope, feats, feat_ok, dim)
+            key = key.to(k_ptr.dtype.element_ty)
             if part == 0:
                 at = new_col.to(tl.int64) * sc_s + feats * sc_d
                 tl.store(k_ptr + slot * sc_b + head * sc_h + at, key, mask=feat_ok)
@@ -257,8 +263,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages)
     shared = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
     sizes = (length, chunk, dim ** -0.5)
     new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)
-    # the interpreter multiplies bfloat16 as raw integers, so it takes the float32 products
-    ieee = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    ieee = q.dtype == torch.float32 or interpreting()
     constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, BLOCK_G=block_g, BLOCK_D=block_d,
                      BLOCK_N=block_n)
     if splits == 1:

@@ -16,11 +16,9 @@ Only used without top-k / top-p; :func:`available` says whether Triton can run h
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from rlcore.triton_support import tl, triton
+from rlcore.triton_support import interpreting, tl, triton
 
 if triton is not None:
     from triton.language.extra import libdevice
@@ -34,8 +32,12 @@ if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite "minus infinity": keeps the running sums free of inf - inf
 
     @triton.jit
-    def _fold(x, offs, valid, noise, run_max, run_sum, best, best_idx, GREEDY: tl.constexpr, FAST: tl.constexpr):
-        """Fold one sub-block of (temperature-scaled) logits into the per-lane running state."""
+    def _fold(base, offs, hi, inv_temp, noise, run_max, run_sum, best, best_idx, GREEDY: tl.constexpr,
+              FAST: tl.constexpr):
+        """Load the logits at ``offs`` (below ``hi``), scale them by ``inv_temp`` and fold them into
+        the per-lane running state."""
+        valid = offs < hi
+        x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
         x = tl.where(valid, x, _NEG)
         new_max = tl.maximum(run_max, x)
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.where(valid, tl.exp(x - new_max), 0.0)
@@ -77,26 +79,14 @@ if triton is not None:
                 u1 = tl.uint_to_uniform_float(r1)
                 u2 = tl.uint_to_uniform_float(r2)
                 u3 = tl.uint_to_uniform_float(r3)
-            offs = start + lane
-            valid = offs < hi
-            x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u0, run_max, run_sum, best, best_idx,
-                                                     GREEDY, FAST)
-            offs = start + SUB + lane
-            valid = offs < hi
-            x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u1, run_max, run_sum, best, best_idx,
-                                                     GREEDY, FAST)
-            offs = start + 2 * SUB + lane
-            valid = offs < hi
-            x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u2, run_max, run_sum, best, best_idx,
-                                                     GREEDY, FAST)
-            offs = start + 3 * SUB + lane
-            valid = offs < hi
-            x = tl.load(base + offs, mask=valid, other=0.0).to(tl.float32) * inv_temp
-            run_max, run_sum, best, best_idx = _fold(x, offs, valid, u3, run_max, run_sum, best, best_idx,
-                                                     GREEDY, FAST)
+            run_max, run_sum, best, best_idx = _fold(base, start + lane, hi, inv_temp, u0,
+                                                     run_max, run_sum, best, best_idx, GREEDY, FAST)
+            run_max, run_sum, best, best_idx = _fold(base, start + SUB + lane, hi, inv_temp, u1,
+                                                     run_max, run_sum, best, best_idx, GREEDY, FAST)
+            run_max, run_sum, best, best_idx = _fold(base, start + 2 * SUB + lane, hi, inv_temp, u2,
+                                                     run_max, run_sum, best, best_idx, GREEDY, FAST)
+            run_max, run_sum, best, best_idx = _fold(base, start + 3 * SUB + lane, hi, inv_temp, u3,
+                                                     run_max, run_sum, best, best_idx, GREEDY, FAST)
         top = tl.max(run_max, axis=0)
         total = tl.sum(run_sum * tl.exp(run_max - top), axis=0)
         winner = tl.max(best, axis=0)
@@ -168,7 +158,7 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
     greedy = temperature <= 0
     inv_temp = 1.0 if greedy else 1.0 / temperature
     if fast_math is None:
-        fast_math = os.environ.get("TRITON_INTERPRET") != "1"
+        fast_math = not interpreting()
     _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, int(seed) & 0x7FFFFFFF,
                                   part[0], part[1], part[2], part_idx, splits,
                                   GREEDY=greedy, FAST=bool(fast_math), BLOCK=BLOCK, num_warps=num_warps)
