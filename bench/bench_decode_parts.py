@@ -18,22 +18,17 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from typing import Any
 
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E402
+from _common import environment, graph_ms, import_rlcore, timed, write_json  # noqa: E402
+from bench_rollout import SHAPES, build, kernel_times, make_prompts  # noqa: E402 - the rollout benchmark's parts
 
 import_rlcore()
 
 from rlcore.rollout import decode_attention, fused_sampling  # noqa: E402
-
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
-    "qwen2-0.5b": (896, 24, 14, 2, 4864, 151936),
-    "qwen2-1.5b": (1536, 28, 12, 2, 8960, 151936),
-}
 
 
 def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
@@ -52,8 +47,9 @@ def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
 
 
 def bench_attention(shape: str, batch: int, layers: int, length: int) -> list[dict[str, Any]]:
-    hidden, _, heads, kv_heads, _, _ = SHAPES[shape]
-    dim = hidden // heads
+    spec = SHAPES[shape]
+    heads, kv_heads = spec["num_attention_heads"], spec["num_key_value_heads"]
+    dim = spec["hidden_size"] // heads
     caches = [torch.randn(2, batch, kv_heads, length + 64, dim, device="cuda", dtype=torch.bfloat16)
               for _ in range(layers)]
     q = torch.randn(batch, kv_heads, heads // kv_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -78,36 +74,21 @@ def bench_attention(shape: str, batch: int, layers: int, length: int) -> list[di
 
 def loop_profile(shape: str, batch: int, prompt: int, new: int, engine_kwargs: dict) -> dict[str, Any]:
     """Device time by kernel over one ``generate`` call of the engine, per decode step."""
-    from torch.profiler import ProfilerActivity, profile
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from rlcore.rollout.base import SamplingParams
     from rlcore.rollout.engine import RolloutEngine
 
-    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
-    config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
-                         tie_word_embeddings=True, max_position_embeddings=4096)
-    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    model = build(shape, "cuda").eval()
     engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=prompt + new, **engine_kwargs)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch // 8)]
-    prompts = [p for p in prompts for _ in range(8)]
+    prompts = make_prompts(batch // 8, 8, prompt, SHAPES[shape]["vocab_size"])
     params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
     engine.warmup([batch])
-    engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, params)
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list[float]] = {}
-    for e in events:
-        by_name.setdefault(e.name[:80], []).append(e.device_time_total / 1e3)
+
+    def generate():
+        return engine.generate(prompts, params)
+
+    generate()  # first call: prefill shapes, sampler
+    wall, _ = timed(generate)
+    by_name = kernel_times(generate, width=80)
     steps = new - 1
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
     out = {"shape": shape, "batch": batch, "wall_s": wall, "wall_ms_per_step": wall * 1e3 / steps,
@@ -141,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "sampler": [],
                                "attention": [], "loop": []}
     for shape in args.shapes.split(","):
-        layers = SHAPES[shape][1]
+        layers = SHAPES[shape]["num_hidden_layers"]
         if "attention" in parts:
             results["attention"] += bench_attention(shape, args.batch, layers, 320)
             write_json(args.out, results)  # after each part: a later failure loses nothing
@@ -151,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 results["loop"].append({"variant": variant, **loop_profile(shape, args.batch, 128, 65, kwargs)})
                 write_json(args.out, results)  # after each part: a later failure loses nothing
     if "sampler" in parts:
-        results["sampler"] = bench_sampler(args.batch, SHAPES["qwen2-0.5b"][5])
+        results["sampler"] = bench_sampler(args.batch, SHAPES["qwen2-0.5b"]["vocab_size"])
     write_json(args.out, results)
     return 0
 

@@ -176,8 +176,9 @@ def step_parts(engine, batch: int, length: int, profile: bool) -> dict[str, Any]
     return out
 
 
-def kernel_profile(fn) -> dict[str, Any]:
-    """Kernels one un-graphed decode step launches: count and the largest by device time."""
+def kernel_times(fn, width: int = 90) -> dict[str, list[float]]:
+    """Device milliseconds of every kernel ``fn`` launches (run once before, to warm up), by name
+    (cut to ``width`` characters)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -185,12 +186,18 @@ def kernel_profile(fn) -> dict[str, Any]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list[float]] = {}
-    for e in events:
-        by_name.setdefault(e.name[:90], []).append(e.device_time_total / 1e3)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(e.name[:width], []).append(e.device_time_total / 1e3)
+    return by_name
+
+
+def kernel_profile(fn) -> dict[str, Any]:
+    """Kernels one un-graphed decode step launches: count and the largest by device time."""
+    by_name = kernel_times(fn)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
-    summary = {"count": len(events), "total_ms": sum(sum(v) for v in by_name.values()),
+    summary = {"count": sum(len(v) for v in by_name.values()), "total_ms": sum(sum(v) for v in by_name.values()),
                "top": [{"name": k, "calls": len(v), "ms": sum(v)} for k, v in top]}
     print(f"      kernels per un-graphed step: {summary['count']}, {summary['total_ms']:.3f} ms", flush=True)
     for item in summary["top"]:
