@@ -2,6 +2,7 @@
 
 * ``sampler``: :func:`rlcore.rollout.fused_sampling.sample_rows` with the exact and the
   approximate logarithm, several warp counts and row splits;
+* ``gemm``: the decode projections as one GEMM or as split-K batched products;
 * ``attention``: the decode-attention kernel's tuning knobs, one call per layer, each on its own
   cache (so keys and values come from memory, not L2, as in a real step);
 * ``--loop``: device time by kernel over a whole ``generate`` call of the engine, per decode step,
@@ -72,6 +73,31 @@ def bench_attention(shape: str, batch: int, layers: int, length: int) -> list[di
     return rows
 
 
+def bench_gemm(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
+    """The decode projections at ``batch`` rows: one library GEMM against split-K batched products
+    (:func:`rlcore.rollout.decode._partials`), each over ``layers`` weight copies (from memory, not L2)."""
+    from rlcore.rollout.decode import _partials
+
+    spec = SHAPES[shape]
+    hidden, inter, heads, kv_heads = (spec["hidden_size"], spec["intermediate_size"], spec["num_attention_heads"],
+                                      spec["num_key_value_heads"])
+    qkv = hidden + 2 * kv_heads * (hidden // heads)
+    rows = []
+    for name, (out_f, in_f) in {"qkv": (qkv, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden),
+                                "down": (hidden, inter)}.items():
+        weights = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        x = torch.randn(batch, in_f, device="cuda", dtype=torch.bfloat16)
+        floor_us = out_f * in_f * 2 / 3.3e12 * 1e6
+        for splits in (1, 2, 3, 4, 6, 8):
+            if in_f % splits:
+                continue
+            us = graph_ms(lambda: [_partials(x, w, None, splits) for w in weights], repeats=10) * 1e3 / layers
+            rows.append({"shape": shape, "gemm": name, "splits": splits, "us": us, "weight_floor_us": floor_us})
+            print(f"    gemm {shape} {name:8s} [{batch}x{in_f}]x[{in_f}x{out_f}] splits={splits}: {us:6.2f} us "
+                  f"(weights at 3.3 TB/s: {floor_us:5.2f})", flush=True)
+    return rows
+
+
 def loop_profile(shape: str, batch: int, prompt: int, new: int, engine_kwargs: dict) -> dict[str, Any]:
     """Device time by kernel over one ``generate`` call of the engine, per decode step."""
     from rlcore.rollout.base import SamplingParams
@@ -108,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: " + ",".join(SHAPES))
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention (any, or none)")
+    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm (any, or none)")
     parser.add_argument("--loop", action="store_true", help="profile a whole generate call per shape")
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
@@ -120,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parts = set(args.parts.split(","))
     results: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "sampler": [],
-                               "attention": [], "loop": []}
+                               "attention": [], "gemm": [], "loop": []}
     for shape in args.shapes.split(","):
         layers = SHAPES[shape]["num_hidden_layers"]
+        if "gemm" in parts:
+            results["gemm"] += bench_gemm(shape, args.batch, layers)
+            write_json(args.out, results)
         if "attention" in parts:
             results["attention"] += bench_attention(shape, args.batch, layers, 320)
             write_json(args.out, results)  # after each part: a later failure loses nothing

@@ -78,20 +78,43 @@ def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: 
 
 
 def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: torch.Tensor, gate_up: tuple,
-          gate_up_bias: tuple, down: torch.Tensor, down_bias, eps: float) -> torch.Tensor:
-    """``x + o(attn)``, then ``+ mlp(norm(.))``; ``x [n, H]``, ``attn [n, heads·D]``."""
-    x = _add(x, F.linear(attn, o, o_bias))
-    gate, up = linear_group(rms_norm(x, ln2, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
-    return _add(x, F.linear(F.silu(gate) * up, down, down_bias))
+          gate_up_bias: tuple, down: torch.Tensor, down_bias, eps: float, split: tuple = (1, 1, 1)) -> torch.Tensor:
+    """``x + o(attn)``, then ``+ mlp(norm(.))``; ``x [n, H]``, ``attn [n, heads·D]``.
+
+    ``split``: how many slices of the inner dimension the o, gate/up and down products are cut
+    into (see :func:`_partials`)."""
+    x = _add(x, _partials(attn, o, o_bias, split[0]))
+    if len(gate_up) == 1 and split[1] > 1:
+        gate_up_out = _partials(rms_norm(x, ln2, eps), gate_up[0], gate_up_bias[0], split[1]).float().sum(0)
+    else:
+        gate_up_out = linear_group(rms_norm(x, ln2, eps), gate_up, gate_up_bias)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return _add(x, _partials((F.silu(gate) * up).to(x.dtype), down, down_bias, split[2]))
+
+
+def _partials(x: torch.Tensor, weight: torch.Tensor, bias, splits: int) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` as ``[splits, n, out]`` partial products over equal slices of the
+    inner dimension, to be summed by the kernel that reads them (split-K without a reduction kernel).
+
+    At a few hundred rows the narrow decode products (o, down) have too few output tiles to fill
+    the GPU; one batched product over the slices gives it ``splits`` times as many."""
+    n, inner = x.shape
+    if splits == 1 or inner % splits:
+        return F.linear(x, weight, bias)[None]
+    width = inner // splits
+    out = torch.bmm(x.view(n, splits, width).transpose(0, 1), weight.view(-1, splits, width).permute(1, 2, 0))
+    if bias is not None:
+        out[0] += bias
+    return out
 
 
 def _add(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``residual + out`` rounded once to the compute dtype (as the plain half-precision add).
+    """``residual + out.sum(0)`` rounded once to the compute dtype; ``out`` ``[splits, n, H]``.
 
     Written through float32 so that the compiler fuses the add into the next RMSNorm kernel
     instead of folding it into the matrix product as ``addmm``, whose library kernel first copies
     the residual into its output (two extra copies per layer)."""
-    return (residual.float() + out.float()).to(residual.dtype)
+    return (residual.float() + out.float().sum(0)).to(residual.dtype)
 
 
 def head_args(lw: LayerWeights) -> tuple:
@@ -118,14 +141,31 @@ class StepFunctions:
     rope_in_attention: bool = False
 
 
+SPLIT_K_KEYS = ("o", "gate_up", "down")
+
+
+def split_k_tuple(split_k) -> tuple[int, int, int]:
+    """``{"o": 2, "down": 4}`` -> ``(2, 1, 4)`` (the order of :data:`SPLIT_K_KEYS`); checks keys and values."""
+    split_k = dict(split_k or {})
+    unknown = sorted(set(split_k) - set(SPLIT_K_KEYS))
+    if unknown:
+        raise ValueError(f"rollout engine: split_k keys {unknown} are not among {SPLIT_K_KEYS}")
+    for key, value in split_k.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"rollout engine: split_k[{key!r}] must be a positive integer, got {value!r}")
+    return tuple(split_k.get(key, 1) for key in SPLIT_K_KEYS)
+
+
 def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
-                   rope_in_attention: bool = False) -> StepFunctions:
+                   rope_in_attention: bool = False, split_k: tuple[int, int, int] = (1, 1, 1)) -> StepFunctions:
     """The step pieces for ``spec``, compiled with ``torch.compile(mode=compile_mode)`` unless ``None``.
+
+    ``split_k``: slices of the inner dimension for the o, gate/up and down products (:func:`_partials`).
 
     Compilation is lazy (first call); the caller falls back to the plain pieces if it raises.
     The model constants are closed over, so each model shape gets its own compiled graphs.
     """
-    eps, heads, kv_heads = spec.rms_eps, spec.num_heads, spec.num_kv_heads
+    eps, heads, kv_heads, split = spec.rms_eps, spec.num_heads, spec.num_kv_heads, tuple(split_k)
 
     # first: (tokens, positions, tables, embed, layer 0 head weights) -> (x, head, rope);
     # middle: (x, attn, rope, layer i tail weights, layer i+1 head weights) -> (x, head).
@@ -136,7 +176,7 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
         return x, _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads), (cos, sin)
 
     def middle(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
-        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split)
         return x, _head(x, ln1, qkv, qkv_bias, *rope, eps, heads, kv_heads)
 
     def first_projected(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias):
@@ -144,11 +184,11 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
         return x, (_project(x, ln1, qkv, qkv_bias, eps),), ()
 
     def middle_projected(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
-        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split)
         return x, (_project(x, ln1, qkv, qkv_bias, eps),)
 
     def last(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, norm, lm_head):
-        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps)
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split)
         return F.linear(rms_norm(x, norm, eps), lm_head)
 
     if rope_in_attention:

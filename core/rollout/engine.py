@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -148,6 +148,9 @@ class RolloutEngine:
         rope_in_attention: with ``attention="triton"``, let the attention kernel also apply RoPE and
             write the new key/value to the cache (one kernel per layer instead of three). Ignored
             for the other attention kinds.
+        split_k: cut the decode step's o, gate/up or down products into this many slices of their
+            inner dimension, e.g. ``{"down": 4}``: one batched product with more output tiles, the
+            partial sums added by the kernel that reads them (see :func:`rlcore.rollout.decode._partials`).
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -156,7 +159,7 @@ class RolloutEngine:
                  admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
-                 rope_in_attention: bool = True):
+                 rope_in_attention: bool = True, split_k: Mapping[str, int] | None = None):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -191,9 +194,11 @@ class RolloutEngine:
         self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
-        self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention)
-        self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention) if self.compile
-                     else self._plain)
+        self.split_k = decode.split_k_tuple(split_k)
+        self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
+                                            split_k=self.split_k)
+        self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k)
+                     if self.compile else self._plain)
         self._allocate()
         if self.compile:
             self._mark_static()
