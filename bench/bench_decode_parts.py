@@ -35,15 +35,24 @@ from rlcore.rollout import decode_attention, fused_sampling  # noqa: E402
 def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
     logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16) * 3
     rows = []
+    for warps in (4, 8):
+        us = graph_ms(lambda: fused_sampling.sample_rows(logits, 1.0, 7, num_warps=warps, method="cdf")) * 1e3
+        rows.append({"method": "cdf", "num_warps": warps, "us": us})
+        print(f"    sampler cdf warps={warps}: {us:7.1f} us", flush=True)
     for fast, warps, splits in itertools.product((False, True), (4, 8), (None, 8, 16)):
         us = graph_ms(lambda: fused_sampling.sample_rows(logits, 1.0, 7, splits=splits, fast_math=fast,
-                                                         num_warps=warps)) * 1e3
-        rows.append({"fast_math": fast, "num_warps": warps, "splits": splits, "us": us})
-        print(f"    sampler fast={fast} warps={warps} splits={splits}: {us:7.1f} us", flush=True)
-    a, _ = fused_sampling.sample_rows(logits, 1.0, 7, fast_math=False)
-    b, _ = fused_sampling.sample_rows(logits, 1.0, 7, fast_math=True)
+                                                         num_warps=warps, method="gumbel")) * 1e3
+        rows.append({"method": "gumbel", "fast_math": fast, "num_warps": warps, "splits": splits, "us": us})
+        print(f"    sampler gumbel fast={fast} warps={warps} splits={splits}: {us:7.1f} us", flush=True)
+    a, _ = fused_sampling.sample_rows(logits, 1.0, 7, fast_math=False, method="gumbel")
+    b, _ = fused_sampling.sample_rows(logits, 1.0, 7, fast_math=True, method="gumbel")
     rows.append({"tokens_equal_fraction": float((a == b).float().mean())})
-    print(f"    exact vs approximate log: {rows[-1]['tokens_equal_fraction']:.4f} of tokens equal", flush=True)
+    print(f"    gumbel, exact vs approximate log: {rows[-1]['tokens_equal_fraction']:.4f} of tokens equal", flush=True)
+    # the two methods draw from the same distribution: compare the mean log-probability of the drawn tokens
+    means = {m: float(torch.stack([fused_sampling.sample_rows(logits, 1.0, seed, method=m)[1]
+                                   for seed in range(16)]).mean()) for m in fused_sampling.METHODS}
+    rows.append({"mean_logprob_of_draw": means})
+    print(f"    mean log-prob of the drawn tokens: {means}", flush=True)
     return rows
 
 
@@ -95,6 +104,10 @@ def bench_gemm(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
             rows.append({"shape": shape, "gemm": name, "splits": splits, "us": us, "weight_floor_us": floor_us})
             print(f"    gemm {shape} {name:8s} [{batch}x{in_f}]x[{in_f}x{out_f}] splits={splits}: {us:6.2f} us "
                   f"(weights at 3.3 TB/s: {floor_us:5.2f})", flush=True)
+        # the transposed product (weight x input^T): the library picks its tiles for a tall, narrow output
+        us = graph_ms(lambda: [torch.mm(w, x.t()) for w in weights], repeats=10) * 1e3 / layers
+        rows.append({"shape": shape, "gemm": name, "transposed": True, "us": us, "weight_floor_us": floor_us})
+        print(f"    gemm {shape} {name:8s} transposed: {us:6.2f} us", flush=True)
     return rows
 
 

@@ -85,7 +85,7 @@ def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: tor
     into (see :func:`_partials`)."""
     x = _add(x, _partials(attn, o, o_bias, split[0]))
     if len(gate_up) == 1 and split[1] > 1:
-        gate_up_out = _partials(rms_norm(x, ln2, eps), gate_up[0], gate_up_bias[0], split[1]).float().sum(0)
+        gate_up_out = _sum(_partials(rms_norm(x, ln2, eps), gate_up[0], gate_up_bias[0], split[1]))
     else:
         gate_up_out = linear_group(rms_norm(x, ln2, eps), gate_up, gate_up_bias)
     gate, up = gate_up_out.chunk(2, dim=-1)
@@ -114,7 +114,17 @@ def _add(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     Written through float32 so that the compiler fuses the add into the next RMSNorm kernel
     instead of folding it into the matrix product as ``addmm``, whose library kernel first copies
     the residual into its output (two extra copies per layer)."""
-    return (residual.float() + out.float().sum(0)).to(residual.dtype)
+    return _sum(out, residual.float()).to(residual.dtype)
+
+
+def _sum(parts: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+    """``start + parts.sum(0)`` in float32, as a chain of adds: pointwise work the compiler fuses
+    into the kernel that reads the result (a ``sum`` over the first dimension would be a reduction
+    kernel of its own, which the next RMSNorm, reducing over another dimension, cannot absorb)."""
+    total = start
+    for part in parts.unbind(0):
+        total = part.float() if total is None else total + part.float()
+    return total
 
 
 def head_args(lw: LayerWeights) -> tuple:

@@ -103,6 +103,8 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
         lo = part * chunk
         hi = tl.minimum(lo + chunk, length)
+        if NEW:  # columns after the new one hold no key of this slot yet: not read at all
+            hi = tl.minimum(hi, new_col)
         for start in range(lo, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi
@@ -116,7 +118,7 @@ if triton is not None:
             else:
                 scores = tl.dot(q, tl.trans(k))
             scores = scores * scale + bias[None, :]
-            scores = tl.where((col_ok & (col != new_col))[None, :], scores, float("-inf"))
+            scores = tl.where(col_ok[None, :], scores, float("-inf"))
             new_max = tl.maximum(run_max, tl.max(scores, axis=1))
             p = tl.exp(scores - new_max[:, None])
             alpha = tl.exp(run_max - new_max)
@@ -220,7 +222,8 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
                num_stages: int | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
-    attention over columns ``0..length-1`` with the new column taken from registers.
+    attention over the columns before it (below ``length``) and the new one, taken from registers.
+    Columns after a slot's new column are not read (they hold no key of its sequence yet).
 
     Args:
         proj: ``[n, (heads + 2·kv_heads)·D]`` the fused q/k/v projection (bias included), last
@@ -292,8 +295,11 @@ def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, l
                   sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int,
                   kv_heads: int) -> torch.Tensor:
     """:func:`attend_new` in PyTorch: rotates in float32, writes the new key/value into ``layer``
-    (in place) and returns :func:`reference` over it, ``[n, heads·D]`` float32."""
+    (in place) and returns :func:`reference` over it with the columns after each slot's new one
+    masked, ``[n, heads·D]`` float32."""
     n, dim = proj.shape[0], layer.shape[-1]
+    after = torch.arange(bias.shape[1], device=bias.device)[None, :] > columns[:, None]
+    bias = bias[:n].masked_fill(after, float("-inf"))
     c, s = cos[positions].float()[:, None], sin[positions].float()[:, None]
     qk = proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float()
     qk = (qk * c + qk.roll(dim // 2, dims=-1) * s).to(proj.dtype)

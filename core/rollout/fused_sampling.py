@@ -1,16 +1,23 @@
-"""One-pass greedy / temperature sampling on CUDA (Triton), for the common unfiltered case.
+"""Greedy / temperature sampling on CUDA (Triton) in about one read of the logits, for the common
+unfiltered case.
 
 The plain PyTorch sampler reads the ``[B, V]`` logits about ten times (cast, noise, log,
-subtract, argmax, log-sum-exp). These kernels read them once. Each row is cut into ``splits``
-contiguous chunks so that even a small batch fills the GPU: one program per (row, chunk) keeps
-per-lane running maxima and sums for the log-sum-exp and the best Gumbel-perturbed score for
-the draw, and writes four numbers; a second, tiny kernel merges a row's chunks, picks the token
-(the lowest index among equal scores, as ``torch.argmax``) and its log-probability.
+subtract, argmax, log-sum-exp). Here each row is cut into contiguous chunks so that even a small
+batch fills the GPU: one program per (row, chunk) keeps per-lane running maxima and sums for the
+log-sum-exp (and, greedy, the best score) and writes them; a second, small kernel per row then
 
-Noise comes from Triton's counter-based Philox generator (four uniforms per call) keyed by a
-per-step seed the caller draws from a seeded host generator and by the element's place in the
-row, so the draw does not depend on how rows are split, runs are reproducible and nothing waits
-for the device.
+* greedy: merges the chunks and picks the token (the lowest index among equal scores, as
+  ``torch.argmax``) and its log-probability;
+* ``method="cdf"`` (the default for sampling): draws one uniform, finds the chunk whose running
+  total of ``exp(logit / T)`` passes it from the chunk sums, and the token inside that chunk
+  from a prefix sum over it (the only logits read twice: one chunk of :data:`DRAW_CHUNK` per row);
+* ``method="gumbel"``: the first pass also adds Gumbel noise to every scaled logit and keeps the
+  best; the merge takes the best over chunks (one random number and two logarithms per logit).
+
+Random numbers come from Triton's counter-based Philox generator keyed by a per-step seed the
+caller draws from a seeded host generator and by the row (and, Gumbel, the element's place in
+the row), so the draw does not depend on how rows are split, runs are reproducible and nothing
+waits for the device.
 Only used without top-k / top-p; :func:`available` says whether Triton can run here.
 """
 
@@ -27,6 +34,9 @@ BLOCK = 1024
 #: aim for at least this many programs in the first pass (a few per multiprocessor)
 TARGET_PROGRAMS = 2048
 MAX_SPLITS = 64
+#: columns per chunk of the inverse-CDF draw, at most (one chunk is re-read per row)
+DRAW_CHUNK = 4096
+METHODS = ("cdf", "gumbel")
 
 if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite "minus infinity": keeps the running sums free of inf - inf
@@ -117,6 +127,38 @@ if triton is not None:
         tl.store(logprobs_ptr + row, picked - top - tl.log(total))
 
 
+    @triton.jit(do_not_specialize=["seed"])
+    def _draw_rows(logits_ptr, stride, vocab, chunk, inv_temp, seed, max_ptr, sum_ptr, splits, tokens_ptr,
+                   logprobs_ptr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+        # inverse CDF: one uniform per row picks the chunk whose cumulative weight passes it, then
+        # the token inside that chunk (the only logits read again)
+        row = tl.program_id(0)
+        part = tl.arange(0, SPLITS)
+        valid = part < splits
+        at = row * splits + part
+        part_max = tl.load(max_ptr + at, mask=valid, other=_NEG)
+        part_sum = tl.load(sum_ptr + at, mask=valid, other=0.0)
+        top = tl.max(part_max, axis=0)
+        weight = tl.where(valid, part_sum * tl.exp(part_max - top), 0.0)
+        total = tl.sum(weight, axis=0)
+        target = tl.rand(seed, row) * total
+        # the first chunk whose running total passes the target (rounding: the last one with weight)
+        below = tl.sum((tl.cumsum(weight, axis=0) <= target).to(tl.int32), axis=0)
+        pick = tl.minimum(below, tl.max(tl.where(weight > 0, part, 0), axis=0))
+        rest = target - tl.sum(tl.where(part < pick, weight, 0.0), axis=0)
+        base = logits_ptr + row.to(tl.int64) * stride
+        lane = tl.arange(0, CHUNK)
+        offs = pick * chunk + lane
+        ok = (lane < chunk) & (offs < vocab)
+        x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32) * inv_temp
+        mass = tl.where(ok, tl.exp(x - top), 0.0)
+        inside = tl.sum((tl.cumsum(mass, axis=0) <= rest).to(tl.int32), axis=0)
+        token = tl.minimum(pick * chunk + inside, tl.max(tl.where(mass > 0, offs, 0), axis=0))
+        picked = tl.load(base + token).to(tl.float32) * inv_temp
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(logprobs_ptr + row, picked - top - tl.log(total))
+
+
 def available(device: torch.device) -> bool:
     """Whether the fused kernels can run on ``device``."""
     return triton is not None and device.type == "cuda"
@@ -133,35 +175,50 @@ def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
 
 
 def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int | None = None,
-                fast_math: bool | None = None, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy (``temperature <= 0``) or temperature sampling of each row, in one pass over the logits.
+                fast_math: bool | None = None, num_warps: int = 8,
+                method: str = "cdf") -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy (``temperature <= 0``) or temperature sampling of each row.
 
     Args:
         logits: ``[B, V]`` raw logits, last dimension contiguous (any float dtype).
         seed: per-call noise seed (ignored when greedy).
-        splits: chunks per row (default: enough for about :data:`TARGET_PROGRAMS` programs).
-        fast_math: draw the Gumbel noise with the hardware's approximate logarithm (default: on
-            CUDA; the interpreter has only the exact one).
+        splits: chunks per row for greedy and ``"gumbel"`` (default: enough for about
+            :data:`TARGET_PROGRAMS` programs); ``"cdf"`` always cuts rows into :data:`DRAW_CHUNK` columns.
+        fast_math: ``"gumbel"`` only: the noise through the hardware's approximate logarithm
+            (default: on CUDA; the interpreter has only the exact one).
+        method: ``"cdf"`` (default): one pass for each chunk's log-sum-exp, then one uniform per row
+            finds its token by inverse CDF, re-reading one chunk; ``"gumbel"``: one pass adding
+            Gumbel noise to every logit (one random number and two logarithms per logit).
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)``, log-probs under ``log_softmax(logits / T)``
         (``T = 1`` when greedy), as :func:`rlcore.rollout.sampling.sample_next` defines them.
     """
+    if method not in METHODS:
+        raise ValueError(f"fused sampler: method {method!r} is not one of {METHODS}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     dev = logits.device
-    splits, chunk = plan(rows, vocab, splits)
+    greedy = temperature <= 0
+    draw = method == "cdf" and not greedy
+    splits, chunk = plan(rows, vocab, -(-vocab // DRAW_CHUNK) if draw else splits)
     part = torch.empty(3, rows, splits, dtype=torch.float32, device=dev)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=dev)
     tokens = torch.empty(rows, dtype=torch.long, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
-    greedy = temperature <= 0
     inv_temp = 1.0 if greedy else 1.0 / temperature
     if fast_math is None:
         fast_math = not interpreting()
-    _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, int(seed) & 0x7FFFFFFF,
+    seed = int(seed) & 0x7FFFFFFF
+    _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, seed,
                                   part[0], part[1], part[2], part_idx, splits,
-                                  GREEDY=greedy, FAST=bool(fast_math), BLOCK=BLOCK, num_warps=num_warps)
+                                  GREEDY=greedy or draw, FAST=bool(fast_math), BLOCK=BLOCK, num_warps=num_warps)
+    if draw:
+        _draw_rows[(rows,)](logits, logits.stride(0), vocab, chunk, inv_temp, seed, part[0], part[1], splits,
+                            tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)),
+                            CHUNK=triton.next_power_of_2(chunk),
+                            num_warps=num_warps)
+        return tokens, logprobs
     _merge_rows[(rows,)](logits, logits.stride(0), vocab, inv_temp, part[0], part[1], part[2], part_idx, splits,
                          tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=1)
     return tokens, logprobs

@@ -152,7 +152,7 @@ def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits):
     bias = torch.zeros(n, columns, dtype=dtype, device=DEVICE)
     bias[0, 20:] = float("-inf")
     bias[3, :10] = float("-inf")
-    bias[torch.arange(n), at] = 0.0
+    bias[torch.arange(n), at] = 0.0  # columns after ``at`` stay unmasked here: the kernel must not read them
     stale = layer.clone()
     expected_layer = layer.clone()
     expected = decode_attention.reference_new(proj, expected_layer, bias, length, cos, sin, positions, at, heads,

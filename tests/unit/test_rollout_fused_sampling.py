@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from rlcore.rollout.fused_sampling import plan, sample_rows  # noqa: E402
+from rlcore.rollout.fused_sampling import DRAW_CHUNK, plan, sample_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,23 +27,51 @@ def test_greedy_and_logprobs_match_torch():
 
 
 @pytest.mark.slow
-def test_sampling_follows_the_tempered_softmax_and_is_seeded():
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0] + [-30.0] * 1030).repeat(800, 1).to(DEVICE)
-    tokens, logprobs = sample_rows(logits, 0.5, 123)
-    again, _ = sample_rows(logits, 0.5, 123)
-    other, _ = sample_rows(logits, 0.5, 124)
+@pytest.mark.parametrize("method", ["cdf", "gumbel"])
+@pytest.mark.parametrize("at", [0, DRAW_CHUNK - 2, 2 * DRAW_CHUNK + 100])  # first, straddling, last (ragged) chunk
+def test_sampling_follows_the_tempered_softmax_and_is_seeded(method, at):
+    row = torch.full((2 * DRAW_CHUNK + 300,), -30.0)
+    row[at:at + 4] = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    row[-1] = float("-inf")  # never drawn
+    logits = row.repeat(800, 1).to(DEVICE)
+    tokens, logprobs = sample_rows(logits, 0.5, 123, method=method)
+    again, _ = sample_rows(logits, 0.5, 123, method=method)
+    other, _ = sample_rows(logits, 0.5, 124, method=method)
     assert torch.equal(tokens, again) and not torch.equal(tokens, other)
-    freq = torch.bincount(tokens.cpu(), minlength=4)[:4].float() / len(tokens)
+    assert ((tokens >= at) & (tokens < at + 4)).float().mean() > 0.99  # the -30 logits hold < 1e-20 of the mass
+    freq = torch.bincount((tokens - at).clamp(0, 4).cpu(), minlength=5)[:4].float() / len(tokens)
     assert torch.allclose(freq, torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0]) / 0.5, -1), atol=0.06)
     expected = torch.log_softmax(logits / 0.5, -1).gather(-1, tokens[:, None]).squeeze(-1)
     assert torch.allclose(logprobs, expected, atol=1e-4)
 
 
+def test_inverse_cdf_draw_matches_the_softmax_over_many_tokens():
+    """Mass spread over chunks: each row draws from its own softmax (checked by the mean probability
+    rank of the drawn tokens) and its log-probability is the tempered log-softmax."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 3 * DRAW_CHUNK, generator=gen) * 2).to(DEVICE)
+    tokens, logprobs = sample_rows(logits, 0.7, 11, method="cdf")
+    probs = torch.softmax(logits.float().cpu() / 0.7, -1)
+    expected = torch.log(probs.gather(-1, tokens.cpu()[:, None])).squeeze(-1)
+    assert torch.allclose(logprobs.cpu(), expected, atol=1e-4)
+    # under the model, P(token drawn has probability below the row's median-by-mass) is 1/2 per row
+    order = probs.sort(-1, descending=True)
+    cum = order.values.cumsum(-1)
+    rank = (order.indices == tokens.cpu()[:, None]).float().argmax(-1)
+    upper_half = (cum.gather(-1, rank[:, None]).squeeze(-1) <= 0.5).float().mean()
+    assert 0.3 < upper_half < 0.7
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="method 'topk'"):
+        sample_rows(torch.randn(2, 10).to(DEVICE), 1.0, 0, method="topk")
+
+
 def test_splitting_rows_does_not_change_the_draw():
     logits = (torch.randn(3, 2500) * 2).to(DEVICE)
     assert plan(3, 2500)[0] == 3 and plan(3, 2500, splits=1) == (1, 3072)
-    for temperature in (0.0, 0.8):
-        whole = sample_rows(logits, temperature, 7, splits=1)
-        split = sample_rows(logits, temperature, 7)
+    for temperature, method in ((0.0, "cdf"), (0.8, "gumbel")):
+        whole = sample_rows(logits, temperature, 7, splits=1, method=method)
+        split = sample_rows(logits, temperature, 7, method=method)
         assert torch.equal(whole[0], split[0])
         assert torch.allclose(whole[1], split[1], atol=1e-5)
