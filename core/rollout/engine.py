@@ -151,6 +151,8 @@ class RolloutEngine:
         split_k: cut the decode step's o, gate/up or down products into this many slices of their
             inner dimension, e.g. ``{"down": 4}``: one batched product with more output tiles, the
             partial sums added by the kernel that reads them (see :func:`rlcore.rollout.decode._partials`).
+            ``"auto"`` (default): :data:`rlcore.rollout.decode.AUTO_SPLIT_K` when the step is compiled
+            on CUDA (the compiler fuses the sums), else none; ``None`` or ``{}``: none.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -159,7 +161,7 @@ class RolloutEngine:
                  admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
-                 rope_in_attention: bool = True, split_k: Mapping[str, int] | None = None):
+                 rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto"):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -194,6 +196,8 @@ class RolloutEngine:
         self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
+        if split_k == "auto":
+            split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
         self.split_k = decode.split_k_tuple(split_k)
         self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
                                             split_k=self.split_k)

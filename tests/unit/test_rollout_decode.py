@@ -97,6 +97,9 @@ def test_engine_option_errors(qwen2):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, split_k={"qkv": 2})
     with pytest.raises(ValueError, match="split_k\\['down'\\] must be a positive integer"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, split_k={"down": 0})
+    with pytest.raises(ValueError, match="split_k must be 'auto', None or a mapping"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, split_k="fast")
+    assert RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12).split_k == (1, 1, 1)  # "auto": off uncompiled
 
 
 def test_split_products_sum_to_the_plain_product():
