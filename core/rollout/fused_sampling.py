@@ -3,8 +3,8 @@ unfiltered case.
 
 The plain PyTorch sampler reads the ``[B, V]`` logits about ten times (cast, noise, log,
 subtract, argmax, log-sum-exp). Here each row is cut into contiguous chunks so that even a small
-batch fills the GPU: one program per (row, chunk) keeps per-lane running maxima and sums for the
-log-sum-exp (and, greedy, the best score) and writes them; a second, small kernel per row then
+batch fills the GPU: one program per (row, chunk) finds the chunk's maximum and sum of exponentials
+(and, greedy or Gumbel, the best score) and writes them; a second, small kernel per row then
 
 * greedy: merges the chunks and picks the token (the lowest index among equal scores, as
   ``torch.argmax``) and its log-probability;
@@ -127,6 +127,21 @@ if triton is not None:
         tl.store(logprobs_ptr + row, picked - top - tl.log(total))
 
 
+    @triton.jit
+    def _chunk_stats(logits_ptr, stride, vocab, chunk, inv_temp, max_ptr, sum_ptr, CHUNK: tl.constexpr):
+        # one (row, chunk): the chunk's maximum of logits / T and the sum of exp(. - maximum)
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        lane = tl.arange(0, CHUNK)
+        offs = part * chunk + lane
+        ok = (lane < chunk) & (offs < vocab)
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=ok, other=0.0).to(tl.float32) * inv_temp
+        x = tl.where(ok, x, _NEG)
+        top = tl.max(x, axis=0)
+        at = row * tl.num_programs(1) + part
+        tl.store(max_ptr + at, top)
+        tl.store(sum_ptr + at, tl.sum(tl.where(ok, tl.exp(x - top), 0.0), axis=0))
+
     @triton.jit(do_not_specialize=["seed"])
     def _draw_rows(logits_ptr, stride, vocab, chunk, inv_temp, seed, max_ptr, sum_ptr, splits, tokens_ptr,
                    logprobs_ptr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
@@ -175,7 +190,7 @@ def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
 
 
 def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int | None = None,
-                fast_math: bool | None = None, num_warps: int = 8,
+                fast_math: bool | None = None, num_warps: int | None = None,
                 method: str = "cdf") -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy (``temperature <= 0``) or temperature sampling of each row.
 
@@ -209,16 +224,20 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
     inv_temp = 1.0 if greedy else 1.0 / temperature
     if fast_math is None:
         fast_math = not interpreting()
+    if num_warps is None:  # measured on an H200 at 256 x 151,936: cdf 54 us with 4 warps (8: 64), gumbel 8 (4: 99 vs 97)
+        num_warps = 4 if draw else 8
     seed = int(seed) & 0x7FFFFFFF
-    _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, seed,
-                                  part[0], part[1], part[2], part_idx, splits,
-                                  GREEDY=greedy or draw, FAST=bool(fast_math), BLOCK=BLOCK, num_warps=num_warps)
     if draw:
+        width = triton.next_power_of_2(chunk)
+        _chunk_stats[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, part[0], part[1],
+                                     CHUNK=width, num_warps=num_warps)
         _draw_rows[(rows,)](logits, logits.stride(0), vocab, chunk, inv_temp, seed, part[0], part[1], splits,
-                            tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)),
-                            CHUNK=triton.next_power_of_2(chunk),
+                            tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), CHUNK=width,
                             num_warps=num_warps)
         return tokens, logprobs
+    _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, seed,
+                                  part[0], part[1], part[2], part_idx, splits,
+                                  GREEDY=greedy, FAST=bool(fast_math), BLOCK=BLOCK, num_warps=num_warps)
     _merge_rows[(rows,)](logits, logits.stride(0), vocab, inv_temp, part[0], part[1], part[2], part_idx, splits,
                          tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=1)
     return tokens, logprobs
