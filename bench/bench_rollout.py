@@ -134,7 +134,6 @@ VARIANTS = {
     "engine_sdpa_attn": {"attention": "sdpa"},
     "engine_rope_separate": {"rope_in_attention": False},
     "engine_no_split_k": {"split_k": None},
-    "engine_pdl": {"pdl": True},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
 }
 

@@ -149,7 +149,6 @@ class StepFunctions:
     compiled: bool
     spec: DecoderSpec
     rope_in_attention: bool = False
-    pdl: bool = False
 
 
 SPLIT_K_KEYS = ("o", "gate_up", "down")
@@ -174,13 +173,11 @@ def split_k_tuple(split_k: dict | None) -> tuple[int, int, int]:
     return tuple(split_k.get(key, 1) for key in SPLIT_K_KEYS)
 
 
-def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_attention: bool = False,
-                   split_k: tuple[int, int, int] = (1, 1, 1), pdl: bool = False) -> StepFunctions:
+def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
+                   rope_in_attention: bool = False, split_k: tuple[int, int, int] = (1, 1, 1)) -> StepFunctions:
     """The step pieces for ``spec``, compiled with ``torch.compile(mode=compile_mode)`` unless ``None``.
 
     ``split_k``: slices of the inner dimension for the o, gate/up and down products (:func:`_partials`).
-    ``pdl``: launch the compiled kernels and the attention kernel with programmatic dependent launch
-    (each starts while the previous one drains; CUDA compute capability 9+).
 
     Compilation is lazy (first call); the caller falls back to the plain pieces if it raises.
     The model constants are closed over, so each model shape gets its own compiled graphs.
@@ -214,20 +211,14 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_a
     if rope_in_attention:
         first, middle = first_projected, middle_projected
     if compile_mode is None:
-        return StepFunctions(first, middle, last, compiled=False, spec=spec, rope_in_attention=rope_in_attention,
-                             pdl=pdl)
+        return StepFunctions(first, middle, last, compiled=False, spec=spec, rope_in_attention=rope_in_attention)
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"rollout engine: compile_mode {compile_mode!r} is not one of {COMPILE_MODES}")
     _raise_recompile_limit(64)
-    options = dict(fullgraph=True)
-    if pdl:  # torch.compile takes a mode or options, not both: spell the mode out as options
-        modes = {} if compile_mode == "default" else torch._inductor.list_mode_options(compile_mode)
-        options["options"] = {**modes, "triton.enable_pdl": True}
-    elif compile_mode != "default":
-        options["mode"] = compile_mode
+    options = dict(fullgraph=True, mode=None if compile_mode == "default" else compile_mode)
     return StepFunctions(torch.compile(first, **options), torch.compile(middle, **options),
                          torch.compile(last, **options), compiled=True, spec=spec,
-                         rope_in_attention=rope_in_attention, pdl=pdl)
+                         rope_in_attention=rope_in_attention)
 
 
 def _raise_recompile_limit(at_least: int) -> None:
@@ -302,7 +293,7 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
 
         def attend_layer(layer, head):
             return decode_attention.attend_new(head[0], layer, bias, length, cos_table, sin_table, positions,
-                                               cache_index, spec.num_heads, spec.num_kv_heads, pdl=fns.pdl)
+                                               cache_index, spec.num_heads, spec.num_kv_heads)
     else:
         dim = cache.shape[-1]
         flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]

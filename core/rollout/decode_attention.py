@@ -37,11 +37,6 @@ DEFAULT_SMS = 8
 _CHECKED: dict[tuple, tuple[bool, str]] = {}
 
 if triton is not None:
-    try:
-        from triton.language.extra.cuda import gdc_wait
-    except ImportError:  # an older Triton: no programmatic dependent launch
-        gdc_wait = None
-
     _NEG = tl.constexpr(-3.0e38)  # finite start of the running maximum: no inf - inf on empty blocks
 
     @triton.jit
@@ -71,12 +66,9 @@ if triton is not None:
                      group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
-                     PDL: tl.constexpr,  # launched early (programmatic dependent launch): wait for the inputs
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
-        if PDL:
-            gdc_wait()
         slot = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         part = tl.program_id(2)
@@ -207,8 +199,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-           pdl: bool = False) -> torch.Tensor:
+           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -219,18 +210,16 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         splits: chunks per (slot, head) along the length (default: :func:`plan`'s rule).
         block_n, num_warps, num_stages: kernel tuning (``block_n`` a power of two >= 16; default
             :func:`default_block`).
-        pdl: launch with programmatic dependent launch (CUDA, compute capability 9+; see :func:`pdl_supported`):
-            the kernel starts while the previous one finishes and waits for it before reading anything.
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, pdl)
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-               num_stages: int | None = None, pdl: bool = False) -> torch.Tensor:
+               num_stages: int | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -254,16 +243,10 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
                          f"heads of {dim}, or RoPE tables not row-major")
     q = proj[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
     new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0), positions, columns)
-    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, pdl)
+    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages)
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels can be launched with programmatic dependent launch on ``device`` (CUDA 9.0+)."""
-    return (triton is not None and gdc_wait is not None and device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, pdl=False) -> torch.Tensor:
+def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -278,16 +261,14 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     block_d = max(16, triton.next_power_of_2(dim))
     keys, values = layer[0], layer[1]
     options = dict(num_warps=num_warps)
-    if pdl:
-        options["launch_pdl"] = True
     if num_stages is not None:
         options["num_stages"] = num_stages
     shared = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
     sizes = (length, chunk, dim ** -0.5)
     new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)
     ieee = q.dtype == torch.float32 or interpreting()
-    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, PDL=bool(pdl), BLOCK_G=block_g,
-                     BLOCK_D=block_d, BLOCK_N=block_n)
+    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, BLOCK_G=block_g, BLOCK_D=block_d,
+                     BLOCK_N=block_n)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, *sizes, *new_args, SPLIT=False,
                                        **constants, **options)

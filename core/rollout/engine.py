@@ -153,8 +153,6 @@ class RolloutEngine:
             partial sums added by the kernel that reads them (see :func:`rlcore.rollout.decode._partials`).
             ``"auto"`` (default): :data:`rlcore.rollout.decode.AUTO_SPLIT_K` when the step is compiled
             on CUDA (the compiler fuses the sums), else none; ``None`` or ``{}``: none.
-        pdl: launch the compiled step's kernels and the attention kernel with programmatic dependent
-            launch (CUDA compute capability 9+, compiled step; ignored elsewhere).
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -163,8 +161,7 @@ class RolloutEngine:
                  admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
-                 rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto",
-                 pdl: bool = False):
+                 rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto"):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -202,10 +199,9 @@ class RolloutEngine:
         if split_k == "auto":
             split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
         self.split_k = decode.split_k_tuple(split_k)
-        self.pdl = bool(pdl) and self.device.type == "cuda" and decode_attention.pdl_supported(self.device)
         self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
                                             split_k=self.split_k)
-        self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k, self.pdl)
+        self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k)
                      if self.compile else self._plain)
         self._allocate()
         if self.compile:

@@ -73,7 +73,7 @@ def test_a_failing_compiled_step_falls_back_to_the_plain_one(qwen2, monkeypatch,
 
     real = decode.step_functions
 
-    def fake(spec, compile_mode=None, rope_in_attention=False, split_k=(1, 1, 1), pdl=False):
+    def fake(spec, compile_mode=None, rope_in_attention=False, split_k=(1, 1, 1)):
         plain = real(spec, rope_in_attention=rope_in_attention, split_k=split_k)
         return plain if compile_mode is None else decode.StepFunctions(broken, broken, broken, compiled=True,
                                                                         spec=spec)

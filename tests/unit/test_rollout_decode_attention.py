@@ -179,18 +179,3 @@ def test_engine_rope_in_attention_matches_the_separate_steps(qwen2):
     expected, got = separate.generate(PROMPTS, GREEDY), fused.generate(PROMPTS, GREEDY)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs CUDA compute capability 9+")
-def test_engine_with_programmatic_dependent_launch_matches(qwen2):
-    """The compiled step and the attention kernel launched early (waiting on their inputs in the
-    kernel) give the same tokens as ordinary launches, inside CUDA graphs."""
-    kwargs = dict(max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0, device="cuda",
-                  compile=True)
-    plain, early = RolloutEngine(qwen2, **kwargs), RolloutEngine(qwen2, pdl=True, **kwargs)
-    assert early.pdl and early.compile and early.use_cuda_graphs
-    expected, got = plain.generate(PROMPTS, GREEDY), early.generate(PROMPTS, GREEDY)
-    assert early.compile, "the compiled step fell back to the plain one"
-    assert torch.equal(got.response_ids, expected.response_ids)
-    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
