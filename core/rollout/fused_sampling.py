@@ -114,18 +114,24 @@ if triton is not None:
         part = tl.arange(0, SPLITS)
         valid = part < splits
         at = row * splits + part
-        part_max = tl.load(max_ptr + at, mask=valid, other=_NEG)
-        part_sum = tl.load(sum_ptr + at, mask=valid, other=0.0)
+        weight, top = _chunk_weights(max_ptr, sum_ptr, at, valid)
+        total = tl.sum(weight, axis=0)
         part_key = tl.load(key_ptr + at, mask=valid, other=_NEG)
         part_idx = tl.load(idx_ptr + at, mask=valid, other=vocab)
-        top = tl.max(part_max, axis=0)
-        total = tl.sum(part_sum * tl.exp(part_max - top), axis=0)
         winner = tl.max(part_key, axis=0)
         token = tl.min(tl.where(part_key == winner, part_idx, vocab), axis=0)
         picked = tl.load(logits_ptr + row.to(tl.int64) * stride + token).to(tl.float32) * inv_temp
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(logprobs_ptr + row, picked - top - tl.log(total))
 
+    @triton.jit
+    def _chunk_weights(max_ptr, sum_ptr, at, valid):
+        """A row's chunk statistics at ``at`` -> (each chunk's sum of exponentials relative to the
+        row's maximum, that maximum)."""
+        part_max = tl.load(max_ptr + at, mask=valid, other=_NEG)
+        part_sum = tl.load(sum_ptr + at, mask=valid, other=0.0)
+        top = tl.max(part_max, axis=0)
+        return tl.where(valid, part_sum * tl.exp(part_max - top), 0.0), top
 
     @triton.jit
     def _chunk_stats(logits_ptr, stride, vocab, chunk, inv_temp, max_ptr, sum_ptr, CHUNK: tl.constexpr):
@@ -150,11 +156,7 @@ if triton is not None:
         row = tl.program_id(0)
         part = tl.arange(0, SPLITS)
         valid = part < splits
-        at = row * splits + part
-        part_max = tl.load(max_ptr + at, mask=valid, other=_NEG)
-        part_sum = tl.load(sum_ptr + at, mask=valid, other=0.0)
-        top = tl.max(part_max, axis=0)
-        weight = tl.where(valid, part_sum * tl.exp(part_max - top), 0.0)
+        weight, top = _chunk_weights(max_ptr, sum_ptr, row * splits + part, valid)
         total = tl.sum(weight, axis=0)
         target = tl.rand(seed, row) * total
         # the first chunk whose running total passes the target (rounding: the last one with weight)
