@@ -123,12 +123,15 @@ def test_split_k_step_matches_hf(qwen2, eos_case, split_k):
 
 
 @pytest.mark.slow
-def test_compiled_step_matches_hf_on_cpu(qwen2, eos_case):
+@pytest.mark.parametrize("split_k", [None, decode.AUTO_SPLIT_K])
+def test_compiled_step_matches_hf_on_cpu(qwen2, eos_case, split_k):
     """torch.compile (Inductor's C++ backend here) gives the same greedy tokens, also while slots
-    are freed, refilled and compacted (several batch buckets, several compiled shapes)."""
+    are freed, refilled and compacted (several batch buckets, several compiled shapes), with and
+    without split-K products (their partial sums compiled into the next kernel)."""
     params, expected = eos_case
     engine = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, admit_fraction=0.0, eos_check_interval=1,
-                           compile=True)
+                           compile=True, split_k=split_k)
+    assert engine.split_k == decode.split_k_tuple(split_k)
     got = engine.generate(PROMPTS, params)
     assert engine.compile, "compilation fell back to the plain step"
     assert torch.equal(got.response_ids, expected.response_ids)
