@@ -110,13 +110,17 @@ def graph_ms(fn: Callable[[], Any], repeats: int = 20, replays: int = 1, warmup:
     return times[len(times) // 2]
 
 
-def device_ceilings() -> dict[str, float]:
-    """Measured copy bandwidth (bytes read + written per second) and dense bf16 matmul rate."""
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 1 GiB device copy (median of timed copies)."""
     src = torch.randn(2**28, device="cuda")  # 1 GiB of float32
     dst = torch.empty_like(src)
     ms = cuda_ms(lambda: dst.copy_(src))
-    bandwidth = 2 * src.numel() * 4 / (ms / 1e3)
-    del src, dst
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def device_ceilings() -> dict[str, float]:
+    """Measured copy bandwidth (bytes read + written per second) and dense bf16 matmul rate."""
+    bandwidth = copy_bandwidth()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = cuda_ms(lambda: a @ b)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E402
+from _common import copy_bandwidth, environment, graph_ms, import_rlcore, write_json  # noqa: E402
 
 import_rlcore()
 from rlcore.rollout import decode, decode_attention  # noqa: E402
@@ -83,21 +83,6 @@ def graph_us_per_layer(call: Callable[[int], Any], layers: int, repeats: int, re
         for i in range(layers):
             call(i)
     return graph_ms(every_layer, repeats, replays, warmup=1) * 1e3 / layers
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 1 GiB device copy."""
-    src = torch.empty(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def run_case(shape: str, batch: int, args, bandwidth: float) -> dict[str, Any]:

@@ -56,6 +56,26 @@ if triton is not None:
         return q, key * cos + key_turned * sin, value
 
     @triton.jit
+    def _fold_block(q, k, v, bias, col_ok, run_max, run_sum, acc, scale, IEEE: tl.constexpr):
+        """Fold one block of keys/values (columns where ``col_ok``, additive ``bias``) into the
+        online softmax: returns the new running maximum, sum and output accumulator."""
+        if IEEE:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale + bias[None, :]
+        scores = tl.where(col_ok[None, :], scores, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+        p = tl.exp(scores - new_max[:, None])
+        alpha = tl.exp(run_max - new_max)
+        run_sum = run_sum * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return new_max, run_sum, acc
+
+    @triton.jit
     def _attend_part(q_ptr, sq_n, sq_h, sq_g, sq_d,
                      k_ptr, v_ptr, sc_b, sc_h, sc_s, sc_d,
                      bias_ptr, sb_n, sb_s,
@@ -113,21 +133,7 @@ if triton is not None:
             k = tl.load(k_base + at, mask=tile_ok, other=0.0)
             v = tl.load(v_base + at, mask=tile_ok, other=0.0)
             bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=0.0).to(tl.float32)
-            if IEEE:
-                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = scores * scale + bias[None, :]
-            scores = tl.where(col_ok[None, :], scores, float("-inf"))
-            new_max = tl.maximum(run_max, tl.max(scores, axis=1))
-            p = tl.exp(scores - new_max[:, None])
-            alpha = tl.exp(run_max - new_max)
-            run_sum = run_sum * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            run_max = new_max
+            run_max, run_sum, acc = _fold_block(q, k, v, bias, col_ok, run_max, run_sum, acc, scale, IEEE)
         out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
         out_ok = row_ok[:, None] & feat_ok[None, :]
         if SPLIT:
