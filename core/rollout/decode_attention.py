@@ -81,10 +81,12 @@ if triton is not None:
                      bias_ptr, sb_n, sb_s,
                      out_ptr, so_n, so_h, so_g, so_d,
                      stat_ptr, stat_plane,
+                     final_ptr, sf_n, sf_h, sf_g, sf_d, count_ptr,
                      length, chunk, scale,
                      new_ptr, sn_n, k_off, v_off, cos_ptr, sin_ptr, s_rope, pos_ptr, col_ptr,
                      group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
+                     FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
@@ -142,8 +144,44 @@ if triton is not None:
             tl.store(out_at, acc, mask=out_ok)
             tl.store(stat_at, run_max, mask=row_ok)
             tl.store(stat_at + stat_plane, run_sum, mask=row_ok)
+            if FOLD:
+                # every thread's stores before one thread's release; the last of the pair's programs
+                # to arrive merges, then resets the pair's counter for the next call
+                pair = slot * tl.num_programs(1) + head
+                tl.debug_barrier()
+                ticket = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
+                if ticket == tl.num_programs(2) - 1:
+                    final_at = final_ptr + slot * sf_n + head * sf_h + rows[:, None] * sf_g + feats[None, :] * sf_d
+                    _merge_pair(out_ptr, stat_ptr, stat_plane, pair, tl.num_programs(2), final_at, rows, feats,
+                                group, dim, BLOCK_G, BLOCK_D)
+                    tl.atomic_xchg(count_ptr + pair, 0)
         else:
             tl.store(out_at, (acc / run_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+
+    @triton.jit
+    def _merge_pair(part_ptr, stat_ptr, stat_plane, pair, splits, out_at, rows, feats,
+                    group: tl.constexpr, dim: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Merge the ``splits`` partial results of one (slot, head) pair and store the output at
+        ``out_at`` (loads through L2: other programs may have written the partials just now)."""
+        ok = (rows < group)[:, None] & (feats < dim)[None, :]
+        run_max = tl.full([BLOCK_G], _NEG, tl.float32)
+        run_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for part in range(0, splits):
+            index = pair * splits + part
+            stat_at = stat_ptr + index * group + rows
+            part_max = tl.load(stat_at, mask=rows < group, other=_NEG, cache_modifier=".cg")
+            # padded rows: no 0 / 0
+            part_sum = tl.load(stat_at + stat_plane, mask=rows < group, other=1.0, cache_modifier=".cg")
+            part_acc = tl.load(part_ptr + index * group * dim + rows[:, None] * dim + feats[None, :],
+                               mask=ok, other=0.0, cache_modifier=".cg")
+            new_max = tl.maximum(run_max, part_max)
+            old = tl.exp(run_max - new_max)
+            new = tl.exp(part_max - new_max)
+            run_sum = run_sum * old + part_sum * new
+            acc = acc * old[:, None] + part_acc * new[:, None]
+            run_max = new_max
+        tl.store(out_at, (acc / run_sum[:, None]).to(out_at.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _merge_parts(part_ptr, stat_ptr, stat_plane, out_ptr, so_n, so_h, so_g, so_d, splits,
@@ -152,27 +190,9 @@ if triton is not None:
         head = tl.program_id(1).to(tl.int64)
         rows = tl.arange(0, BLOCK_G)
         feats = tl.arange(0, BLOCK_D)
-        ok = (rows < group)[:, None] & (feats < dim)[None, :]
-        pair = slot * tl.num_programs(1) + head
-        run_max = tl.full([BLOCK_G], _NEG, tl.float32)
-        run_sum = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for part in range(0, splits):
-            index = pair * splits + part
-            stat_at = stat_ptr + index * group + rows
-            part_max = tl.load(stat_at, mask=rows < group, other=_NEG)
-            part_sum = tl.load(stat_at + stat_plane, mask=rows < group, other=1.0)  # padded rows: no 0 / 0
-            part_acc = tl.load(part_ptr + index * group * dim + rows[:, None] * dim + feats[None, :],
-                               mask=ok, other=0.0)
-            new_max = tl.maximum(run_max, part_max)
-            old = tl.exp(run_max - new_max)
-            new = tl.exp(part_max - new_max)
-            run_sum = run_sum * old + part_sum * new
-            acc = acc * old[:, None] + part_acc * new[:, None]
-            run_max = new_max
-        out = acc / run_sum[:, None]
-        tl.store(out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d,
-                 out.to(out_ptr.dtype.element_ty), mask=ok)
+        out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
+        _merge_pair(part_ptr, stat_ptr, stat_plane, slot * tl.num_programs(1) + head, splits, out_at, rows, feats,
+                    group, dim, BLOCK_G, BLOCK_D)
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,7 +225,8 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None, fold: bool = True,
+           maxnreg: int | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -214,18 +235,20 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         layer: ``[2, B, KVH, S, D]`` one layer's cache, rows ``0..n-1`` read, any strides.
         bias: ``[n, S]`` additive key mask (0 or ``-inf``); every row needs a valid column below ``length``.
         splits: chunks per (slot, head) along the length (default: :func:`plan`'s rule).
-        block_n, num_warps, num_stages: kernel tuning (``block_n`` a power of two >= 16; default
-            :func:`default_block`).
+        block_n, num_warps, num_stages, maxnreg: kernel tuning (``block_n`` a power of two >= 16;
+            default :func:`default_block`; ``maxnreg`` caps the registers per thread).
+        fold: with several chunks, the last program of each (slot, head) to finish merges the
+            chunks (no second kernel); ``False`` launches the merge kernel.
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages)
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, maxnreg)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-               num_stages: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, fold: bool = True, maxnreg: int | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -238,6 +261,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
         bias: ``[n, S]`` additive key mask; ``bias[i, columns[i]]`` must already be 0.
         cos, sin: ``[S, D]`` RoPE tables (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`).
         positions, columns: ``[n]`` int64 RoPE position and cache column of each slot's new token.
+        splits, block_n, num_warps, num_stages, fold, maxnreg: as for :func:`attend`.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
@@ -249,10 +273,22 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
                          f"heads of {dim}, or RoPE tables not row-major")
     q = proj[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
     new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0), positions, columns)
-    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages)
+    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg)
 
 
-def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages) -> torch.Tensor:
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``size`` entries, kept per device across calls: the kernel
+    leaves it zeroed again, so a CUDA graph replay needs no memset. Grows (a new buffer) when too small."""
+    buffer = _COUNTERS.get(device)
+    if buffer is None or buffer.numel() < size:
+        buffer = _COUNTERS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return buffer
+
+
+def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -269,6 +305,8 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages)
     options = dict(num_warps=num_warps)
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if maxnreg is not None and not interpreting():
+        options["maxnreg"] = maxnreg
     shared = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
     sizes = (length, chunk, dim ** -0.5)
     new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)
@@ -276,16 +314,19 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages)
     constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, BLOCK_G=block_g, BLOCK_D=block_d,
                      BLOCK_N=block_n)
     if splits == 1:
-        _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, *sizes, *new_args, SPLIT=False,
-                                       **constants, **options)
+        _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
+                                       SPLIT=False, FOLD=False, **constants, **options)
         return out.view(n, -1)
     parts = torch.empty(n, kv_heads, splits, group, dim, dtype=torch.float32, device=device)
     stats = torch.empty(2, n, kv_heads, splits, group, dtype=torch.float32, device=device)
     plane = stats[0].numel()
-    _attend_part[(n, kv_heads, splits)](*shared, parts, *parts.stride()[:2], dim, 1, stats, plane, *sizes, *new_args,
-                                        SPLIT=True, **constants, **options)
-    _merge_parts[(n, kv_heads)](parts, stats, plane, out, *out.stride(), splits, group=group, dim=dim,
-                                BLOCK_G=block_g, BLOCK_D=block_d, num_warps=num_warps)
+    counters = _counters(device, n * kv_heads) if fold else out
+    _attend_part[(n, kv_heads, splits)](*shared, parts, *parts.stride()[:2], dim, 1, stats, plane,
+                                        out, *out.stride(), counters, *sizes, *new_args,
+                                        SPLIT=True, FOLD=bool(fold), **constants, **options)
+    if not fold:
+        _merge_parts[(n, kv_heads)](parts, stats, plane, out, *out.stride(), splits, group=group, dim=dim,
+                                    BLOCK_G=block_g, BLOCK_D=block_d, num_warps=num_warps)
     return out.view(n, -1)
 
 

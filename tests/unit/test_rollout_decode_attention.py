@@ -71,6 +71,20 @@ def test_kernel_in_half_precision(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("splits", [2, 3])
+def test_chunks_merged_in_the_kernel_equal_the_merge_kernel(splits):
+    q, layer, bias, length = make_case(7, 64, n=6, slots=6, length=150)
+    counters = decode_attention._counters(q.device, 1)
+    merged_by_kernel = decode_attention.attend(q, layer, bias, length, splits=splits, fold=False)
+    for _ in range(3):  # repeated calls: every pair's counter must be back at zero each time
+        folded = decode_attention.attend(q, layer, bias, length, splits=splits, fold=True)
+        assert torch.allclose(folded, merged_by_kernel, atol=1e-6, rtol=1e-6)
+        assert int(decode_attention._counters(q.device, 1).abs().sum()) == 0
+    assert decode_attention._counters(q.device, 1) is counters  # the buffer is kept, not reallocated
+    assert torch.allclose(folded, decode_attention.reference(q, layer, bias, length), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_default_split_rule_and_a_single_slot():
     q, layer, bias, length = make_case(2, 16, n=1, columns=208, length=200)
     assert decode_attention.plan(2, 200, decode_attention._sm_count(q.device.type, q.device.index))[0] > 1
@@ -79,16 +93,18 @@ def test_default_split_rule_and_a_single_slot():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or decode_attention.triton is None, reason="needs CUDA")
-def test_kernel_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_replays_in_a_cuda_graph(splits):
     q, layer, bias, length = make_case(7, 64, torch.bfloat16, n=4, slots=8)
-    decode_attention.attend(q, layer, bias, length)  # compile outside the capture
+    decode_attention.attend(q, layer, bias, length, splits=splits)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention.attend(q, layer, bias, length)
-    q.normal_()
-    graph.replay()
-    expected = decode_attention.reference(q, layer, bias, length)
-    assert torch.allclose(out.float(), expected, atol=2e-2, rtol=2e-2)
+        out = decode_attention.attend(q, layer, bias, length, splits=splits)
+    for _ in range(2):
+        q.normal_()
+        graph.replay()
+        expected = decode_attention.reference(q, layer, bias, length)
+        assert torch.allclose(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.fixture(scope="module")
