@@ -3,6 +3,9 @@
 * ``sampler``: :func:`rlcore.rollout.fused_sampling.sample_rows` with the exact and the
   approximate logarithm, several warp counts and row splits;
 * ``gemm``: the decode projections as one GEMM or as split-K batched products;
+* ``mlp``: the SiLU-gated MLP of a layer as library GEMMs around a pointwise kernel, against the
+  Triton products of :mod:`rlcore.rollout.decode_mlp` (SiLU·mul fused into the gate/up epilogue or
+  the down prologue), over tile sizes and split counts;
 * ``attention``: the decode-attention kernel's tuning knobs, one call per layer, each on its own
   cache (so keys and values come from memory, not L2, as in a real step);
 * ``--loop``: device time by kernel over a whole ``generate`` call of the engine, per decode step,
@@ -29,7 +32,7 @@ from bench_rollout import SHAPES, build, kernel_times, make_prompts  # noqa: E40
 
 import_rlcore()
 
-from rlcore.rollout import decode_attention, fused_sampling  # noqa: E402
+from rlcore.rollout import decode_attention, decode_mlp, fused_sampling  # noqa: E402
 
 
 def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
@@ -56,29 +59,55 @@ def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_attention(shape: str, batch: int, layers: int, length: int) -> list[dict[str, Any]]:
+ATTENTION_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, splits=sp)
+                   for b, w, st, sp in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 3, 4))]
+ATTENTION_SWEEP += [dict(block_n=b, num_warps=4, num_stages=st, splits=sp, maxnreg=128)
+                    for b, st, sp in itertools.product((32, 64, 128), (2, 3, 4), (1, 2, 3, 4))]
+ATTENTION_SWEEP += [dict(splits=sp, fold=False) for sp in (2, 3, 4)]
+
+
+def bench_attention(shape: str, batch: int, layers: int, lengths=(192, 320)) -> list[dict[str, Any]]:
+    """The decode step's attention kernel as the engine calls it (RoPE, cache write and attention,
+    :func:`rlcore.rollout.decode_attention.attend_new`), one call per layer, each on its own cache
+    (keys and values come from memory, not L2). Each slot's new column lies in the last 64 columns
+    below the attended length, as in a step of a 64-column length bucket. The floor is the keys
+    and values read at copy bandwidth."""
+    from _common import copy_bandwidth
+
     spec = SHAPES[shape]
     heads, kv_heads = spec["num_attention_heads"], spec["num_key_value_heads"]
     dim = spec["hidden_size"] // heads
-    caches = [torch.randn(2, batch, kv_heads, length + 64, dim, device="cuda", dtype=torch.bfloat16)
+    columns_total = max(lengths) + 64
+    caches = [torch.randn(2, batch, kv_heads, columns_total, dim, device="cuda", dtype=torch.bfloat16)
               for _ in range(layers)]
-    q = torch.randn(batch, kv_heads, heads // kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    bias = torch.zeros(batch, length + 64, device="cuda", dtype=torch.bfloat16)
+    proj = torch.randn(batch, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+    bias = torch.zeros(batch, columns_total, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, columns_total, dim, device="cuda")
+    bandwidth = copy_bandwidth()
+    gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (None, 2, 3, 4)):
-        def fn():
-            for layer in caches:
-                decode_attention.attend(q, layer, bias, length, block_n=block_n, num_warps=warps, num_stages=stages)
-        try:
-            us = graph_ms(fn, repeats=10) * 1e3 / layers
-        except Exception as error:  # noqa: BLE001
-            print(f"    attention {block_n}/{warps}/{stages}: {type(error).__name__}", flush=True)
-            continue
-        rows.append({"shape": shape, "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": us})
-    rows.sort(key=lambda r: r["us"])
-    for r in rows[:5]:
-        print(f"    attention {shape} block_n={r['block_n']} warps={r['num_warps']} stages={r['num_stages']}: "
-              f"{r['us']:6.2f} us/layer", flush=True)
+    for length in lengths:
+        at = length - 1 - torch.randint(0, 64, (batch,), device="cuda", generator=gen)
+        floor_us = float((at + 1).sum()) * kv_heads * dim * 2 * 2 / bandwidth * 1e6
+        found = []
+        for tuning in [{}] + ATTENTION_SWEEP:
+            def fn():
+                for layer in caches:
+                    decode_attention.attend_new(proj, layer, bias, length, cos, sin, at, at, heads, kv_heads, **tuning)
+            try:
+                us = graph_ms(fn, repeats=10) * 1e3 / layers
+            except Exception as error:  # noqa: BLE001 - a setting that does not compile is skipped
+                print(f"    attention {shape} length {length} {tuning}: {type(error).__name__}", flush=True)
+                continue
+            found.append({"shape": shape, "batch": batch, "length": length, "tuning": tuning or "default",
+                          "us": us, "floor_us": floor_us})
+        default = found[0]["us"]
+        found.sort(key=lambda r: r["us"])
+        print(f"    attention {shape}/{batch} length {length}: default {default:6.2f} us/layer, floor {floor_us:5.2f}",
+              flush=True)
+        for r in found[:8]:
+            print(f"      {r['us']:6.2f} us  {r['tuning']}", flush=True)
+        rows += found
     return rows
 
 
@@ -108,6 +137,76 @@ def bench_gemm(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
         us = graph_ms(lambda: [torch.mm(w, x.t()) for w in weights], repeats=10) * 1e3 / layers
         rows.append({"shape": shape, "gemm": name, "transposed": True, "us": us, "weight_floor_us": floor_us})
         print(f"    gemm {shape} {name:8s} transposed: {us:6.2f} us", flush=True)
+    return rows
+
+
+GATE_UP_SWEEP = [(64, 64, 64, 4, 3), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3),
+                 (64, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
+                 (128, 64, 128, 8, 2), (64, 32, 64, 4, 4), (64, 32, 128, 4, 3), (128, 32, 64, 4, 4)]
+DOWN_SWEEP = [(64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 8, 3),
+              (64, 32, 128, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 5)]
+
+
+def bench_mlp(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
+    """One layer's MLP at ``batch`` rows (time per layer over ``layers`` weight copies): library
+    products around a compiled SiLU·mul against :mod:`rlcore.rollout.decode_mlp`'s kernels."""
+    from rlcore.rollout.decode import _partials, _sum
+
+    spec = SHAPES[shape]
+    hidden, inter = spec["hidden_size"], spec["intermediate_size"]
+    gate_ups = [torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.03 for _ in range(layers)]
+    downs = [torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.03 for _ in range(layers)]
+    x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
+    silu_mul = torch.compile(lambda gu: (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(gu.dtype))
+    rows = []
+
+    def record(name: str, fn, **info) -> float:
+        try:
+            us = graph_ms(fn, repeats=10) * 1e3 / layers
+        except Exception as error:  # noqa: BLE001 - a tile that does not fit is skipped
+            print(f"    mlp {shape} {name} {info}: {type(error).__name__}: {str(error)[:120]}", flush=True)
+            return float("inf")
+        rows.append({"shape": shape, "batch": batch, "variant": name, "us": us, **info})
+        print(f"    mlp {shape}/{batch} {name:22s} {info}: {us:6.2f} us/layer", flush=True)
+        return us
+
+    # correctness of the fused forms on one layer, against the library path
+    gu = x @ gate_ups[0].t()
+    ref_h = silu_mul(gu)
+    ref = ref_h.float() @ downs[0].float().t()
+    fused_h = decode_mlp.gate_up_silu(x, gate_ups[0])
+    rows.append({"shape": shape, "check": "gate_up_silu", "max_abs_err": float((fused_h - ref_h).abs().max()),
+                 "ref_max": float(ref_h.abs().max())})
+    for gated, a in ((False, ref_h), (True, gu)):
+        out = _sum(decode_mlp.down_partials(a, downs[0], 4, gated))
+        rows.append({"shape": shape, "check": f"down gated={gated}", "max_abs_err": float((out - ref).abs().max()),
+                     "ref_max": float(ref.abs().max())})
+    print(f"    mlp checks: {rows[-3:]}", flush=True)
+
+    record("library gate_up", lambda: [x @ w.t() for w in gate_ups])
+    record("library silu_mul", lambda: [silu_mul(gu) for _ in gate_ups])
+    for k in (1, 2, 4, 8):
+        record("library down", lambda: [_partials(ref_h, w, None, k) for w in downs], splits=k)
+    record("library mlp (split 4)",
+           lambda: [_partials(silu_mul(x @ wg.t()), wd, None, 4) for wg, wd in zip(gate_ups, downs)])
+    best_gate_up, best_down = (float("inf"), None), (float("inf"), None)
+    for t in GATE_UP_SWEEP:
+        tiles = decode_mlp.Tiles(*t)
+        us = record("fused gate_up", lambda: [decode_mlp.gate_up_silu(x, w, tiles) for w in gate_ups], tiles=t)
+        best_gate_up = min(best_gate_up, (us, tiles), key=lambda p: p[0])
+    for t, k, gated in itertools.product(DOWN_SWEEP, (2, 4, 8), (False, True)):
+        tiles, a = decode_mlp.Tiles(*t), (gu if gated else ref_h)
+        us = record("triton down", lambda: [decode_mlp.down_partials(a, w, k, gated, tiles) for w in downs],
+                    tiles=t, splits=k, gated=gated)
+        if not gated:
+            best_down = min(best_down, (us, (tiles, k)), key=lambda p: p[0])
+    gate_up_tiles, (down_tiles, down_splits) = best_gate_up[1], best_down[1]
+    record("fused gate_up + library down",
+           lambda: [_partials(decode_mlp.gate_up_silu(x, wg, gate_up_tiles), wd, None, 4)
+                    for wg, wd in zip(gate_ups, downs)])
+    record("fused gate_up + triton down",
+           lambda: [decode_mlp.down_partials(decode_mlp.gate_up_silu(x, wg, gate_up_tiles), wd, down_splits,
+                                             False, down_tiles) for wg, wd in zip(gate_ups, downs)])
     return rows
 
 
@@ -147,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: " + ",".join(SHAPES))
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm (any, or none)")
+    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm,mlp (any, or none)")
     parser.add_argument("--loop", action="store_true", help="profile a whole generate call per shape")
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
                              'as JSON, e.g. default;{"rope_in_attention": false}')
+    parser.add_argument("--loop-new", type=int, default=65, help="new tokens per sequence in --loop (prompt 128)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -159,19 +259,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parts = set(args.parts.split(","))
     results: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "sampler": [],
-                               "attention": [], "gemm": [], "loop": []}
+                               "attention": [], "gemm": [], "mlp": [], "loop": []}
     for shape in args.shapes.split(","):
         layers = SHAPES[shape]["num_hidden_layers"]
         if "gemm" in parts:
             results["gemm"] += bench_gemm(shape, args.batch, layers)
             write_json(args.out, results)
+        if "mlp" in parts:
+            for batch in sorted({args.batch, 64, 128}):
+                results["mlp"] += bench_mlp(shape, batch, layers)
+            write_json(args.out, results)
         if "attention" in parts:
-            results["attention"] += bench_attention(shape, args.batch, layers, 320)
+            results["attention"] += bench_attention(shape, args.batch, layers)
             write_json(args.out, results)  # after each part: a later failure loses nothing
         if args.loop:
             for variant in args.loop_variants.split(";"):
                 kwargs = {} if variant == "default" else json.loads(variant)
-                results["loop"].append({"variant": variant, **loop_profile(shape, args.batch, 128, 65, kwargs)})
+                results["loop"].append({"variant": variant, **loop_profile(shape, args.batch, 128, args.loop_new, kwargs)})
                 write_json(args.out, results)  # after each part: a later failure loses nothing
     if "sampler" in parts:
         results["sampler"] = bench_sampler(args.batch, SHAPES["qwen2-0.5b"]["vocab_size"])
