@@ -59,19 +59,19 @@ def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
     return rows
 
 
-ATTENTION_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, splits=sp)
-                   for b, w, st, sp in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 3, 4))]
-ATTENTION_SWEEP += [dict(block_n=b, num_warps=4, num_stages=st, splits=sp, maxnreg=128)
-                    for b, st, sp in itertools.product((32, 64, 128), (2, 3, 4), (1, 2, 3, 4))]
-ATTENTION_SWEEP += [dict(splits=sp, fold=False) for sp in (2, 3, 4)]
+#: block_n 64 (the default for head dim 64); 32/64/128, 1-4 chunks, maxnreg 128 and the merge kernel were
+#: swept at commit 1b0714d (bench/results/decode_parts_h200_run8_attention_sweep.json)
+ATTENTION_SWEEP = [dict(peel=peel, rope_rows=rope_rows, num_warps=warps, num_stages=stages)
+                   for peel, rope_rows, warps, stages in itertools.product((False, True), (False, True), (2, 4, 8), (2, 3))]
 
 
-def bench_attention(shape: str, batch: int, layers: int, lengths=(192, 320)) -> list[dict[str, Any]]:
+def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320)) -> list[dict[str, Any]]:
     """The decode step's attention kernel as the engine calls it (RoPE, cache write and attention,
     :func:`rlcore.rollout.decode_attention.attend_new`), one call per layer, each on its own cache
     (keys and values come from memory, not L2). Each slot's new column lies in the last 64 columns
     below the attended length, as in a step of a 64-column length bucket. The floor is the keys
-    and values read at copy bandwidth."""
+    and values read at copy bandwidth. ``rope_rows``: the RoPE rows gathered once beforehand
+    (once a step in the engine, not timed here)."""
     from _common import copy_bandwidth
 
     spec = SHAPES[shape]
@@ -90,10 +90,14 @@ def bench_attention(shape: str, batch: int, layers: int, lengths=(192, 320)) -> 
         at = length - 1 - torch.randint(0, 64, (batch,), device="cuda", generator=gen)
         floor_us = float((at + 1).sum()) * kv_heads * dim * 2 * 2 / bandwidth * 1e6
         found = []
+        rows_cos, rows_sin = cos[at], sin[at]
         for tuning in [{}] + ATTENTION_SWEEP:
+            kwargs = {k: v for k, v in tuning.items() if k != "rope_rows"}
+            rope = (rows_cos, rows_sin, None) if tuning.get("rope_rows") else (cos, sin, at)
+
             def fn():
                 for layer in caches:
-                    decode_attention.attend_new(proj, layer, bias, length, cos, sin, at, at, heads, kv_heads, **tuning)
+                    decode_attention.attend_new(proj, layer, bias, length, *rope, at, heads, kv_heads, **kwargs)
             try:
                 us = graph_ms(fn, repeats=10) * 1e3 / layers
             except Exception as error:  # noqa: BLE001 - a setting that does not compile is skipped

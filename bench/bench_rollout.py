@@ -134,6 +134,10 @@ VARIANTS = {
     "engine_sdpa_attn": {"attention": "sdpa"},
     "engine_rope_separate": {"rope_in_attention": False},
     "engine_no_split_k": {"split_k": None},
+    "engine_attn_rows": {"attention_tuning": {"rope_rows": True}},
+    "engine_attn_peel": {"attention_tuning": {"peel": True}},
+    "engine_attn_rows_peel": {"attention_tuning": {"rope_rows": True, "peel": True}},
+    "engine_attn_2warps": {"attention_tuning": {"num_warps": 2, "num_stages": 3}},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
 }
 

@@ -36,6 +36,8 @@ from rlcore.rollout.llama import DecoderSpec, DecoderWeights, LayerWeights, line
 log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("sdpa", "matmul", "triton")
+#: settings of the Triton attention kernel a caller may tune (see :func:`check_attention_tuning`)
+ATTENTION_TUNING_KEYS = ("block_n", "num_warps", "num_stages", "peel", "rope_rows")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
@@ -238,7 +240,22 @@ def mark_static(tensors) -> None:
 
 # ----------------------------------------------------------------------------- attention
 
-def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, kind: str) -> torch.Tensor:
+def check_attention_tuning(tuning) -> dict:
+    """``tuning`` as a dict after checking its keys (:data:`ATTENTION_TUNING_KEYS`): the Triton kernel's
+    ``block_n``, ``num_warps``, ``num_stages`` and ``peel`` (see :func:`rlcore.rollout.decode_attention.attend`),
+    and ``rope_rows``: gather each slot's RoPE rows once a step instead of in every layer's kernel."""
+    if tuning is None:
+        return {}
+    if not hasattr(tuning, "items"):
+        raise ValueError(f"rollout engine: attention_tuning must be a mapping, got {tuning!r}")
+    unknown = sorted(set(tuning) - set(ATTENTION_TUNING_KEYS))
+    if unknown:
+        raise ValueError(f"rollout engine: attention_tuning keys {unknown} are not among {ATTENTION_TUNING_KEYS}")
+    return dict(tuning)
+
+
+def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, kind: str,
+           tuning: dict | None = None) -> torch.Tensor:
     """Grouped-query attention of one new token per slot over cache columns ``0..length-1``.
 
     Args:
@@ -253,7 +270,7 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         ``[n, KVH·G·D]``.
     """
     if kind == "triton":
-        return decode_attention.attend(q, layer, bias, length)
+        return decode_attention.attend(q, layer, bias, length, **(tuning or {}))
     n, dim = q.shape[0], q.shape[-1]
     keys, values = layer[0, :n, :, :length], layer[1, :n, :, :length]
     mask = bias[:, None, None, :length]
@@ -270,7 +287,7 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
 @torch.no_grad()
 def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: int, length: int,
            cos_table: torch.Tensor, sin_table: torch.Tensor, fns: StepFunctions,
-           attention: str = "sdpa") -> torch.Tensor:
+           attention: str = "sdpa", attention_tuning: dict | None = None) -> torch.Tensor:
     """One decode step for slots ``0..n-1``; no host synchronisation, fixed shapes.
 
     Writes each slot's key/value at its ``cache_index``, marks it valid in ``bias``, attends over
@@ -281,6 +298,7 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
         cache: ``[L, 2, B, KVH, S, D]``. cos_table, sin_table: ``[S, D]`` (``sin_table`` signed), in
             the compute dtype for the separate RoPE, any float dtype for ``fns.rope_in_attention``
             (which needs ``attention="triton"``). fns: :func:`step_functions`.
+        attention_tuning: for ``attention="triton"``, see :func:`check_attention_tuning`.
     Returns:
         ``[n, V]`` next-token logits in the compute dtype.
     """
@@ -288,12 +306,17 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     positions, cache_index = state.positions[:n], state.cache_index[:n]
     bias = state.bias[:n]
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
+    tuning = dict(attention_tuning or {})
+    rope_rows = tuning.pop("rope_rows", False)
     if fns.rope_in_attention:
         spec = fns.spec
+        rotary = (cos_table, sin_table, positions)
+        if rope_rows:  # the same rows serve every layer: gather them once
+            rotary = (cos_table.index_select(0, positions), sin_table.index_select(0, positions), None)
 
         def attend_layer(layer, head):
-            return decode_attention.attend_new(head[0], layer, bias, length, cos_table, sin_table, positions,
-                                               cache_index, spec.num_heads, spec.num_kv_heads)
+            return decode_attention.attend_new(head[0], layer, bias, length, *rotary, cache_index, spec.num_heads,
+                                               spec.num_kv_heads, **tuning)
     else:
         dim = cache.shape[-1]
         flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
@@ -301,7 +324,7 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
         def attend_layer(layer, head):
             q, kv = head
             layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
-            return attend(q, layer, bias, length, attention)
+            return attend(q, layer, bias, length, attention, tuning)
 
     layers = weights.layers
     x, head, rope = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,

@@ -88,6 +88,8 @@ if triton is not None:
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
                      FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
+                     ROWS: tl.constexpr,  # NEW with RoPE rows per slot (cos_ptr, sin_ptr [n, D]), not tables
+                     PEEL: tl.constexpr,  # load the first key/value block before the NEW work
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
@@ -107,14 +109,27 @@ if triton is not None:
         run_max = tl.full([BLOCK_G], _NEG, tl.float32)
         run_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        lo = part * chunk
+        hi = tl.minimum(lo + chunk, length)
+        if PEEL:  # the first block's loads do not wait for the new column (masked below once it is known)
+            first = lo + cols
+            first_ok = first < hi
+            first_at = first.to(tl.int64)[:, None] * sc_s
+            k_first = tl.load(k_base + first_at, mask=first_ok[:, None] & feat_ok[None, :], other=0.0)
+            v_first = tl.load(v_base + first_at, mask=first_ok[:, None] & feat_ok[None, :], other=0.0)
+            bias_first = tl.load(bias_base + first * sb_s, mask=first_ok, other=0.0).to(tl.float32)
         new_col = -1
         if NEW:
             # rotate the G query rows and the new key; the new key/value go to the cache at the
             # slot's column and enter the softmax from registers (part 0); the column is skipped below
             new_col = tl.load(col_ptr + slot)
+            if ROWS:
+                rope_at = slot * s_rope
+            else:
+                rope_at = tl.load(pos_ptr + slot) * s_rope
             q, key, value = _rotate_new(q, q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g, sq_d,
                                         row_ok, new_ptr + slot * sn_n + head * dim, k_off, v_off,
-                                        cos_ptr, sin_ptr, tl.load(pos_ptr + slot) * s_rope, feats, feat_ok, dim)
+                                        cos_ptr, sin_ptr, rope_at, feats, feat_ok, dim)
             key = key.to(k_ptr.dtype.element_ty)
             if part == 0:
                 at = new_col.to(tl.int64) * sc_s + feats * sc_d
@@ -123,11 +138,14 @@ if triton is not None:
                 run_max = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale
                 run_sum = tl.full([BLOCK_G], 1.0, tl.float32)
                 acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
-        lo = part * chunk
-        hi = tl.minimum(lo + chunk, length)
-        if NEW:  # columns after the new one hold no key of this slot yet: not read at all
+            # columns after the new one hold no key of this slot yet: not read at all
             hi = tl.minimum(hi, new_col)
-        for start in range(lo, hi, BLOCK_N):
+        start_at = lo
+        if PEEL:
+            run_max, run_sum, acc = _fold_block(q, k_first, v_first, bias_first, first < hi, run_max, run_sum, acc,
+                                                scale, IEEE)
+            start_at = lo + BLOCK_N
+        for start in range(start_at, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi
             at = col.to(tl.int64)[:, None] * sc_s
@@ -226,7 +244,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None, fold: bool = True,
-           maxnreg: int | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, peel: bool = False) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -239,16 +257,19 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             default :func:`default_block`; ``maxnreg`` caps the registers per thread).
         fold: with several chunks, the last program of each (slot, head) to finish merges the
             chunks (no second kernel); ``False`` launches the merge kernel.
+        peel: load each program's first key/value block before anything else (with
+            :func:`attend_new`: before the RoPE and cache-write work, whose loads it then overlaps).
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, maxnreg)
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, maxnreg, peel)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-               num_stages: int | None = None, fold: bool = True, maxnreg: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, fold: bool = True, maxnreg: int | None = None,
+               peel: bool = False) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -259,9 +280,11 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             dimension contiguous.
         layer: ``[2, B, KVH, S, D]`` one layer's cache; column ``columns[i]`` of row ``i`` is written.
         bias: ``[n, S]`` additive key mask; ``bias[i, columns[i]]`` must already be 0.
-        cos, sin: ``[S, D]`` RoPE tables (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`).
-        positions, columns: ``[n]`` int64 RoPE position and cache column of each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, maxnreg: as for :func:`attend`.
+        cos, sin: ``[S, D]`` RoPE tables (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`),
+            or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
+        positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
+            each slot's new token.
+        splits, block_n, num_warps, num_stages, fold, maxnreg, peel: as for :func:`attend`.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
@@ -272,8 +295,10 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
         raise ValueError(f"decode attention: projection {tuple(proj.shape)} does not hold {heads} + 2 x {kv_heads} "
                          f"heads of {dim}, or RoPE tables not row-major")
     q = proj[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
-    new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0), positions, columns)
-    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg)
+    new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
+           columns if positions is None else positions, columns)
+    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg, peel,
+                   rows=positions is None)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -288,7 +313,8 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     return buffer
 
 
-def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg) -> torch.Tensor:
+def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg, peel,
+            rows: bool = False) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -311,8 +337,8 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     sizes = (length, chunk, dim ** -0.5)
     new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)
     ieee = q.dtype == torch.float32 or interpreting()
-    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, BLOCK_G=block_g, BLOCK_D=block_d,
-                     BLOCK_N=block_n)
+    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows), PEEL=bool(peel),
+                     BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
                                        SPLIT=False, FOLD=False, **constants, **options)

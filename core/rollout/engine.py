@@ -153,6 +153,8 @@ class RolloutEngine:
             partial sums added by the kernel that reads them (see :func:`rlcore.rollout.decode._partials`).
             ``"auto"`` (default): :data:`rlcore.rollout.decode.AUTO_SPLIT_K` when the step is compiled
             on CUDA (the compiler fuses the sums), else none; ``None`` or ``{}``: none.
+        attention_tuning: settings of the Triton attention kernel, e.g. ``{"num_warps": 2}``; keys in
+            :data:`rlcore.rollout.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.decode.check_attention_tuning`).
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -161,7 +163,8 @@ class RolloutEngine:
                  admit_fraction: float = 0.125, eos_check_interval: int = 8, max_prefill_tokens: int = 65536,
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
-                 rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto"):
+                 rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto",
+                 attention_tuning: Mapping[str, object] | None = None):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -196,6 +199,7 @@ class RolloutEngine:
         self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
+        self.attention_tuning = decode.check_attention_tuning(attention_tuning)
         if split_k == "auto":
             split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
         self.split_k = decode.split_k_tuple(split_k)
@@ -321,7 +325,8 @@ class RolloutEngine:
 
     def _step(self, n: int, length: int, fns: decode.StepFunctions) -> torch.Tensor:
         cos, sin = (self.cos, self.sin) if fns.rope_in_attention else (self.step_cos, self.step_sin)
-        return decode.decode(self.weights, self.cache, self.state, n, length, cos, sin, fns, self.attention)
+        tuning = self.attention_tuning if self.attention == "triton" else None
+        return decode.decode(self.weights, self.cache, self.state, n, length, cos, sin, fns, self.attention, tuning)
 
     def _warm_eager(self, n: int) -> None:
         """Run (and so compile) a step of ``n`` slots, leaving the decode state as it was."""

@@ -114,11 +114,12 @@ def qwen2():
 
 @needs_kernel
 @pytest.mark.slow
-def test_engine_with_triton_attention_matches_sdpa(qwen2):
+@pytest.mark.parametrize("tuning", [None, {"rope_rows": True, "peel": True, "block_n": 16}])
+def test_engine_with_triton_attention_matches_sdpa(qwen2, tuning):
     expected = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8,
                              admit_fraction=0.0, device=DEVICE, attention="sdpa").generate(PROMPTS, GREEDY)
     engine = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
-                           attention="triton", device=DEVICE)
+                           attention="triton", device=DEVICE, attention_tuning=tuning)
     assert engine.attention == "triton"
     got = engine.generate(PROMPTS, GREEDY)
     assert torch.equal(got.response_ids, expected.response_ids)
@@ -152,11 +153,20 @@ def test_unknown_attention_kind_is_refused(qwen2):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention="flash")
 
 
+def test_unknown_attention_tuning_key_is_refused(qwen2):
+    with pytest.raises(ValueError, match=r"attention_tuning keys \['warps'\]"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning={"warps": 2})
+    with pytest.raises(ValueError, match="mapping"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning=[("num_warps", 2)])
+
+
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits):
+@pytest.mark.parametrize("peel", [False, True])
+@pytest.mark.parametrize("rope_rows", [False, True])
+def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits, peel, rope_rows):
     gen = torch.Generator().manual_seed(3)
     n, kv_heads, group, dim, columns, length = 5, 2, 3, 16, 80, 70
     heads = kv_heads * group
@@ -173,8 +183,12 @@ def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits):
     expected_layer = layer.clone()
     expected = decode_attention.reference_new(proj, expected_layer, bias, length, cos, sin, positions, at, heads,
                                               kv_heads)
-    got = decode_attention.attend_new(proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads,
-                                      splits=splits)
+    if rope_rows:  # each slot's RoPE rows gathered beforehand
+        got = decode_attention.attend_new(proj, layer, bias, length, cos[positions], sin[positions], None, at, heads,
+                                          kv_heads, splits=splits, peel=peel)
+    else:
+        got = decode_attention.attend_new(proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads,
+                                          splits=splits, peel=peel)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
     assert torch.allclose(layer.float(), expected_layer.float(), atol=tol * 4, rtol=tol)
