@@ -3,9 +3,6 @@
 * ``sampler``: :func:`rlcore.rollout.fused_sampling.sample_rows` with the exact and the
   approximate logarithm, several warp counts and row splits;
 * ``gemm``: the decode projections as one GEMM or as split-K batched products;
-* ``mlp``: the SiLU-gated MLP of a layer as library GEMMs around a pointwise kernel, against the
-  Triton products of :mod:`rlcore.rollout.decode_mlp` (SiLU·mul fused into the gate/up epilogue or
-  the down prologue), over tile sizes and split counts;
 * ``attention``: the decode-attention kernel's tuning knobs, one call per layer, each on its own
   cache (so keys and values come from memory, not L2, as in a real step);
 * ``--loop``: device time by kernel over a whole ``generate`` call of the engine, per decode step,
@@ -32,7 +29,7 @@ from bench_rollout import SHAPES, build, kernel_times, make_prompts  # noqa: E40
 
 import_rlcore()
 
-from rlcore.rollout import decode_attention, decode_mlp, fused_sampling  # noqa: E402
+from rlcore.rollout import decode_attention, fused_sampling  # noqa: E402
 
 
 def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
@@ -61,8 +58,10 @@ def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
 
 #: block_n 64 (the default for head dim 64); 32/64/128, 1-4 chunks, maxnreg 128 and the merge kernel were
 #: swept at commit 1b0714d (bench/results/decode_parts_h200_run8_attention_sweep.json)
-ATTENTION_SWEEP = [dict(peel=peel, rope_rows=rope_rows, num_warps=warps, num_stages=stages)
-                   for peel, rope_rows, warps, stages in itertools.product((False, True), (False, True), (2, 4, 8), (2, 3))]
+#: loading the first block before the RoPE work ("peel", commit f594770) was slower at every setting
+#: (bench/results/decode_parts_h200_run9_attention.json)
+ATTENTION_SWEEP = [dict(rope_rows=rope_rows, num_warps=warps, num_stages=stages)
+                   for rope_rows, warps, stages in itertools.product((False, True), (2, 4, 8), (2, 3))]
 
 
 def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320)) -> list[dict[str, Any]]:
@@ -93,7 +92,7 @@ def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320))
         rows_cos, rows_sin = cos[at], sin[at]
         for tuning in [{}] + ATTENTION_SWEEP:
             kwargs = {k: v for k, v in tuning.items() if k != "rope_rows"}
-            rope = (rows_cos, rows_sin, None) if tuning.get("rope_rows") else (cos, sin, at)
+            rope = (rows_cos, rows_sin, None) if tuning.get("rope_rows", True) else (cos, sin, at)
 
             def fn():
                 for layer in caches:
@@ -144,76 +143,6 @@ def bench_gemm(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
     return rows
 
 
-GATE_UP_SWEEP = [(64, 64, 64, 4, 3), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3),
-                 (64, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
-                 (128, 64, 128, 8, 2), (64, 32, 64, 4, 4), (64, 32, 128, 4, 3), (128, 32, 64, 4, 4)]
-DOWN_SWEEP = [(64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 8, 3),
-              (64, 32, 128, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 5)]
-
-
-def bench_mlp(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
-    """One layer's MLP at ``batch`` rows (time per layer over ``layers`` weight copies): library
-    products around a compiled SiLU·mul against :mod:`rlcore.rollout.decode_mlp`'s kernels."""
-    from rlcore.rollout.decode import _partials, _sum
-
-    spec = SHAPES[shape]
-    hidden, inter = spec["hidden_size"], spec["intermediate_size"]
-    gate_ups = [torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.03 for _ in range(layers)]
-    downs = [torch.randn(hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.03 for _ in range(layers)]
-    x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
-    silu_mul = torch.compile(lambda gu: (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(gu.dtype))
-    rows = []
-
-    def record(name: str, fn, **info) -> float:
-        try:
-            us = graph_ms(fn, repeats=10) * 1e3 / layers
-        except Exception as error:  # noqa: BLE001 - a tile that does not fit is skipped
-            print(f"    mlp {shape} {name} {info}: {type(error).__name__}: {str(error)[:120]}", flush=True)
-            return float("inf")
-        rows.append({"shape": shape, "batch": batch, "variant": name, "us": us, **info})
-        print(f"    mlp {shape}/{batch} {name:22s} {info}: {us:6.2f} us/layer", flush=True)
-        return us
-
-    # correctness of the fused forms on one layer, against the library path
-    gu = x @ gate_ups[0].t()
-    ref_h = silu_mul(gu)
-    ref = ref_h.float() @ downs[0].float().t()
-    fused_h = decode_mlp.gate_up_silu(x, gate_ups[0])
-    rows.append({"shape": shape, "check": "gate_up_silu", "max_abs_err": float((fused_h - ref_h).abs().max()),
-                 "ref_max": float(ref_h.abs().max())})
-    for gated, a in ((False, ref_h), (True, gu)):
-        out = _sum(decode_mlp.down_partials(a, downs[0], 4, gated))
-        rows.append({"shape": shape, "check": f"down gated={gated}", "max_abs_err": float((out - ref).abs().max()),
-                     "ref_max": float(ref.abs().max())})
-    print(f"    mlp checks: {rows[-3:]}", flush=True)
-
-    record("library gate_up", lambda: [x @ w.t() for w in gate_ups])
-    record("library silu_mul", lambda: [silu_mul(gu) for _ in gate_ups])
-    for k in (1, 2, 4, 8):
-        record("library down", lambda: [_partials(ref_h, w, None, k) for w in downs], splits=k)
-    record("library mlp (split 4)",
-           lambda: [_partials(silu_mul(x @ wg.t()), wd, None, 4) for wg, wd in zip(gate_ups, downs)])
-    best_gate_up, best_down = (float("inf"), None), (float("inf"), None)
-    for t in GATE_UP_SWEEP:
-        tiles = decode_mlp.Tiles(*t)
-        us = record("fused gate_up", lambda: [decode_mlp.gate_up_silu(x, w, tiles) for w in gate_ups], tiles=t)
-        best_gate_up = min(best_gate_up, (us, tiles), key=lambda p: p[0])
-    for t, k, gated in itertools.product(DOWN_SWEEP, (2, 4, 8), (False, True)):
-        tiles, a = decode_mlp.Tiles(*t), (gu if gated else ref_h)
-        us = record("triton down", lambda: [decode_mlp.down_partials(a, w, k, gated, tiles) for w in downs],
-                    tiles=t, splits=k, gated=gated)
-        if not gated:
-            best_down = min(best_down, (us, (tiles, k)), key=lambda p: p[0])
-    gate_up_tiles, (down_tiles, down_splits) = best_gate_up[1], best_down[1]
-    record("fused gate_up + library down",
-           lambda: [_partials(decode_mlp.gate_up_silu(x, wg, gate_up_tiles), wd, None, 4)
-                    for wg, wd in zip(gate_ups, downs)])
-    record("fused gate_up + triton down",
-           lambda: [decode_mlp.down_partials(decode_mlp.gate_up_silu(x, wg, gate_up_tiles), wd, down_splits,
-                                             False, down_tiles) for wg, wd in zip(gate_ups, downs)])
-    return rows
-
-
 def loop_profile(shape: str, batch: int, prompt: int, new: int, engine_kwargs: dict) -> dict[str, Any]:
     """Device time by kernel over one ``generate`` call of the engine, per decode step."""
     from rlcore.rollout.base import SamplingParams
@@ -250,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: " + ",".join(SHAPES))
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm,mlp (any, or none)")
+    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm (any, or none)")
     parser.add_argument("--loop", action="store_true", help="profile a whole generate call per shape")
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
@@ -263,15 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parts = set(args.parts.split(","))
     results: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "sampler": [],
-                               "attention": [], "gemm": [], "mlp": [], "loop": []}
+                               "attention": [], "gemm": [], "loop": []}
     for shape in args.shapes.split(","):
         layers = SHAPES[shape]["num_hidden_layers"]
         if "gemm" in parts:
             results["gemm"] += bench_gemm(shape, args.batch, layers)
-            write_json(args.out, results)
-        if "mlp" in parts:
-            for batch in sorted({args.batch, 64, 128}):
-                results["mlp"] += bench_mlp(shape, batch, layers)
             write_json(args.out, results)
         if "attention" in parts:
             results["attention"] += bench_attention(shape, args.batch, layers)

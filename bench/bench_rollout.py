@@ -134,10 +134,8 @@ VARIANTS = {
     "engine_sdpa_attn": {"attention": "sdpa"},
     "engine_rope_separate": {"rope_in_attention": False},
     "engine_no_split_k": {"split_k": None},
-    "engine_attn_rows": {"attention_tuning": {"rope_rows": True}},
-    "engine_attn_peel": {"attention_tuning": {"peel": True}},
-    "engine_attn_rows_peel": {"attention_tuning": {"rope_rows": True, "peel": True}},
-    "engine_attn_2warps": {"attention_tuning": {"num_warps": 2, "num_stages": 3}},
+    # the attention kernel as before rollout run 10: 4 warps, RoPE position looked up in every layer
+    "engine_attn_before": {"attention_tuning": {"num_warps": 4, "rope_rows": False}},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
 }
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("sdpa", "matmul", "triton")
 #: settings of the Triton attention kernel a caller may tune (see :func:`check_attention_tuning`)
-ATTENTION_TUNING_KEYS = ("block_n", "num_warps", "num_stages", "peel", "rope_rows")
+ATTENTION_TUNING_KEYS = ("block_n", "num_warps", "num_stages", "rope_rows")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
@@ -242,8 +242,9 @@ def mark_static(tensors) -> None:
 
 def check_attention_tuning(tuning) -> dict:
     """``tuning`` as a dict after checking its keys (:data:`ATTENTION_TUNING_KEYS`): the Triton kernel's
-    ``block_n``, ``num_warps``, ``num_stages`` and ``peel`` (see :func:`rlcore.rollout.decode_attention.attend`),
-    and ``rope_rows``: gather each slot's RoPE rows once a step instead of in every layer's kernel."""
+    ``block_n``, ``num_warps`` and ``num_stages`` (see :func:`rlcore.rollout.decode_attention.attend`), and
+    ``rope_rows`` (default ``True``): with RoPE in the attention kernel, gather each slot's RoPE rows once a
+    step instead of looking up its position in every layer's kernel (one dependent load less a layer)."""
     if tuning is None:
         return {}
     if not hasattr(tuning, "items"):
@@ -307,7 +308,7 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     bias = state.bias[:n]
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
     tuning = dict(attention_tuning or {})
-    rope_rows = tuning.pop("rope_rows", False)
+    rope_rows = tuning.pop("rope_rows", True)
     if fns.rope_in_attention:
         spec = fns.spec
         rotary = (cos_table, sin_table, positions)

@@ -89,7 +89,6 @@ if triton is not None:
                      FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
                      ROWS: tl.constexpr,  # NEW with RoPE rows per slot (cos_ptr, sin_ptr [n, D]), not tables
-                     PEEL: tl.constexpr,  # load the first key/value block before the NEW work
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
@@ -111,13 +110,6 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         lo = part * chunk
         hi = tl.minimum(lo + chunk, length)
-        if PEEL:  # the first block's loads do not wait for the new column (masked below once it is known)
-            first = lo + cols
-            first_ok = first < hi
-            first_at = first.to(tl.int64)[:, None] * sc_s
-            k_first = tl.load(k_base + first_at, mask=first_ok[:, None] & feat_ok[None, :], other=0.0)
-            v_first = tl.load(v_base + first_at, mask=first_ok[:, None] & feat_ok[None, :], other=0.0)
-            bias_first = tl.load(bias_base + first * sb_s, mask=first_ok, other=0.0).to(tl.float32)
         new_col = -1
         if NEW:
             # rotate the G query rows and the new key; the new key/value go to the cache at the
@@ -140,12 +132,7 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
             # columns after the new one hold no key of this slot yet: not read at all
             hi = tl.minimum(hi, new_col)
-        start_at = lo
-        if PEEL:
-            run_max, run_sum, acc = _fold_block(q, k_first, v_first, bias_first, first < hi, run_max, run_sum, acc,
-                                                scale, IEEE)
-            start_at = lo + BLOCK_N
-        for start in range(start_at, hi, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi
             at = col.to(tl.int64)[:, None] * sc_s
@@ -225,6 +212,13 @@ def default_block(dim: int) -> int:
     return BLOCK_N_WIDE if dim >= 128 else BLOCK_N
 
 
+def default_warps(dim: int) -> int:
+    """Warps per program: 2 for head dims up to 64, else 4 (on an H200 at 256 slots, 0.5B shapes,
+    2 warps took 5.8 / 11.3 / 16.2 us a layer against 6.1 / 12.1 / 17.0 for 4, at attended lengths
+    64 / 192 / 320)."""
+    return 2 if dim <= 64 else 4
+
+
 def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int]:
     """``(splits, chunk)``: how many chunks the ``length`` columns are cut into and their width.
 
@@ -243,8 +237,8 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None, fold: bool = True,
-           maxnreg: int | None = None, peel: bool = False) -> torch.Tensor:
+           block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, fold: bool = True,
+           maxnreg: int | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -254,22 +248,20 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         bias: ``[n, S]`` additive key mask (0 or ``-inf``); every row needs a valid column below ``length``.
         splits: chunks per (slot, head) along the length (default: :func:`plan`'s rule).
         block_n, num_warps, num_stages, maxnreg: kernel tuning (``block_n`` a power of two >= 16;
-            default :func:`default_block`; ``maxnreg`` caps the registers per thread).
+            defaults :func:`default_block` and :func:`default_warps`; ``maxnreg`` caps the registers
+            per thread).
         fold: with several chunks, the last program of each (slot, head) to finish merges the
             chunks (no second kernel); ``False`` launches the merge kernel.
-        peel: load each program's first key/value block before anything else (with
-            :func:`attend_new`: before the RoPE and cache-write work, whose loads it then overlaps).
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, maxnreg, peel)
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, maxnreg)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
-               splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-               num_stages: int | None = None, fold: bool = True, maxnreg: int | None = None,
-               peel: bool = False) -> torch.Tensor:
+               splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None, fold: bool = True, maxnreg: int | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -284,7 +276,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, maxnreg, peel: as for :func:`attend`.
+        splits, block_n, num_warps, num_stages, fold, maxnreg: as for :func:`attend`.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
@@ -297,7 +289,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
     q = proj[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
     new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
            columns if positions is None else positions, columns)
-    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg, peel,
+    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg,
                    rows=positions is None)
 
 
@@ -313,7 +305,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     return buffer
 
 
-def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg, peel,
+def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg,
             rows: bool = False) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
@@ -324,6 +316,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     if n == 0:
         return out.view(n, -1)
     block_n = block_n or default_block(dim)
+    num_warps = num_warps or default_warps(dim)
     splits, chunk = plan(n * kv_heads, length, _sm_count(device.type, device.index), splits, block_n)
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(dim))
@@ -337,7 +330,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     sizes = (length, chunk, dim ** -0.5)
     new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)
     ieee = q.dtype == torch.float32 or interpreting()
-    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows), PEEL=bool(peel),
+    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows),
                      BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,

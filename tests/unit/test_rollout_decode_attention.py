@@ -114,7 +114,7 @@ def qwen2():
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("tuning", [None, {"rope_rows": True, "peel": True, "block_n": 16}])
+@pytest.mark.parametrize("tuning", [None, {"rope_rows": False, "num_warps": 4, "block_n": 16}])
 def test_engine_with_triton_attention_matches_sdpa(qwen2, tuning):
     expected = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8,
                              admit_fraction=0.0, device=DEVICE, attention="sdpa").generate(PROMPTS, GREEDY)
@@ -164,9 +164,8 @@ def test_unknown_attention_tuning_key_is_refused(qwen2):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("peel", [False, True])
 @pytest.mark.parametrize("rope_rows", [False, True])
-def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits, peel, rope_rows):
+def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits, rope_rows):
     gen = torch.Generator().manual_seed(3)
     n, kv_heads, group, dim, columns, length = 5, 2, 3, 16, 80, 70
     heads = kv_heads * group
@@ -185,10 +184,10 @@ def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits, peel,
                                               kv_heads)
     if rope_rows:  # each slot's RoPE rows gathered beforehand
         got = decode_attention.attend_new(proj, layer, bias, length, cos[positions], sin[positions], None, at, heads,
-                                          kv_heads, splits=splits, peel=peel)
+                                          kv_heads, splits=splits)
     else:
         got = decode_attention.attend_new(proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads,
-                                          splits=splits, peel=peel)
+                                          splits=splits)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
     assert torch.allclose(layer.float(), expected_layer.float(), atol=tol * 4, rtol=tol)
