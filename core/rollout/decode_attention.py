@@ -294,13 +294,17 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers stay allocated: captured graphs may still use them
 
 
 def _counters(device: torch.device, size: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``size`` entries, kept per device across calls: the kernel
-    leaves it zeroed again, so a CUDA graph replay needs no memset. Grows (a new buffer) when too small."""
+    leaves it zeroed again, so a CUDA graph replay needs no memset. Calls on one device share it, so
+    they must run one after another (as the decode steps of a stream do). Grows when too small."""
     buffer = _COUNTERS.get(device)
     if buffer is None or buffer.numel() < size:
+        if buffer is not None:
+            _RETIRED.append(buffer)
         buffer = _COUNTERS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
     return buffer
 
