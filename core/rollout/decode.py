@@ -252,6 +252,18 @@ def check_attention_tuning(tuning) -> dict:
     unknown = sorted(set(tuning) - set(ATTENTION_TUNING_KEYS))
     if unknown:
         raise ValueError(f"rollout engine: attention_tuning keys {unknown} are not among {ATTENTION_TUNING_KEYS}")
+    for key, value in tuning.items():
+        if key == "rope_rows":
+            good = isinstance(value, bool)
+        else:
+            good = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            if good and key != "num_stages":  # block_n and num_warps are powers of two
+                good = value & (value - 1) == 0 and (key != "block_n" or value >= 16) and (
+                    key != "num_warps" or value <= 32)
+        if not good:
+            expected = {"rope_rows": "True or False", "num_stages": "a positive integer",
+                        "block_n": "a power of two >= 16", "num_warps": "a power of two <= 32"}[key]
+            raise ValueError(f"rollout engine: attention_tuning[{key!r}] must be {expected}, got {value!r}")
     return dict(tuning)
 
 

@@ -158,6 +158,13 @@ def test_unknown_attention_tuning_key_is_refused(qwen2):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning={"warps": 2})
     with pytest.raises(ValueError, match="mapping"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning=[("num_warps", 2)])
+    for key, value in (("block_n", 24), ("block_n", 8), ("num_warps", 3), ("num_warps", 64), ("num_stages", 0),
+                       ("rope_rows", 1), ("num_warps", True)):
+        with pytest.raises(ValueError, match=rf"attention_tuning\['{key}'\]"):
+            RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning={key: value})
+    engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16,
+                           attention_tuning={"block_n": 32, "num_warps": 8, "num_stages": 2, "rope_rows": False})
+    assert engine.attention_tuning == {"block_n": 32, "num_warps": 8, "num_stages": 2, "rope_rows": False}
 
 
 
