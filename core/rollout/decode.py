@@ -48,7 +48,8 @@ class DecodeState:
     ``tokens``: last sampled token; ``positions``: its RoPE position; ``cache_index``: the cache
     column it is written to; ``bias``: additive key mask (0 valid, ``-inf`` not);
     ``flat_base``: ``[2, B, KVH]`` row of each slot's key and value heads in a layer's cache
-    flattened to ``[2·B·KVH·S, D]``.
+    flattened to ``[2·B·KVH·S, D]``; ``attention_counters``: ``[B·KVH]`` int32 zeros for the Triton
+    attention kernel's in-kernel merge of chunks (``None``: a buffer shared by the device's calls).
     """
 
     tokens: torch.Tensor
@@ -57,6 +58,7 @@ class DecodeState:
     bias: torch.Tensor
     flat_base: torch.Tensor
     zero: torch.Tensor
+    attention_counters: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- the pieces
@@ -321,6 +323,8 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
     tuning = dict(attention_tuning or {})
     rope_rows = tuning.pop("rope_rows", True)
+    if attention == "triton" and state.attention_counters is not None:
+        tuning["counters"] = state.attention_counters
     if fns.rope_in_attention:
         spec = fns.spec
         rotary = (cos_table, sin_table, positions)

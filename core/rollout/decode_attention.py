@@ -238,7 +238,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, fold: bool = True,
-           maxnreg: int | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -252,16 +252,20 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             per thread).
         fold: with several chunks, the last program of each (slot, head) to finish merges the
             chunks (no second kernel); ``False`` launches the merge kernel.
+        counters: for ``fold``, ``[>= n·KVH]`` int32 zeros the kernel counts in and leaves at zero,
+            owned by the caller (calls that may run at the same time need their own); default: one
+            buffer per device, shared.
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, maxnreg)
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, maxnreg, counters)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, fold: bool = True, maxnreg: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, fold: bool = True, maxnreg: int | None = None,
+               counters: torch.Tensor | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -276,7 +280,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, maxnreg: as for :func:`attend`.
+        splits, block_n, num_warps, num_stages, fold, maxnreg, counters: as for :func:`attend`.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
@@ -289,7 +293,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
     q = proj[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
     new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
            columns if positions is None else positions, columns)
-    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg,
+    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg, counters,
                    rows=positions is None)
 
 
@@ -299,8 +303,8 @@ _RETIRED: list[torch.Tensor] = []  # outgrown buffers stay allocated: captured g
 
 def _counters(device: torch.device, size: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``size`` entries, kept per device across calls: the kernel
-    leaves it zeroed again, so a CUDA graph replay needs no memset. Calls on one device share it, so
-    they must run one after another (as the decode steps of a stream do). Grows when too small."""
+    leaves it zeroed again, so a CUDA graph replay needs no memset. Calls on one device that pass no
+    buffer of their own share it, so they must run one after another. Grows when too small."""
     buffer = _COUNTERS.get(device)
     if buffer is None or buffer.numel() < size:
         if buffer is not None:
@@ -309,7 +313,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     return buffer
 
 
-def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg,
+def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg, counters,
             rows: bool = False) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
@@ -343,7 +347,13 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     parts = torch.empty(n, kv_heads, splits, group, dim, dtype=torch.float32, device=device)
     stats = torch.empty(2, n, kv_heads, splits, group, dtype=torch.float32, device=device)
     plane = stats[0].numel()
-    counters = _counters(device, n * kv_heads) if fold else out
+    if not fold:
+        counters = out  # unused
+    elif counters is None:
+        counters = _counters(device, n * kv_heads)
+    elif counters.dtype != torch.int32 or counters.numel() < n * kv_heads or counters.device != device:
+        raise ValueError(f"decode attention: counters must be >= {n * kv_heads} int32 on {device}, got "
+                         f"{counters.numel()} {counters.dtype} on {counters.device}")
     _attend_part[(n, kv_heads, splits)](*shared, parts, *parts.stride()[:2], dim, 1, stats, plane,
                                         out, *out.stride(), counters, *sizes, *new_args,
                                         SPLIT=True, FOLD=bool(fold), **constants, **options)

@@ -301,6 +301,7 @@ class RolloutEngine:
             flat_base=((torch.arange(2, device=dev)[:, None, None] * b * spec.num_kv_heads + slot_rows[None]
                         + torch.arange(spec.num_kv_heads, device=dev)[None, None]) * s),
             zero=torch.zeros(1, 1, dtype=self.dtype, device=dev),
+            attention_counters=torch.zeros(b * spec.num_kv_heads, dtype=torch.int32, device=dev),
         )
         cos, sin = llama.rope_table(self.model, s, dev)
         self.cos, self.sin = cos, llama.signed_sin(sin)  # float32, for prefill

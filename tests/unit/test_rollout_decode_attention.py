@@ -82,6 +82,11 @@ def test_chunks_merged_in_the_kernel_equal_the_merge_kernel(splits):
         assert int(decode_attention._counters(q.device, 1).abs().sum()) == 0
     assert decode_attention._counters(q.device, 1) is counters  # the buffer is kept, not reallocated
     assert torch.allclose(folded, decode_attention.reference(q, layer, bias, length), atol=1e-5, rtol=1e-5)
+    own = torch.zeros(12, dtype=torch.int32, device=q.device)  # a caller's own buffer (6 slots x 2 heads)
+    mine = decode_attention.attend(q, layer, bias, length, splits=splits, counters=own)
+    assert torch.allclose(mine, merged_by_kernel, atol=1e-6, rtol=1e-6) and int(own.abs().sum()) == 0
+    with pytest.raises(ValueError, match="counters must be >= 12 int32"):
+        decode_attention.attend(q, layer, bias, length, splits=splits, counters=own[:11])
 
 
 @needs_kernel
@@ -115,12 +120,21 @@ def qwen2():
 @needs_kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("tuning", [None, {"rope_rows": False, "num_warps": 4, "block_n": 16}])
-def test_engine_with_triton_attention_matches_sdpa(qwen2, tuning):
+def test_engine_with_triton_attention_matches_sdpa(qwen2, tuning, monkeypatch):
     expected = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8,
                              admit_fraction=0.0, device=DEVICE, attention="sdpa").generate(PROMPTS, GREEDY)
     engine = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
                            attention="triton", device=DEVICE, attention_tuning=tuning)
     assert engine.attention == "triton"
+    # one slot: few (slot, head) programs, so the kernel cuts the columns into chunks merged in the kernel
+    single = RolloutEngine(qwen2, max_batch_size=1, max_seq_len=40, attention_length_step=32, admit_fraction=0.0,
+                           attention="triton", device=DEVICE, attention_tuning={**(tuning or {}), "block_n": 16})
+    sms = decode_attention._sm_count(single.device.type, None)
+    assert decode_attention.plan(single.spec.num_kv_heads, 32, sms, block_n=16)[0] > 1
+    monkeypatch.setattr(decode_attention, "_counters", None)  # the engine brings its own buffer
+    alone = single.generate(PROMPTS[:2], GREEDY)
+    assert torch.equal(alone.response_ids, expected.response_ids[:2])
+    assert int(single.state.attention_counters.abs().sum()) == 0
     got = engine.generate(PROMPTS, GREEDY)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
