@@ -7,8 +7,10 @@ blocks of ``BLOCK_N``, reads each key and value block once for all ``G`` rows, k
 maximum and sum per row in float32 (online softmax) and accumulates ``P @ V``.
 
 When there are few (slot, head) pairs for the number of multiprocessors (small batches), the
-columns are cut into ``splits`` contiguous chunks, each program writes an unnormalised partial
-result with its running maximum and sum, and a second small kernel merges a pair's chunks.
+columns are cut into ``splits`` contiguous chunks and each program writes an unnormalised partial
+result with its running maximum and sum; the last of a pair's programs to finish (an atomic
+counter per pair, left at zero again) merges the pair's chunks, so no second kernel is launched
+(``fold=False`` launches the separate merge kernel instead).
 
 Everything is read through strides (no copies), the grid and every buffer depend only on
 ``(n, length)``, and nothing waits for the device, so the call can be captured in a CUDA graph.
