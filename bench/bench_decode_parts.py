@@ -56,7 +56,7 @@ def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
     return rows
 
 
-#: block_n 64 (the default for head dim 64); 32/64/128, 1-4 chunks, maxnreg 128 and the merge kernel were
+#: block_n 64 (the default for head dim 64); 32/64/128, 1-4 chunks, a 128-register cap and the merge kernel were
 #: swept at commit 1b0714d (bench/results/decode_parts_h200_run8_attention_sweep.json)
 #: loading the first block before the RoPE work ("peel", commit f594770) was slower at every setting
 #: (bench/results/decode_parts_h200_run9_attention.json)

@@ -36,8 +36,6 @@ from rlcore.rollout.llama import DecoderSpec, DecoderWeights, LayerWeights, line
 log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("sdpa", "matmul", "triton")
-#: settings of the Triton attention kernel a caller may tune (see :func:`check_attention_tuning`)
-ATTENTION_TUNING_KEYS = ("block_n", "num_warps", "num_stages", "rope_rows")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
@@ -162,18 +160,38 @@ SPLIT_K_KEYS = ("o", "gate_up", "down")
 AUTO_SPLIT_K = {"o": 2, "down": 4}
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _power_of_two(value) -> bool:
+    return _positive_int(value) and value & (value - 1) == 0
+
+
+def check_options(name: str, options, rules: dict, shape: str = "a mapping") -> dict:
+    """``options`` (a mapping or ``None``) as a dict, every key in ``rules`` (key ->
+    ``(what a value must be, test)``) and every value passing its test; a ``ValueError`` names
+    the first option that does not."""
+    if options is None:
+        return {}
+    if not hasattr(options, "items"):
+        raise ValueError(f"rollout engine: {name} must be {shape}, got {options!r}")
+    unknown = sorted(set(options) - set(rules))
+    if unknown:
+        raise ValueError(f"rollout engine: {name} keys {unknown} are not among {tuple(rules)}")
+    for key, value in options.items():
+        expected, test = rules[key]
+        if not test(value):
+            raise ValueError(f"rollout engine: {name}[{key!r}] must be {expected}, got {value!r}")
+    return dict(options)
+
+
+_SPLIT_K_RULES = {key: ("a positive integer", _positive_int) for key in SPLIT_K_KEYS}
+
+
 def split_k_tuple(split_k: dict | None) -> tuple[int, int, int]:
     """``{"o": 2, "down": 4}`` -> ``(2, 1, 4)`` (the order of :data:`SPLIT_K_KEYS`); checks keys and values."""
-    if split_k is not None and not hasattr(split_k, "items"):
-        raise ValueError(f"rollout engine: split_k must be 'auto', None or a mapping like {AUTO_SPLIT_K}, "
-                         f"got {split_k!r}")
-    split_k = dict(split_k or {})
-    unknown = sorted(set(split_k) - set(SPLIT_K_KEYS))
-    if unknown:
-        raise ValueError(f"rollout engine: split_k keys {unknown} are not among {SPLIT_K_KEYS}")
-    for key, value in split_k.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"rollout engine: split_k[{key!r}] must be a positive integer, got {value!r}")
+    split_k = check_options("split_k", split_k, _SPLIT_K_RULES, f"'auto', None or a mapping like {AUTO_SPLIT_K}")
     return tuple(split_k.get(key, 1) for key in SPLIT_K_KEYS)
 
 
@@ -242,31 +260,22 @@ def mark_static(tensors) -> None:
 
 # ----------------------------------------------------------------------------- attention
 
+_ATTENTION_TUNING_RULES = {
+    "block_n": ("a power of two >= 16", lambda value: _power_of_two(value) and value >= 16),
+    "num_warps": ("a power of two <= 32", lambda value: _power_of_two(value) and value <= 32),
+    "num_stages": ("a positive integer", _positive_int),
+    "rope_rows": ("True or False", lambda value: isinstance(value, bool)),
+}
+#: settings of the Triton attention kernel a caller may tune (see :func:`check_attention_tuning`)
+ATTENTION_TUNING_KEYS = tuple(_ATTENTION_TUNING_RULES)
+
+
 def check_attention_tuning(tuning) -> dict:
-    """``tuning`` as a dict after checking its keys (:data:`ATTENTION_TUNING_KEYS`): the Triton kernel's
+    """``tuning`` as a dict after checking it (:data:`ATTENTION_TUNING_KEYS`): the Triton kernel's
     ``block_n``, ``num_warps`` and ``num_stages`` (see :func:`rlcore.rollout.decode_attention.attend`), and
     ``rope_rows`` (default ``True``): with RoPE in the attention kernel, gather each slot's RoPE rows once a
     step instead of looking up its position in every layer's kernel (one dependent load less a layer)."""
-    if tuning is None:
-        return {}
-    if not hasattr(tuning, "items"):
-        raise ValueError(f"rollout engine: attention_tuning must be a mapping, got {tuning!r}")
-    unknown = sorted(set(tuning) - set(ATTENTION_TUNING_KEYS))
-    if unknown:
-        raise ValueError(f"rollout engine: attention_tuning keys {unknown} are not among {ATTENTION_TUNING_KEYS}")
-    for key, value in tuning.items():
-        if key == "rope_rows":
-            good = isinstance(value, bool)
-        else:
-            good = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            if good and key != "num_stages":  # block_n and num_warps are powers of two
-                good = value & (value - 1) == 0 and (key != "block_n" or value >= 16) and (
-                    key != "num_warps" or value <= 32)
-        if not good:
-            expected = {"rope_rows": "True or False", "num_stages": "a positive integer",
-                        "block_n": "a power of two >= 16", "num_warps": "a power of two <= 32"}[key]
-            raise ValueError(f"rollout engine: attention_tuning[{key!r}] must be {expected}, got {value!r}")
-    return dict(tuning)
+    return check_options("attention_tuning", tuning, _ATTENTION_TUNING_RULES)
 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, kind: str,

@@ -152,16 +152,9 @@ if triton is not None:
             tl.store(stat_at, run_max, mask=row_ok)
             tl.store(stat_at + stat_plane, run_sum, mask=row_ok)
             if FOLD:
-                # every thread's stores before one thread's release; the last of the pair's programs
-                # to arrive merges, then resets the pair's counter for the next call
-                pair = slot * tl.num_programs(1) + head
-                tl.debug_barrier()
-                ticket = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
-                if ticket == tl.num_programs(2) - 1:
-                    final_at = final_ptr + slot * sf_n + head * sf_h + rows[:, None] * sf_g + feats[None, :] * sf_d
-                    _merge_pair(out_ptr, stat_ptr, stat_plane, pair, tl.num_programs(2), final_at, rows, feats,
-                                group, dim, BLOCK_G, BLOCK_D)
-                    tl.atomic_xchg(count_ptr + pair, 0)
+                _merge_if_last(count_ptr, slot * tl.num_programs(1) + head, out_ptr, stat_ptr, stat_plane,
+                               final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, rows, feats,
+                               group, dim, BLOCK_G, BLOCK_D)
         else:
             tl.store(out_at, (acc / run_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
 
@@ -189,6 +182,20 @@ if triton is not None:
             acc = acc * old[:, None] + part_acc * new[:, None]
             run_max = new_max
         tl.store(out_at, (acc / run_sum[:, None]).to(out_at.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _merge_if_last(count_ptr, pair, part_ptr, stat_ptr, stat_plane, final_ptr, sf_g, sf_d, rows, feats,
+                       group: tl.constexpr, dim: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """After a program stored its chunk's partial result: count it in the pair's counter and,
+        if it is the pair's last chunk to arrive, merge the pair's chunks into ``final_ptr`` (the
+        pair's output rows) and reset the counter to zero for the next call."""
+        tl.debug_barrier()  # every thread's stores before one thread's release
+        ticket = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
+        if ticket == tl.num_programs(2) - 1:
+            final_at = final_ptr + rows[:, None] * sf_g + feats[None, :] * sf_d
+            _merge_pair(part_ptr, stat_ptr, stat_plane, pair, tl.num_programs(2), final_at, rows, feats,
+                        group, dim, BLOCK_G, BLOCK_D)
+            tl.atomic_xchg(count_ptr + pair, 0)
 
     @triton.jit
     def _merge_parts(part_ptr, stat_ptr, stat_plane, out_ptr, so_n, so_h, so_g, so_d, splits,
@@ -240,7 +247,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, fold: bool = True,
-           maxnreg: int | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+           counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -249,9 +256,8 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         layer: ``[2, B, KVH, S, D]`` one layer's cache, rows ``0..n-1`` read, any strides.
         bias: ``[n, S]`` additive key mask (0 or ``-inf``); every row needs a valid column below ``length``.
         splits: chunks per (slot, head) along the length (default: :func:`plan`'s rule).
-        block_n, num_warps, num_stages, maxnreg: kernel tuning (``block_n`` a power of two >= 16;
-            defaults :func:`default_block` and :func:`default_warps`; ``maxnreg`` caps the registers
-            per thread).
+        block_n, num_warps, num_stages: kernel tuning (``block_n`` a power of two >= 16; defaults
+            :func:`default_block` and :func:`default_warps`).
         fold: with several chunks, the last program of each (slot, head) to finish merges the
             chunks (no second kernel); ``False`` launches the merge kernel.
         counters: for ``fold``, ``[>= n·KVH]`` int32 zeros the kernel counts in and leaves at zero,
@@ -260,14 +266,13 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, maxnreg, counters)
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, counters)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, fold: bool = True, maxnreg: int | None = None,
-               counters: torch.Tensor | None = None) -> torch.Tensor:
+               num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -282,7 +287,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, maxnreg, counters: as for :func:`attend`.
+        splits, block_n, num_warps, num_stages, fold, counters: as for :func:`attend`.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
@@ -295,7 +300,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
     q = proj[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
     new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
            columns if positions is None else positions, columns)
-    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg, counters,
+    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
                    rows=positions is None)
 
 
@@ -315,7 +320,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     return buffer
 
 
-def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, maxnreg, counters,
+def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
             rows: bool = False) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
@@ -334,8 +339,6 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     options = dict(num_warps=num_warps)
     if num_stages is not None:
         options["num_stages"] = num_stages
-    if maxnreg is not None and not interpreting():
-        options["maxnreg"] = maxnreg
     shared = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
     sizes = (length, chunk, dim ** -0.5)
     new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)

@@ -326,8 +326,8 @@ class RolloutEngine:
 
     def _step(self, n: int, length: int, fns: decode.StepFunctions) -> torch.Tensor:
         cos, sin = (self.cos, self.sin) if fns.rope_in_attention else (self.step_cos, self.step_sin)
-        tuning = self.attention_tuning if self.attention == "triton" else None
-        return decode.decode(self.weights, self.cache, self.state, n, length, cos, sin, fns, self.attention, tuning)
+        return decode.decode(self.weights, self.cache, self.state, n, length, cos, sin, fns, self.attention,
+                             self.attention_tuning)
 
     def _warm_eager(self, n: int) -> None:
         """Run (and so compile) a step of ``n`` slots, leaving the decode state as it was."""
