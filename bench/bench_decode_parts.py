@@ -60,11 +60,17 @@ def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
 #: swept at commit 1b0714d (bench/results/decode_parts_h200_run8_attention_sweep.json)
 #: loading the first block before the RoPE work ("peel", commit f594770) was slower at every setting
 #: (bench/results/decode_parts_h200_run9_attention.json)
-ATTENTION_SWEEP = [dict(rope_rows=rope_rows, num_warps=warps, num_stages=stages)
-                   for rope_rows, warps, stages in itertools.product((False, True), (2, 4, 8), (2, 3))]
+ATTENTION_SWEEPS = {
+    "rope": [dict(rope_rows=rope_rows, num_warps=warps, num_stages=stages)
+             for rope_rows, warps, stages in itertools.product((False, True), (2, 4, 8), (2, 3))],
+    # columns per block against warps and pipeline stages (RoPE rows gathered once)
+    "blocks": [dict(block_n=block, num_warps=warps, num_stages=stages)
+               for block, warps, stages in itertools.product((16, 32, 64, 128), (2, 4), (1, 2, 3, 4))],
+}
 
 
-def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320)) -> list[dict[str, Any]]:
+def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320),
+                    sweep: str = "rope") -> list[dict[str, Any]]:
     """The decode step's attention kernel as the engine calls it (RoPE, cache write and attention,
     :func:`rlcore.rollout.decode_attention.attend_new`), one call per layer, each on its own cache
     (keys and values come from memory, not L2). Each slot's new column lies in the last 64 columns
@@ -90,7 +96,7 @@ def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320))
         floor_us = float((at + 1).sum()) * kv_heads * dim * 2 * 2 / bandwidth * 1e6
         found = []
         rows_cos, rows_sin = cos[at], sin[at]
-        for tuning in [{}] + ATTENTION_SWEEP:
+        for tuning in [{}] + ATTENTION_SWEEPS[sweep]:
             kwargs = {k: v for k, v in tuning.items() if k != "rope_rows"}
             rope = (rows_cos, rows_sin, None) if tuning.get("rope_rows", True) else (cos, sin, at)
 
@@ -185,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
                              'as JSON, e.g. default;{"rope_in_attention": false}')
     parser.add_argument("--loop-new", type=int, default=65, help="new tokens per sequence in --loop (prompt 128)")
+    parser.add_argument("--attention-sweep", default="rope", choices=sorted(ATTENTION_SWEEPS),
+                        help="attention kernel settings to time with --parts attention")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             results["gemm"] += bench_gemm(shape, args.batch, layers)
             write_json(args.out, results)
         if "attention" in parts:
-            results["attention"] += bench_attention(shape, args.batch, layers)
+            results["attention"] += bench_attention(shape, args.batch, layers, sweep=args.attention_sweep)
             write_json(args.out, results)  # after each part: a later failure loses nothing
         if args.loop:
             for variant in args.loop_variants.split(";"):
