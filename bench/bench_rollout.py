@@ -136,14 +136,6 @@ VARIANTS = {
     "engine_no_split_k": {"split_k": None},
     # the attention kernel as before rollout run 10: 4 warps, RoPE position looked up in every layer
     "engine_attn_before": {"attention_tuning": {"num_warps": 4, "rope_rows": False}},
-    # L2 prefetches issued by each layer's attention kernel (next layer's keys/values, this layer's weights)
-    "engine_pf_kv": {"attention_tuning": {"prefetch_kv": "all"}},
-    "engine_pf_kv_keep": {"attention_tuning": {"prefetch_kv": "all", "prefetch_keep": True}},
-    "engine_pf_first": {"attention_tuning": {"prefetch_kv": "first"}},
-    "engine_pf_w": {"attention_tuning": {"prefetch_weights": True}},
-    "engine_pf_w_keep": {"attention_tuning": {"prefetch_weights": True, "prefetch_keep": True}},
-    "engine_pf_both_keep": {"attention_tuning": {"prefetch_kv": "all", "prefetch_weights": True,
-                                                 "prefetch_keep": True}},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
 }
 

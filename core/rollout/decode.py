@@ -265,9 +265,6 @@ _ATTENTION_TUNING_RULES = {
     "num_warps": ("a power of two <= 32", lambda value: _power_of_two(value) and value <= 32),
     "num_stages": ("a positive integer", _positive_int),
     "rope_rows": ("True or False", lambda value: isinstance(value, bool)),
-    "prefetch_kv": ("'off', 'all' or 'first'", lambda value: value in ("off", "all", "first")),
-    "prefetch_weights": ("True or False", lambda value: isinstance(value, bool)),
-    "prefetch_keep": ("True or False", lambda value: isinstance(value, bool)),
 }
 #: settings of the Triton attention kernel a caller may tune (see :func:`check_attention_tuning`)
 ATTENTION_TUNING_KEYS = tuple(_ATTENTION_TUNING_RULES)
@@ -277,9 +274,7 @@ def check_attention_tuning(tuning) -> dict:
     """``tuning`` as a dict after checking it (:data:`ATTENTION_TUNING_KEYS`): the Triton kernel's
     ``block_n``, ``num_warps`` and ``num_stages`` (see :func:`rlcore.rollout.decode_attention.attend`), and
     ``rope_rows`` (default ``True``): with RoPE in the attention kernel, gather each slot's RoPE rows once a
-    step instead of looking up its position in every layer's kernel (one dependent load less a layer).
-    ``prefetch_kv`` (``'off'``, ``'all'``, ``'first'``), ``prefetch_weights`` and ``prefetch_keep``: what
-    each layer's kernel asks L2 to fetch for the kernels after it (see :func:`prefetch_plan`)."""
+    step instead of looking up its position in every layer's kernel (one dependent load less a layer)."""
     return check_options("attention_tuning", tuning, _ATTENTION_TUNING_RULES)
 
 
@@ -313,29 +308,6 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
 
 # ----------------------------------------------------------------------------- the step
 
-def prefetch_plan(tuning: dict, weights: DecoderWeights, cache: torch.Tensor) -> Callable:
-    """``index -> Prefetch | None`` for layer ``index``'s attention kernel, from (and popping) the
-    tuning keys ``prefetch_kv`` (the next layer's keys and values at the slot's columns: ``'all'``
-    of them, the ``'first'`` block, or ``'off'``), ``prefetch_weights`` (the layer's o, gate/up and
-    down matrices) and ``prefetch_keep`` (evict-last priority); see
-    :class:`rlcore.rollout.decode_attention.Prefetch`."""
-    kv_mode = tuning.pop("prefetch_kv", "off")
-    with_weights = tuning.pop("prefetch_weights", False)
-    keep = tuning.pop("prefetch_keep", False)
-    layers = weights.layers
-
-    def plan(index: int):
-        if kv_mode == "off" and not with_weights:
-            return None
-        kv = cache[index + 1] if kv_mode != "off" and index + 1 < len(layers) else None
-        mats = ()
-        if with_weights:
-            lw = layers[index]
-            mats = tuple(t for t in (lw.o, *lw.gate_up, lw.down) if t.is_contiguous())[:4]
-        return decode_attention.Prefetch(kv=kv, kv_first=kv_mode == "first", weights=mats, keep=keep)
-    return plan
-
-
 @torch.no_grad()
 def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: int, length: int,
            cos_table: torch.Tensor, sin_table: torch.Tensor, fns: StepFunctions,
@@ -360,9 +332,6 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
     tuning = dict(attention_tuning or {})
     rope_rows = tuning.pop("rope_rows", True)
-    prefetch = prefetch_plan(tuning, weights, cache)
-    if attention == "triton":
-        tuning["prefetch"] = None
     if attention == "triton" and state.attention_counters is not None:
         tuning["counters"] = state.attention_counters
     if fns.rope_in_attention:
@@ -371,27 +340,23 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
         if rope_rows:  # the same rows serve every layer: gather them once
             rotary = (cos_table.index_select(0, positions), sin_table.index_select(0, positions), None)
 
-        def attend_layer(index, head):
-            tuning["prefetch"] = prefetch(index)
-            return decode_attention.attend_new(head[0], cache[index], bias, length, *rotary, cache_index,
-                                               spec.num_heads, spec.num_kv_heads, **tuning)
+        def attend_layer(layer, head):
+            return decode_attention.attend_new(head[0], layer, bias, length, *rotary, cache_index, spec.num_heads,
+                                               spec.num_kv_heads, **tuning)
     else:
         dim = cache.shape[-1]
         flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
 
-        def attend_layer(index, head):
+        def attend_layer(layer, head):
             q, kv = head
-            layer = cache[index]
             layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
-            if attention == "triton":
-                tuning["prefetch"] = prefetch(index)
             return attend(q, layer, bias, length, attention, tuning)
 
     layers = weights.layers
     x, head, rope = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
                               *head_args(layers[0]))
     for index, lw in enumerate(layers):
-        attn = attend_layer(index, head)  # on cache[index]: [2, B, KVH, S, D]
+        attn = attend_layer(cache[index], head)  # cache[index]: [2, B, KVH, S, D]
         if index + 1 < len(layers):
             x, head = fns.middle(x, attn, rope, *tail_args(lw), *head_args(layers[index + 1]))
         else:

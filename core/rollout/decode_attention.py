@@ -20,7 +20,6 @@ Everything is read through strides (no copies), the grid and every buffer depend
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -41,35 +40,6 @@ _CHECKED: dict[tuple, tuple[bool, str]] = {}
 
 if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite start of the running maximum: no inf - inf on empty blocks
-
-    @triton.jit
-    def _prefetch_l2(base, nbytes, LANES: tl.constexpr, KEEP: tl.constexpr):
-        """Ask L2 to fetch the ``nbytes`` bytes at ``base`` (16-byte aligned, a multiple of 16) without
-        waiting: ``LANES`` bulk prefetches of equal 16-byte-multiple pieces (Hopper and later).
-        ``KEEP``: with the evict-last priority, so the lines outlive the traffic in between."""
-        lane = tl.arange(0, LANES)
-        piece = (nbytes + LANES * 16 - 1) // (LANES * 16) * 16
-        start = lane * piece
-        size = tl.minimum(tl.maximum(nbytes - start, 0), piece).to(tl.int32)
-        where = base.to(tl.pointer_type(tl.int8)) + start
-        if KEEP:
-            tl.inline_asm_elementwise("{ .reg .pred p; .reg .b64 hint; setp.gt.s32 p, $2, 0; "
-                                      "createpolicy.fractional.L2::evict_last.b64 hint, 1.0; "
-                                      "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, hint; "
-                                      "mov.u32 $0, 0; }",
-                                      "=r,l,r", [where, size], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-                                      "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                                      "=r,l,r", [where, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_share(base, nbytes, program, programs, LANES: tl.constexpr, KEEP: tl.constexpr):
-        """This program's share (``program`` of ``programs``) of an L2 prefetch of ``nbytes`` at ``base``."""
-        share = (nbytes + programs * 16 - 1) // (programs * 16) * 16
-        start = program * share
-        _prefetch_l2(base.to(tl.pointer_type(tl.int8)) + start,
-                     tl.minimum(tl.maximum(nbytes - start, 0), share), LANES, KEEP)
 
     @triton.jit
     def _rotate_new(q, q_rows, sq_d, row_ok, row_new, k_off, v_off, cos_ptr, sin_ptr, rope_at, feats, feat_ok,
@@ -116,15 +86,11 @@ if triton is not None:
                      final_ptr, sf_n, sf_h, sf_g, sf_d, count_ptr,
                      length, chunk, scale,
                      new_ptr, sn_n, k_off, v_off, cos_ptr, sin_ptr, s_rope, pos_ptr, col_ptr,
-                     pk_ptr, pv_ptr, w0_ptr, w0_bytes, w1_ptr, w1_bytes, w2_ptr, w2_bytes, w3_ptr, w3_bytes,
                      group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
                      FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
                      ROWS: tl.constexpr,  # NEW with RoPE rows per slot (cos_ptr, sin_ptr [n, D]), not tables
-                     PF_KV: tl.constexpr,  # L2 prefetch of this pair's columns in the next layer (pk/pv): 0 none, 1 all, 2 first block
-                     PF_W: tl.constexpr,  # L2 prefetch of up to 4 byte ranges (w*_ptr, w*_bytes), shared by all programs
-                     PF_KEEP: tl.constexpr,  # prefetches with the evict-last priority
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
@@ -177,23 +143,6 @@ if triton is not None:
             v = tl.load(v_base + at, mask=tile_ok, other=0.0)
             bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=0.0).to(tl.float32)
             run_max, run_sum, acc = _fold_block(q, k, v, bias, col_ok, run_max, run_sum, acc, scale, IEEE)
-        if PF_KV > 0:
-            # the same columns of the next layer's cache (rows of ``dim`` contiguous elements)
-            pf_hi = hi if PF_KV == 1 else tl.minimum(hi, lo + BLOCK_N)
-            pf_bytes = tl.maximum(pf_hi - lo, 0).to(tl.int64) * dim * pk_ptr.dtype.element_ty.primitive_bitwidth // 8
-            pf_at = slot * sc_b + head * sc_h + lo.to(tl.int64) * sc_s
-            _prefetch_l2(pk_ptr + pf_at, pf_bytes, 32, PF_KEEP)
-            _prefetch_l2(pv_ptr + pf_at, pf_bytes, 32, PF_KEEP)
-        if PF_W > 0:
-            program = (slot * tl.num_programs(1) + head) * tl.num_programs(2) + part
-            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            _prefetch_share(w0_ptr, w0_bytes, program, programs, 32, PF_KEEP)
-            if PF_W > 1:
-                _prefetch_share(w1_ptr, w1_bytes, program, programs, 32, PF_KEEP)
-            if PF_W > 2:
-                _prefetch_share(w2_ptr, w2_bytes, program, programs, 32, PF_KEEP)
-            if PF_W > 3:
-                _prefetch_share(w3_ptr, w3_bytes, program, programs, 32, PF_KEEP)
         out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
         out_ok = row_ok[:, None] & feat_ok[None, :]
         if SPLIT:
@@ -298,7 +247,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, fold: bool = True,
-           counters: torch.Tensor | None = None, prefetch: Prefetch | None = None) -> torch.Tensor:
+           counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -314,19 +263,16 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         counters: for ``fold``, ``[>= n·KVH]`` int32 zeros the kernel counts in and leaves at zero,
             owned by the caller (calls that may run at the same time need their own); default: one
             buffer per device, shared.
-        prefetch: what the kernel asks L2 to fetch for the kernels after it (:class:`Prefetch`).
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, counters,
-                   prefetch=prefetch)
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, counters)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None,
-               prefetch: Prefetch | None = None) -> torch.Tensor:
+               num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -341,7 +287,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, counters, prefetch: as for :func:`attend`.
+        splits, block_n, num_warps, num_stages, fold, counters: as for :func:`attend`.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
@@ -355,48 +301,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
     new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
            columns if positions is None else positions, columns)
     return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-                   rows=positions is None, prefetch=prefetch)
-
-
-@dataclass(frozen=True)
-class Prefetch:
-    """Bytes the attention kernel asks L2 to fetch, without waiting, as each program ends (CUDA,
-    compute capability 9.0 and later; ignored elsewhere): data the next kernels read anyway, so
-    that its memory traffic overlaps the matrix products, which leave memory bandwidth unused.
-
-    ``kv``: the next layer's cache ``[2, B, KVH, S, D]`` (the strides of this layer's): each
-    program fetches the same columns there; ``kv_first``: only its first ``block_n`` columns.
-    ``weights``: up to four tensors (the layer's later projections), each cut among the programs.
-    ``keep``: with the evict-last priority, so that the lines outlive the traffic in between.
-    """
-
-    kv: torch.Tensor | None = None
-    kv_first: bool = False
-    weights: tuple[torch.Tensor, ...] = ()
-    keep: bool = False
-
-
-def _prefetch_args(prefetch: Prefetch | None, layer: torch.Tensor, device: torch.device) -> tuple[tuple, dict]:
-    """Kernel arguments and constants for ``prefetch`` (none where bulk prefetch is unavailable)."""
-    kv, weights = (prefetch.kv, prefetch.weights) if prefetch is not None else (None, ())
-    if kv is not None and (kv.shape != layer.shape or kv.stride() != layer.stride() or layer.stride(-1) != 1
-                           or layer.stride(-2) != layer.shape[-1] or kv.data_ptr() % 16):
-        raise ValueError("decode attention: the prefetched cache must match the layer's shape and strides, "
-                         "with rows of contiguous head dims")
-    if len(weights) > 4:
-        raise ValueError(f"decode attention: at most 4 tensors to prefetch, got {len(weights)}")
-    ranges = []
-    for tensor in weights:
-        if not tensor.is_contiguous() or tensor.data_ptr() % 16:
-            raise ValueError("decode attention: prefetched tensors must be contiguous and 16-byte aligned")
-        ranges += [tensor, tensor.numel() * tensor.element_size() // 16 * 16]
-    if interpreting() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        kv, weights, ranges = None, (), []
-    ranges += [layer, 0] * (4 - len(weights))
-    keys = (kv[0], kv[1]) if kv is not None else (layer, layer)
-    constants = dict(PF_KV=0 if kv is None else 2 if prefetch.kv_first else 1, PF_W=len(weights),
-                     PF_KEEP=bool(prefetch is not None and prefetch.keep))
-    return (*keys, *ranges), constants
+                   rows=positions is None)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -416,7 +321,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-            rows: bool = False, prefetch: Prefetch | None = None) -> torch.Tensor:
+            rows: bool = False) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -438,10 +343,8 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     sizes = (length, chunk, dim ** -0.5)
     new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)
     ieee = q.dtype == torch.float32 or interpreting()
-    prefetch_args, prefetch_constants = _prefetch_args(prefetch, layer, device)
-    new_args = (*new_args, *prefetch_args)
     constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows),
-                     BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, **prefetch_constants)
+                     BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
                                        SPLIT=False, FOLD=False, **constants, **options)

@@ -119,8 +119,7 @@ def qwen2():
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("tuning", [None, {"rope_rows": False, "num_warps": 4, "block_n": 16},
-                                    {"prefetch_kv": "all", "prefetch_weights": True, "prefetch_keep": True}])
+@pytest.mark.parametrize("tuning", [None, {"rope_rows": False, "num_warps": 4, "block_n": 16}])
 def test_engine_with_triton_attention_matches_sdpa(qwen2, tuning, monkeypatch):
     expected = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8,
                              admit_fraction=0.0, device=DEVICE, attention="sdpa").generate(PROMPTS, GREEDY)
@@ -174,8 +173,7 @@ def test_unknown_attention_tuning_key_is_refused(qwen2):
     with pytest.raises(ValueError, match="mapping"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning=[("num_warps", 2)])
     for key, value in (("block_n", 24), ("block_n", 8), ("num_warps", 3), ("num_warps", 64), ("num_stages", 0),
-                       ("rope_rows", 1), ("num_warps", True), ("prefetch_kv", True), ("prefetch_kv", "some"),
-                       ("prefetch_weights", "yes"), ("prefetch_keep", 1)):
+                       ("rope_rows", 1), ("num_warps", True)):
         with pytest.raises(ValueError, match=rf"attention_tuning\['{key}'\]"):
             RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning={key: value})
     engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16,
@@ -231,47 +229,3 @@ def test_engine_rope_in_attention_matches_the_separate_steps(qwen2):
     expected, got = separate.generate(PROMPTS, GREEDY), fused.generate(PROMPTS, GREEDY)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
-
-
-@needs_kernel
-@pytest.mark.parametrize("splits", [1, 3])
-def test_prefetch_changes_no_result(splits):
-    """L2 prefetches (the next layer's keys/values, weights) are hints: outputs and cache writes are
-    bit-identical with and without them (on GPUs without bulk prefetch they are not issued)."""
-    gen = torch.Generator().manual_seed(5)
-    n, kv_heads, group, dim, columns, length = 6, 2, 7, 64, 200, 190
-    heads = kv_heads * group
-    cache = torch.randn(3, 2, n, kv_heads, columns, dim, generator=gen).to(DEVICE, torch.bfloat16)
-    proj = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, torch.bfloat16)
-    cos, sin = torch.randn(2, n, dim, generator=gen).to(DEVICE)
-    at = torch.tensor([3, 189, 60, 64, 128, 0], device=DEVICE)
-    bias = torch.zeros(n, columns, dtype=torch.bfloat16, device=DEVICE)
-    weights = (torch.randn(896, 900, generator=gen).to(DEVICE, torch.bfloat16), torch.randn(33, device=DEVICE))
-    outs, caches = [], []
-    for prefetch in (None, decode_attention.Prefetch(kv=cache[1], weights=weights, keep=True),
-                     decode_attention.Prefetch(kv=cache[1], kv_first=True)):
-        layer = cache[0].clone()
-        outs.append(decode_attention.attend_new(proj, layer, bias, length, cos, sin, None, at, heads, kv_heads,
-                                                splits=splits, prefetch=prefetch))
-        caches.append(layer)
-    for out, layer in zip(outs[1:], caches[1:]):
-        assert torch.equal(out, outs[0]) and torch.equal(layer, caches[0])
-
-
-def test_prefetch_arguments_are_checked():
-    layer = torch.zeros(2, 3, 2, 32, 16)
-    args, constants = decode_attention._prefetch_args(None, layer, layer.device)
-    assert constants == {"PF_KV": 0, "PF_W": 0, "PF_KEEP": False}
-    with pytest.raises(ValueError, match="shape and strides"):
-        decode_attention._prefetch_args(decode_attention.Prefetch(kv=torch.zeros(2, 3, 2, 16, 16)), layer,
-                                        layer.device)
-    with pytest.raises(ValueError, match="contiguous"):
-        decode_attention._prefetch_args(decode_attention.Prefetch(weights=(torch.zeros(8, 8).t()[:4],)), layer,
-                                        layer.device)
-    with pytest.raises(ValueError, match="at most 4"):
-        decode_attention._prefetch_args(decode_attention.Prefetch(weights=(torch.zeros(4),) * 5), layer,
-                                        layer.device)
-    # off CUDA (and before compute capability 9.0) nothing is prefetched, whatever was asked
-    _, constants = decode_attention._prefetch_args(decode_attention.Prefetch(kv=layer.clone(), keep=True), layer,
-                                                   layer.device)
-    assert constants["PF_KV"] == 0 and constants["PF_W"] == 0
