@@ -120,49 +120,6 @@ def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320),
     return rows
 
 
-MLP_TILES = [(128, 64, 64, 8, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 4), (64, 64, 64, 4, 3), (64, 64, 64, 4, 4),
-             (256, 32, 64, 8, 3), (128, 32, 64, 4, 4), (64, 128, 64, 8, 3), (128, 64, 128, 8, 2), (128, 128, 64, 8, 3)]
-
-
-def bench_mlp(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
-    """The gate/up product with SiLU·mul at ``batch`` rows (µs per layer over ``layers`` weight copies):
-    library GEMM + compiled SiLU·mul against :func:`rlcore.rollout.decode_mlp.gate_up_silu`, one
-    tile per program and balanced (stream-K), over tile settings."""
-    import torch.nn.functional as F
-
-    from rlcore.rollout import decode_mlp
-
-    spec = SHAPES[shape]
-    hidden, inter = spec["hidden_size"], spec["intermediate_size"]
-    weights = [torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.03 for _ in range(layers)]
-    x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
-
-    @torch.compile(fullgraph=True)
-    def library(x, w):
-        gate, up = F.linear(x, w).chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    expected = library(x, weights[0]).float()
-    rows = [{"shape": shape, "batch": batch, "system": "library + compiled SiLU·mul",
-             "us": graph_ms(lambda: [library(x, w) for w in weights]) * 1e3 / layers}]
-    print(f"    mlp {shape}/{batch} library: {rows[0]['us']:6.2f} us/layer", flush=True)
-    for tiles, ctas in itertools.product(MLP_TILES, (None, 0)):
-        bm, bn, bk, warps, stages = tiles
-        kwargs = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, stages=stages, ctas=ctas)
-        name = "one tile per program" if ctas is None else "stream-K"
-        try:
-            got = decode_mlp.gate_up_silu(x, weights[0], **kwargs).float()
-            error = float((got - expected).abs().max() / expected.abs().max())
-            us = graph_ms(lambda: [decode_mlp.gate_up_silu(x, w, **kwargs) for w in weights]) * 1e3 / layers
-        except Exception as exc:  # noqa: BLE001 - a setting that does not compile is skipped
-            print(f"    mlp {shape} {name} {tiles}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            continue
-        rows.append({"shape": shape, "batch": batch, "system": name, "tiles": tiles, "us": us,
-                     "max_rel_error": error})
-        print(f"    mlp {shape}/{batch} {name:20s} {tiles}: {us:6.2f} us/layer (error {error:.2e})", flush=True)
-    return rows
-
-
 def bench_gemm(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
     """The decode projections at ``batch`` rows: one library GEMM against split-K batched products
     (:func:`rlcore.rollout.decode._partials`), each over ``layers`` weight copies (from memory, not L2)."""
@@ -228,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: " + ",".join(SHAPES))
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm,mlp (any, or none)")
+    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm (any, or none)")
     parser.add_argument("--loop", action="store_true", help="profile a whole generate call per shape")
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
@@ -243,14 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parts = set(args.parts.split(","))
     results: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "sampler": [],
-                               "attention": [], "gemm": [], "mlp": [], "loop": []}
+                               "attention": [], "gemm": [], "loop": []}
     for shape in args.shapes.split(","):
         layers = SHAPES[shape]["num_hidden_layers"]
         if "gemm" in parts:
             results["gemm"] += bench_gemm(shape, args.batch, layers)
-            write_json(args.out, results)
-        if "mlp" in parts:
-            results["mlp"] += bench_mlp(shape, args.batch, layers)
             write_json(args.out, results)
         if "attention" in parts:
             results["attention"] += bench_attention(shape, args.batch, layers, sweep=args.attention_sweep)
