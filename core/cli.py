@@ -54,15 +54,16 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def preflight(cfg, names):
     """Every check that can run before a model loads: plugins, data files, model and reward-model
-    paths, output directory, rank groups."""
+    paths, output directory, the checkpoint to resume from, the reward function, rank groups."""
     from rlcore.plugin_manager import build_plugin_manager
 
     pm = build_plugin_manager(names)
-    from rlcore.data.provider import check_data_files
-    from rlcore.trainer.checkpoint import check_output_dir
+    from rlcore.data.provider import check_data_files, check_rows_for_batch
+    from rlcore.trainer.checkpoint import check_output_dir, check_resume
     from rlcore.trainer.models import check_model_path
 
-    check_data_files(_to_object(cfg.data))
+    train_files = check_data_files(_to_object(cfg.data))
+    check_rows_for_batch(train_files, cfg.ppo.rollout_batch_size, _world_size(cfg))
     if cfg.actor.model_path:
         check_model_path(cfg.actor.model_path, "actor.model_path")
     if cfg.critic.model_path:
@@ -71,16 +72,38 @@ def preflight(cfg, names):
         from rlcore.rewards.reward_model import check_reward_model_dir
 
         check_reward_model_dir(cfg.reward_model.path)
+    _check_devices(cfg)
     check_output_dir(_to_object(cfg.trainer))
+    check_resume(_to_object(cfg.trainer))
+    fn = cfg.custom_reward_function
+    if fn.path is not None:  # imported here, before the data is tokenized or a model loads
+        from rlcore.rewards.functions import check_arguments, load_function
+
+        reward = load_function(fn.path, fn.name)
+        if train_files:  # the columns every training file has
+            columns = set.intersection(*(set(info.columns) for info in train_files))
+            check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
     _check_rank_groups(cfg)
     return pm
+
+
+def _check_devices(cfg) -> None:
+    """Each role's ``device`` names a device this machine has (the roles this run uses)."""
+    import torch
+
+    from rlcore.distributed.placement import parse_device
+
+    roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else []) \
+        + (["reward_model"] if cfg.reward_model.enable else [])
+    for role in roles:
+        parse_device(str(cfg[role].device), torch.device("cpu"), f"{role}.device")
 
 
 def _check_rank_groups(cfg) -> None:
     """``placement.rank_groups`` against the world size, where it is known before any process starts:
     ``trainer.nproc_per_node`` (rlcore's own launcher) or torchrun's ``WORLD_SIZE``."""
     groups = _to_object(cfg.placement.rank_groups)
-    world = int(os.environ.get("WORLD_SIZE") or cfg.trainer.nproc_per_node or 1)
+    world = _world_size(cfg)
     if not groups or world < 2:
         return
     from rlcore.distributed.placement import ColocatedPlacement, check_trainer_placement
@@ -88,6 +111,13 @@ def _check_rank_groups(cfg) -> None:
 
     check_trainer_placement(ColocatedPlacement(PlacementRequest(rank_groups=groups), DistInfo(world_size=world)),
                             world)
+
+
+def _world_size(cfg) -> int:
+    """Processes of the run as known before any starts: torchrun's ``WORLD_SIZE``, else ``trainer.nproc_per_node``."""
+    from rlcore.distributed.init import env_int
+
+    return env_int("WORLD_SIZE", 0) or int(cfg.trainer.nproc_per_node or 1)
 
 
 def _to_object(node):

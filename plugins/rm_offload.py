@@ -210,7 +210,7 @@ def rlcore_reward_backend(reward_model, reward_function, reward, placement, toke
     from rlcore.rewards.reward_model import ResidentScorer, RewardModel
 
     actor = placement.device_for("actor")
-    parse_device(reward_model.device, actor)  # PlacementError now for e.g. cuda:4 on a one-GPU machine
+    parse_device(reward_model.device, actor, "reward_model.device")  # PlacementError now for e.g. cuda:4 on a one-GPU machine
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", len(placement.ranks_for("actor")) or 1))
     plan = plan_placement(reward_model.device, placement.offload("reward"), placement.device_for("reward"),
                           actor, _gpu_count(), local_world)

@@ -199,10 +199,15 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
         if value is not None and value not in allowed:
             errors.append(f"'{key}' = {value!r} is not one of {', '.join(allowed)}")
     for role in ("actor", "critic"):
-        v = OmegaConf.select(cfg, f"{role}.fsdp.sharding_strategy")
-        if v is not None and v not in CHOICES["fsdp.sharding_strategy"]:
-            errors.append(f"'{role}.fsdp.sharding_strategy' = {v!r} is not one of "
-                          + ", ".join(CHOICES["fsdp.sharding_strategy"]))
+        for name in ("sharding_strategy", "param_dtype", "reduce_dtype"):  # per-role refinements of ``fsdp``
+            v = OmegaConf.select(cfg, f"{role}.fsdp.{name}")
+            if v is not None and v not in CHOICES[f"fsdp.{name}"]:
+                errors.append(f"'{role}.fsdp.{name}' = {v!r} is not one of " + ", ".join(CHOICES[f"fsdp.{name}"]))
+        if not cfg[role].lr > 0:
+            errors.append(f"'{role}.lr' must be > 0, got {cfg[role].lr}")
+        for key in ("warmup_steps", "grad_clip", "weight_decay"):
+            if cfg[role][key] < 0:
+                errors.append(f"'{role}.{key}' must be >= 0, got {cfg[role][key]}")
     rbs = cfg.ppo.rollout_batch_size
     if not (rbs == "auto" or (isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0)):
         errors.append(f"'ppo.rollout_batch_size' = {rbs!r} must be a positive integer or 'auto'")
@@ -220,6 +225,8 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
         errors.append(f"'ppo.generation.top_p' must be in (0, 1], got {cfg.ppo.generation.top_p}")
     if cfg.ppo.generation.temperature < 0:
         errors.append("'ppo.generation.temperature' must be >= 0")
+    if cfg.ppo.generation.top_k < 0:
+        errors.append(f"'ppo.generation.top_k' must be >= 0 (0 = off), got {cfg.ppo.generation.top_k}")
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.ppo.generation.n < 2:
         errors.append(f"'algorithm.adv_estimator' = {cfg.algorithm.adv_estimator} needs "
                       f"'ppo.generation.n' >= 2 samples per prompt, got {cfg.ppo.generation.n}")

@@ -286,7 +286,7 @@ class TrainerConfig:
     profile_steps: int = 5
     #: Run directory: checkpoints, metrics, traces, plots.
     output_dir: str = "runs/rlcore"
-    #: auto | disable | a checkpoint path.
+    #: auto | disable | a checkpoint path. disable moves an earlier run in output_dir to output_dir/previous-runs/.
     resume: str = "auto"
     #: Seed for python, numpy and torch.
     seed: int = 0

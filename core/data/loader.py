@@ -123,7 +123,8 @@ class PromptLoader:
             n = len(dataset)
             if n // dist.world_size < self.batch_size:
                 raise DataError(f"the training set has {n} rows: {n // dist.world_size} per rank for "
-                                f"{dist.world_size} rank(s), fewer than one batch of {self.batch_size} prompts")
+                                f"{dist.world_size} rank(s), fewer than one batch of {self.batch_size} prompts "
+                                "(ppo.rollout_batch_size; data.filter_overlong_prompts may have dropped some)")
 
     # -- iteration -----------------------------------------------------------------------------
     def _loader_kwargs(self) -> dict[str, Any]:

@@ -128,21 +128,35 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: str, dist: DistInfo
     return load_prompt_table(infos, config, tokenizer, dist, key)
 
 
-def check_data_files(config: DataConfig) -> None:
+def check_data_files(config: DataConfig) -> list[FileInfo]:
     """Check inputs before any model loads: files exist, parquet footers read, the prompt column exists.
 
     With ``data.custom_cls`` the class is imported and the files are only checked to exist (the class
     reads them its own way).
 
+    :returns: what was learned about each training file (columns, row counts where the footer says).
     :raises DataError: naming the file and column, with counts.
     """
     if config.custom_cls.path:
         load_custom_class(config.custom_cls)
         for key, spec in (("data.train_files", config.train_files), ("data.val_files", config.val_files)):
             resolve_files(spec, key)
-        return
-    check_files(config.train_files, config.prompt_key, "data.train_files")
+        return []
+    train = check_files(config.train_files, config.prompt_key, "data.train_files")
     check_files(config.val_files, config.prompt_key, "data.val_files")
+    return train
+
+
+def check_rows_for_batch(infos: Sequence[FileInfo], batch_size: Any, world_size: int = 1) -> None:
+    """Fail early when the training files hold fewer rows (parquet footers) than one batch of
+    ``ppo.rollout_batch_size`` prompts per rank; files of unknown length pass."""
+    if not infos or any(i.num_rows < 0 for i in infos) or not isinstance(batch_size, int):
+        return
+    rows = sum(i.num_rows for i in infos)
+    if rows // max(world_size, 1) < batch_size:
+        raise DataError(f"data.train_files hold {rows} rows in {len(infos)} file(s): fewer than one batch of "
+                        f"ppo.rollout_batch_size={batch_size} prompts" + (f" per rank ({world_size} ranks)"
+                                                                            if world_size > 1 else ""))
 
 
 # ------------------------------------------------------------------------------------------------

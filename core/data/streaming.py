@@ -27,6 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from rlcore.config.schema import DataConfig
 from rlcore.data.collate import LengthStats, apply_length_policy, encode_prompts
 from rlcore.data.files import FileInfo
+from rlcore.data.table import unreadable_parquet
 from rlcore.errors import DataError
 from rlcore.protocols import DistInfo
 
@@ -85,12 +86,13 @@ class _SliceReader:
 
         while self._piece < len(self.pieces):
             p = self.pieces[self._piece]
-            if self._batches is None:
-                pf = pq.ParquetFile(self.files[p.file])
-                self._batches = pf.iter_batches(batch_size=READ_ROWS, row_groups=[p.row_group])
-                self._at, self._lo = 0, p.start + self._skip  # row index in the row group; first row wanted
-                self._skip = 0
-            batch = next(self._batches, None) if self._at < p.stop else None
+            with unreadable_parquet(self.files[p.file], p.row_group):
+                if self._batches is None:
+                    pf = pq.ParquetFile(self.files[p.file])
+                    self._batches = pf.iter_batches(batch_size=READ_ROWS, row_groups=[p.row_group])
+                    self._at, self._lo = 0, p.start + self._skip  # row index in the row group; first row wanted
+                    self._skip = 0
+                batch = next(self._batches, None) if self._at < p.stop else None
             if batch is None:
                 self._piece, self._batches = self._piece + 1, None
                 continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -51,14 +52,26 @@ def plan_units(infos: Sequence[FileInfo]) -> list[Unit]:
     return units
 
 
+@contextmanager
+def unreadable_parquet(path: str, row_group: Optional[int]) -> Iterator[None]:
+    """Turn a failure to decode ``path`` (corrupt pages, bad compression) into a :class:`DataError`
+    that names the file and row group; the footer was read when the file was first checked."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{path}: row group {row_group} cannot be read ({type(err).__name__}: {err}); the file "
+                        "looks corrupt: write it again or leave it out of the data files") from err
+
+
 def read_unit(unit: Unit) -> Iterator[pa.Table]:
     """The raw rows of a unit, a batch at a time."""
     if unit.format == "parquet":
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(unit.path)
-        for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[unit.row_group]):
-            yield pa.Table.from_batches([batch])
+        with unreadable_parquet(unit.path, unit.row_group):
+            pf = pq.ParquetFile(unit.path)
+            for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[unit.row_group]):
+                yield pa.Table.from_batches([batch])
         return
     import pyarrow.json as pj
 

@@ -34,7 +34,11 @@ DEFAULT_TIMEOUT_S = 600.0
 DEVICE_PREFS = ("auto", "cpu", "cuda")
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset or empty).
+
+    :raises PlacementError: the variable does not hold an integer (the message names it).
+    """
     raw = os.environ.get(name)
     if raw in (None, ""):
         return default
@@ -108,10 +112,10 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     :returns: this process's :class:`~rlcore.protocols.DistInfo`.
     :raises PlacementError: a device that does not exist, or more local ranks than GPUs.
     """
-    world = _env_int("WORLD_SIZE", 1)
+    world = env_int("WORLD_SIZE", 1)
     if world <= 1:
         return DistInfo(device=_pick_device(device_pref, 0, distributed=False))
-    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
     device = _pick_device(device_pref, local_rank, distributed=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -19,19 +19,25 @@ from rlcore.errors import PlacementError
 from rlcore.protocols import ROLES, DistInfo, PlacementRequest
 
 
-def parse_device(spec: str, local: torch.device) -> torch.device:
-    """Turn ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` into a device, checking that it exists."""
+#: the config key that sets each role's device
+DEVICE_KEYS = {"actor": "actor.device", "critic": "critic.device", "ref": "actor.device",
+               "reward": "reward_model.device"}
+
+
+def parse_device(spec: str, local: torch.device, key: str = "device") -> torch.device:
+    """Turn ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` into a device, checking that it exists
+    (errors name the config ``key``)."""
     if spec in ("auto", "", None):
         return local
     try:
         dev = torch.device(spec)
     except (RuntimeError, TypeError) as e:
-        raise PlacementError(f"'{spec}' is not a device (use auto, cpu, cuda or cuda:N)") from e
+        raise PlacementError(f"{key}='{spec}' is not a device (use auto, cpu, cuda or cuda:N)") from e
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise PlacementError(f"device '{spec}' was asked for but no CUDA GPU is available")
+            raise PlacementError(f"{key}='{spec}' asks for a CUDA GPU, but none is available")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise PlacementError(f"device '{spec}' was asked for but this machine has "
+            raise PlacementError(f"{key}='{spec}' asks for a GPU this machine does not have: it has "
                                  f"{torch.cuda.device_count()} GPU(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
         if dev.index is None:
             dev = local if local.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
@@ -89,7 +95,8 @@ class ColocatedPlacement:
     def __init__(self, request: PlacementRequest, dist: DistInfo):
         self.request = request
         self.dist = dist
-        self._devices = {role: parse_device(getattr(request, role), dist.device) for role in ROLES}
+        self._devices = {role: parse_device(getattr(request, role), dist.device, DEVICE_KEYS[role])
+                         for role in ROLES}
         self._groups = check_rank_groups(request.rank_groups, dist.world_size)
         self._process_groups: dict[str, Any] = {}
 

@@ -35,7 +35,7 @@ def describe_sample(batch: Any, i: int) -> str:
     """A few indented lines showing sample ``i`` of a :class:`~rlcore.protocols.RewardInput`."""
     lines = [f"    prompt: {_clip(batch.prompts[i])}", f"    response: {_clip(batch.responses[i])}"]
     for key, values in sorted(batch.extras.items()):
-        if i < len(values):
+        if i < len(values) and not (key == "prompt" and values[i] == batch.prompts[i]):  # shown above already
             lines.append(f"    {key}: {_clip(values[i])}")
     return "\n".join(lines)
 

@@ -165,6 +165,25 @@ def batch_arguments(batch: Any, idx: Sequence[int]) -> dict[str, Any]:
     return args
 
 
+SAMPLE_FIELDS = ("prompt", "response", "solution_str", "prompt_ids", "response_ids")
+BATCH_FIELDS = ("prompts", "responses", "solution_strs", "prompt_ids", "response_ids")
+
+
+def check_arguments(fn: Callable[..., Any], name: str, columns: Sequence[str], fixed: Sequence[str] = ()) -> None:
+    """Before any data is read: every argument ``fn`` requires is a prompt/response field, a dataset
+    column in ``columns`` or a fixed keyword in ``fixed`` (``custom_reward_function.kwargs``).
+
+    :raises RewardError: naming the missing arguments and what is available.
+    """
+    style = call_style(fn, name)
+    fields = SAMPLE_FIELDS if style.per_sample else BATCH_FIELDS
+    missing = sorted(style.required - set(fields) - set(columns) - set(fixed))
+    if missing:
+        raise RewardError(f"custom_reward_function.name: reward '{name}' needs argument(s) {', '.join(missing)}, "
+                          f"which are neither {'/'.join(fields[:2])} fields nor columns of data.train_files "
+                          f"(columns: {', '.join(sorted(columns))}) nor custom_reward_function.kwargs")
+
+
 def select_arguments(style: CallStyle, args: dict[str, Any], fixed: dict[str, Any], name: str) -> dict[str, Any]:
     """The subset of ``args`` (plus ``fixed``) that the function accepts; error on a missing required one."""
     args = {**args, **fixed}

@@ -12,6 +12,7 @@ Layout of ``trainer.output_dir``::
       latest                    name of the newest complete checkpoint (moved last)
       .tmp-step_00000030/       a save in progress (ignored by resume, removed by the next save)
     final/                      the exported Hugging Face directory
+    previous-runs/<time>/       an earlier run's files, moved aside by a run with trainer.resume=disable
 
 A save writes into ``.tmp-step_N``, fsyncs every file, writes the manifest, renames the directory
 to ``step_N`` and only then replaces ``latest``. A crash at any point leaves the previous
@@ -78,6 +79,62 @@ def check_output_dir(trainer: TrainerConfig, min_free_bytes: int = MIN_FREE_BYTE
     if free is not None and free < min_free_bytes:
         raise CheckpointError(f"{key} is nearly full: {free / 2**20:.0f} MiB free, checkpoints need at least "
                               f"{min_free_bytes / 2**20:.0f} MiB; free space or choose another trainer.output_dir")
+
+
+RESUME_MODES = ("auto", "disable")
+
+
+def check_resume(trainer: TrainerConfig) -> None:
+    """Fail before any model loads when ``trainer.resume`` names a checkpoint that is not there.
+
+    ``auto`` and ``disable`` always pass; a path must lead to a checkpoint directory (directly, or
+    through the ``latest`` pointer of a run or ``checkpoints`` directory) with a readable manifest.
+    Checksums are verified at resume time.
+
+    :raises CheckpointError: no such checkpoint (with a suggestion for a misspelt mode).
+    """
+    mode = str(trainer.resume or "disable")
+    if mode in RESUME_MODES:
+        return
+    path = Path(mode)
+    if not path.exists():
+        import difflib
+
+        near = difflib.get_close_matches(mode, RESUME_MODES, n=1, cutoff=0.6)
+        hint = f"; did you mean '{near[0]}'?" if near else f" (use {' or '.join(RESUME_MODES)}, or a checkpoint path)"
+        raise CheckpointError(f"trainer.resume={mode!r}: no such checkpoint directory{hint}")
+    target = resolve_checkpoint_path(path)
+    try:
+        store.read_manifest(target)
+    except CheckpointError as e:
+        raise CheckpointError(f"trainer.resume={mode!r}: {target} is not a complete checkpoint ({e})") from e
+
+
+#: What a run writes into ``trainer.output_dir`` (``_demo`` and ``previous-runs`` are kept in place).
+RUN_ARTIFACTS = ("checkpoints", "final", "metrics.jsonl", "dashboard.png", "tensorboard", "profile")
+PREVIOUS_RUNS = "previous-runs"
+
+
+def archive_previous_run(output_dir: str, stamp: Optional[str] = None) -> Optional[Path]:
+    """Move an earlier run's artifacts (:data:`RUN_ARTIFACTS`) out of the way of a fresh run, into
+    ``output_dir/previous-runs/<UTC time>/``, so that a run with ``trainer.resume=disable`` neither
+    overwrites nor prunes them. Returns the archive directory, or ``None`` when there was nothing."""
+    root = Path(output_dir)
+    found = [name for name in RUN_ARTIFACTS if (root / name).exists()]
+    if not found:
+        return None
+    import time
+
+    base = root / PREVIOUS_RUNS / (stamp or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    target, n = base, 1
+    while target.exists():
+        target, n = base.with_name(f"{base.name}-{n}"), n + 1
+    target.mkdir(parents=True)
+    for name in found:
+        os.replace(root / name, target / name)
+    log.warning("trainer.resume=disable starts afresh: the earlier run in %s (%s) was moved to %s; nothing was "
+                "deleted (trainer.resume=auto would have continued it)", root, ", ".join(found), target)
+    return target
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlcore.protocols import DistInfo, RewardInput
 from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.trainer.checkpoint import archive_previous_run
 from rlcore.trainer.components import Components, build_components
 from rlcore.trainer.experience import (
     Experience,
@@ -58,6 +59,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         c = self.c
+        if str(self.tcfg.resume or "disable") == "disable" and self.dist.is_main:
+            archive_previous_run(self.tcfg.output_dir)  # a fresh run neither overwrites nor prunes an earlier one
         start = c.checkpoint.resume(c.stateful(self.state))
         self.state.step = start
         self.hook.rlcore_train_start(run_dir=self.tcfg.output_dir, dist=self.dist,

@@ -149,6 +149,12 @@ def test_streaming_errors(tmp_path, tiny_tokenizer, shards):
         dataset([str(jl)], tiny_tokenizer)
     with pytest.raises(DataError, match="column 'q' .* is missing"):
         dataset(shards, tiny_tokenizer, prompt_key="q")
+    from tests.unit.test_data_checks import corrupt_pages
+
+    bad = write_parquet_shards(str(tmp_path / "c"), [40])
+    corrupt_pages(bad[0])
+    with pytest.raises(DataError, match=r"part-00000\.parquet: row group 0 cannot be read"):
+        list(dataset(bad, tiny_tokenizer))
 
 
 def test_plugin_answers_only_for_files(shards, tiny_tokenizer):

@@ -19,7 +19,9 @@ from rlcore.trainer import checkpoint_store as store
 from rlcore.trainer.checkpoint import (
     DefaultCheckpointPolicy,
     RNGState,
+    archive_previous_run,
     check_output_dir,
+    check_resume,
     list_checkpoints,
 )
 
@@ -180,6 +182,42 @@ def test_explicit_resume_path_is_strict(tmp_path):
         policy(tmp_path, resume=str(root / "step_00000001")).resume(Run().state())
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         policy(tmp_path, resume=str(tmp_path / "nowhere")).resume(Run().state())
+
+
+def test_resume_target_is_checked_before_any_model_loads(tmp_path):
+    root = _two_checkpoints(tmp_path)
+    for ok in ("auto", "disable", str(tmp_path / "run"), str(root), str(root / "step_00000001")):
+        check_resume(TrainerConfig(resume=ok))
+    with pytest.raises(CheckpointError, match="did you mean 'disable'"):
+        check_resume(TrainerConfig(resume="disabled"))
+    with pytest.raises(CheckpointError, match="no such checkpoint directory.*a checkpoint path"):
+        check_resume(TrainerConfig(resume=str(tmp_path / "nowhere")))
+    (root / "step_00000001" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="step_00000001 is not a complete checkpoint"):
+        check_resume(TrainerConfig(resume=str(root / "step_00000001")))
+
+
+def test_a_fresh_run_moves_an_earlier_one_aside(tmp_path, caplog):
+    root = _two_checkpoints(tmp_path)
+    run_dir = root.parent
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "final").mkdir()
+    (run_dir / "_demo").mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    saved = [c.name for c in list_checkpoints(root)]
+    with caplog.at_level(logging.WARNING):
+        moved = archive_previous_run(str(run_dir), stamp="T")
+    assert moved == run_dir / "previous-runs" / "T"
+    assert sorted(p.name for p in moved.iterdir()) == ["checkpoints", "final", "metrics.jsonl"]
+    assert [c.name for c in list_checkpoints(moved / "checkpoints")] == saved and saved
+    assert (moved / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # files that are not a run's own stay where they are
+    assert sorted(p.name for p in run_dir.iterdir()) == ["_demo", "notes.txt", "previous-runs"]
+    assert "moved to" in caplog.text and "nothing was deleted" in caplog.text
+    assert archive_previous_run(str(run_dir), stamp="T") is None  # nothing left to move
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    assert archive_previous_run(str(run_dir), stamp="T") == run_dir / "previous-runs" / "T-1"
+    assert (moved / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
 def test_disable_and_empty_dir_start_fresh(tmp_path):

@@ -96,3 +96,62 @@ def test_validate_checks_the_reward_model_directory(tmp_path, capsys):
     assert main(["validate", f"trainer.output_dir={tmp_path}", "reward_model.enable=true",
                  f"reward_model.path={causal}"]) == 2
     assert "is not a sequence-classification model" in capsys.readouterr().err
+
+
+def test_bad_world_size_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", "placement.rank_groups={reward: [0]}"])
+    assert code != 0 and "WORLD_SIZE='abc' is not an integer" in err and "Traceback" not in err
+
+
+def test_resume_target_and_reward_function_are_checked_before_anything_loads(tmp_path):
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", "trainer.resume=disabled"])
+    assert code != 0 and "did you mean 'disable'" in err
+    code, out, err = run_cli(["train", f"trainer.output_dir={tmp_path}/run", f"trainer.resume={tmp_path}/nope"])
+    assert code != 0 and "no such checkpoint directory" in err and "a model was loaded" not in err
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run",
+                              f"custom_reward_function.path={tmp_path}/nofile.py", "custom_reward_function.name=f"])
+    assert code != 0 and "nofile.py" in err
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(prompt, response):\n    return 0.0\n")
+    code, out, err = run_cli(["train", f"trainer.output_dir={tmp_path}/run", f"custom_reward_function.path={reward}",
+                              "custom_reward_function.name=scor"])
+    assert code != 0 and "defines no function 'scor'" in err and "score" in err and "a model was loaded" not in err
+
+
+def test_too_few_rows_for_one_batch_fails_before_tokenizing(tmp_path, monkeypatch):
+    from rlcore.data.synthetic import write_parquet_shards
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was tokenized before the error was raised")
+
+    monkeypatch.setattr("rlcore.data.provider.load_prompt_table", no_tokenizing)
+    files = write_parquet_shards(str(tmp_path / "d"), [6, 4])
+    code, out, err = run_cli(["train", f"trainer.output_dir={tmp_path}/run", f"data.train_files=[{','.join(files)}]",
+                              "ppo.rollout_batch_size=16"])
+    assert code != 0 and "hold 10 rows in 2 file(s)" in err and "ppo.rollout_batch_size=16" in err
+
+
+def test_reward_arguments_are_matched_with_the_data_columns_before_tokenizing(tmp_path, monkeypatch):
+    from rlcore.data.synthetic import write_parquet_shards
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the data was tokenized before the error was raised")
+
+    monkeypatch.setattr("rlcore.data.provider.load_prompt_table", no_tokenizing)
+    files = write_parquet_shards(str(tmp_path / "d"), [40])
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(prompt, response, answer_col, scale):\n    return 0.0\n"
+                      "def fine(prompt, response, ground_truth):\n    return 0.0\n")
+    args = ["validate", f"trainer.output_dir={tmp_path}/run", f"data.train_files=[{files[0]}]",
+            "ppo.rollout_batch_size=8", f"custom_reward_function.path={reward}"]
+    code, out, err = run_cli(args + ["custom_reward_function.name=score", "custom_reward_function.kwargs={scale: 2}"])
+    assert code != 0 and "needs argument(s) answer_col" in err and "scale" not in err.split("needs")[1].split(",")[0]
+    assert "columns: data_source, ground_truth, id, prompt" in err
+    code, out, err = run_cli(args + ["custom_reward_function.name=fine"])
+    assert code == 0, err
+
+
+def test_a_device_the_machine_lacks_is_named_before_anything_loads(tmp_path):
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", "critic.device=cuda:64"])
+    assert code != 0 and "critic.device='cuda:64' asks for" in err

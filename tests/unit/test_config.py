@@ -68,6 +68,19 @@ def test_value_checks_name_the_key():
     assert "'ppo.generation.top_p'" in text
 
 
+def test_optimizer_sampling_and_role_fsdp_values_are_checked_at_load():
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["actor.lr=-1", "critic.lr=0", "actor.warmup_steps=-5", "actor.grad_clip=-1",
+                         "ppo.generation.top_k=-5", "actor.fsdp.param_dtype=bf17", "critic.fsdp.reduce_dtype=fp8"])
+    text = str(e.value)
+    for part in ("'actor.lr' must be > 0", "'critic.lr' must be > 0", "'actor.warmup_steps' must be >= 0",
+                 "'actor.grad_clip' must be >= 0", "'ppo.generation.top_k' must be >= 0",
+                 "'actor.fsdp.param_dtype' = 'bf17'", "'critic.fsdp.reduce_dtype' = 'fp8'"):
+        assert part in text, part
+    cfg = load_config([], ["actor.grad_clip=0", "ppo.generation.top_k=50", "actor.fsdp.param_dtype=fp32"])
+    assert cfg.actor.grad_clip == 0 and cfg.ppo.generation.top_k == 50
+
+
 def test_grpo_needs_several_samples():
     with pytest.raises(ConfigError, match="ppo.generation.n"):
         load_config([], ["algorithm.adv_estimator=grpo", "ppo.generation.n=1"])

@@ -38,6 +38,24 @@ def test_corrupt_parquet_names_the_file(tmp_path, good):
         check_data_files(DataConfig(train_files=[str(text)]))
 
 
+def corrupt_pages(path: str) -> None:
+    """Overwrite the middle of the first column chunk: the footer still reads, the pages do not decode."""
+    chunk = pq.read_metadata(path).row_group(0).column(0)
+    with open(path, "r+b") as f:
+        f.seek(chunk.data_page_offset + chunk.total_compressed_size // 2)
+        f.write(b"\xff" * min(64, chunk.total_compressed_size // 4))
+
+
+def test_corrupt_pages_name_the_file_and_row_group(tmp_path, tiny_tokenizer):
+    path = str(tmp_path / "pages.parquet")
+    words = [" ".join(f"w{(i * 7919 + j * 104729) % 100003}" for j in range(40)) for i in range(200)]
+    pq.write_table(pa.table({"prompt": words}), path, compression="snappy", use_dictionary=False)
+    corrupt_pages(path)
+    check_data_files(DataConfig(train_files=[path]))  # the footer is intact
+    with pytest.raises(DataError, match=r"pages\.parquet: row group 0 cannot be read .*looks corrupt"):
+        build_dataset(DataConfig(train_files=[path]), tiny_tokenizer, "train", DistInfo())
+
+
 def test_missing_prompt_column_lists_columns_and_rows(tmp_path, good):
     with pytest.raises(DataError) as err:
         check_data_files(DataConfig(train_files=[good], prompt_key="question"))

@@ -73,11 +73,14 @@ def test_device_strings():
     local = torch.device("cpu")
     assert parse_device("auto", local) == local
     assert parse_device("cpu", local) == torch.device("cpu")
-    with pytest.raises(PlacementError, match="is not a device"):
+    with pytest.raises(PlacementError, match="device='tpu-ish:x' is not a device"):
         parse_device("tpu-ish:x", local)
     if not torch.cuda.is_available():
-        with pytest.raises(PlacementError, match="no CUDA GPU"):
-            parse_device("cuda:0", local)
+        with pytest.raises(PlacementError, match="actor.device='cuda:0' asks for a CUDA GPU, but none is available"):
+            parse_device("cuda:0", local, "actor.device")
+    else:
+        with pytest.raises(PlacementError, match="critic.device='cuda:99' asks for a GPU this machine does not have"):
+            parse_device("cuda:99", local, "critic.device")
 
 
 def test_default_plugin_builds_it(rlcore_pm):
