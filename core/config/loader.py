@@ -240,6 +240,17 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
         errors.append("'data.custom_cls.path' and 'data.custom_cls.name' must be given together")
 
 
+def check_config(cfg: DictConfig) -> None:
+    """The value checks of :func:`load_config` again, for a config changed after loading (the Python API).
+
+    :raises ConfigError: listing every bad value.
+    """
+    errors: list[str] = []
+    _check_values(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+
+
 def load_config(config_files: Sequence[str] = (), overrides: Sequence[str] = ()) -> DictConfig:
     """Build the resolved config from YAML files (applied in order) and ``key=value`` overrides.
 

@@ -45,6 +45,9 @@ class Trainer:
     """Owns the components of one run. The config tree is read here only; components get their own sections."""
 
     def __init__(self, cfg: DictConfig, pm: Any, dist: DistInfo):
+        from rlcore.config import check_config
+
+        check_config(cfg)  # values set after load_config (Python API) get the same checks
         self.cfg, self.pm, self.dist = cfg, pm, dist
         self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
         self.hook = pm.hook

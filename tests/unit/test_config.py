@@ -139,3 +139,15 @@ def test_config_is_plain_yaml_round_trip():
     cfg = load_config([], ["ppo.kl_coeff=0.2"])
     again = OmegaConf.create(OmegaConf.to_yaml(cfg))
     assert again.ppo.kl_coeff == 0.2
+
+
+def test_values_changed_after_loading_are_checked_again():
+    from rlcore.config import check_config
+
+    cfg = load_config([], [])
+    check_config(cfg)
+    cfg.ppo.rollout_batch_size = -5
+    cfg.actor.lr = 0.0
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert "'ppo.rollout_batch_size'" in str(e.value) and "'actor.lr' must be > 0" in str(e.value)
