@@ -54,37 +54,81 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def preflight(cfg, names):
     """Every check that can run before a model loads: plugins, data files, model and reward-model
-    paths, output directory, the checkpoint to resume from, the reward function, rank groups."""
+    paths, role devices, output directory, the checkpoint to resume from, the reward function,
+    plugin requirements, rank groups and shard sizes. Every problem found is reported together.
+
+    :raises RLCoreError: the one problem found, or an :class:`~rlcore.errors.PreflightError` listing all.
+    """
     from rlcore.plugin_manager import build_plugin_manager
 
     pm = build_plugin_manager(names)
     from rlcore.data.provider import check_data_files, check_rows_for_batch
+    from rlcore.errors import PreflightError
     from rlcore.trainer.checkpoint import check_output_dir, check_resume
     from rlcore.trainer.models import check_model_path
 
-    train_files = check_data_files(_to_object(cfg.data))
-    check_rows_for_batch(train_files, cfg.ppo.rollout_batch_size, _world_size(cfg))
-    if cfg.actor.model_path:
-        check_model_path(cfg.actor.model_path, "actor.model_path")
-    if cfg.critic.model_path:
-        check_model_path(cfg.critic.model_path, "critic.model_path")
+    problems: list[RLCoreError] = []
+
+    def attempt(check, *args):
+        try:
+            return check(*args)
+        except RLCoreError as e:
+            problems.append(e)
+            return None
+
+    train_files = attempt(check_data_files, _to_object(cfg.data))
+    if train_files:
+        attempt(check_rows_for_batch, train_files, cfg.ppo.rollout_batch_size, _world_size(cfg))
+    for role in ("actor", "critic"):
+        if cfg[role].model_path:
+            attempt(check_model_path, cfg[role].model_path, f"{role}.model_path")
     if cfg.reward_model.enable:
         from rlcore.rewards.reward_model import check_reward_model_dir
 
-        check_reward_model_dir(cfg.reward_model.path)
-    _check_devices(cfg)
-    check_output_dir(_to_object(cfg.trainer))
-    check_resume(_to_object(cfg.trainer))
-    fn = cfg.custom_reward_function
-    if fn.path is not None:  # imported here, before the data is tokenized or a model loads
-        from rlcore.rewards.functions import check_arguments, load_function
+        attempt(check_reward_model_dir, cfg.reward_model.path)
+    attempt(_check_devices, cfg)
+    attempt(check_output_dir, _to_object(cfg.trainer))
+    attempt(check_resume, _to_object(cfg.trainer))
+    attempt(_check_reward_function, cfg, train_files)
+    attempt(_check_plugin_needs, cfg, names)
+    from omegaconf import OmegaConf
 
-        reward = load_function(fn.path, fn.name)
-        if train_files:  # the columns every training file has
-            columns = set.intersection(*(set(info.columns) for info in train_files))
-            check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
-    _check_rank_groups(cfg)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for impl in pm.hook.rlcore_preflight.get_hookimpls():  # each plugin's checks, all reported
+        attempt(impl.function, plain, list(names))
+    attempt(_check_rank_groups, cfg)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise PreflightError(problems)
     return pm
+
+
+def _check_reward_function(cfg, train_files) -> None:
+    """Import the custom reward function (before the data is tokenized or a model loads) and match
+    its required arguments with the columns every training file has."""
+    fn = cfg.custom_reward_function
+    if fn.path is None:
+        return
+    from rlcore.rewards.functions import check_arguments, load_function
+
+    reward = load_function(fn.path, fn.name)
+    if train_files:
+        columns = set.intersection(*(set(info.columns) for info in train_files))
+        check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
+
+
+def _check_plugin_needs(cfg, names) -> None:
+    """Settings that only work with a plugin selected, and the plugins' size rules."""
+    if cfg.reward_model.enable and cfg.reward_model.offload and "rm-offload" not in names:
+        from rlcore.errors import PlacementError
+        from rlcore.rewards.backend import OFFLOAD_NEEDS_PLUGIN
+
+        raise PlacementError(OFFLOAD_NEEDS_PLUGIN)
+    if "remesh" in names:
+        from rlcore.distributed.remesh import check_sizes
+
+        check_sizes(_to_object(cfg.actor.remeshing), _world_size(cfg))
 
 
 def _check_devices(cfg) -> None:
@@ -158,7 +202,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     dist = init_distributed(cfg.trainer.device)
     if dist.is_main:
-        for key, why in inert_keys(cfg, names, dist.world_size):
+        preset = set()
+        if is_demo(args.config, args.overrides):  # keys the demo preset set, unless the user set them too
+            from rlcore.demo import DEMO_OVERRIDES
+
+            preset = {o.split("=", 1)[0] for o in DEMO_OVERRIDES} - {o.split("=", 1)[0] for o in args.overrides}
+        for key, why in inert_keys(cfg, names, dist.world_size, ignore=preset):
             log.warning("config key '%s' has no effect in this run: %s", key, why)
         if is_demo(args.config, args.overrides):
             log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
@@ -168,7 +217,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = trainer.train()
     if dist.is_main:
         print_summary(summary, cfg.trainer.output_dir)
-    return 0
+        if trainer.status == "interrupted":
+            print(f"run interrupted at step {trainer.state.step} of {cfg.trainer.max_steps}: a checkpoint was saved; "
+                  "the same command with trainer.resume=auto continues it")
+    return 0  # a graceful stop (SIGINT/SIGTERM, checkpoint saved) is not a failure for launchers
 
 
 def print_summary(summary: dict, run_dir: str) -> None:
@@ -216,7 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after an option (``A=1 --plugins x B=2``) come back here, in order
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not getattr(args, "command", None):

@@ -37,3 +37,15 @@ class CheckpointError(RLCoreError):
 
 class PlacementError(RLCoreError, ValueError):
     """Roles cannot be placed on the devices or ranks available."""
+
+
+class PreflightError(RLCoreError):
+    """Several problems found by the checks that run before a model loads, reported together."""
+
+    def __init__(self, problems: Sequence[Exception]):
+        self.problems = list(problems)
+        lines = [f"{len(self.problems)} problems found before loading anything:"]
+        for problem in self.problems:
+            text = str(problem).splitlines() or [type(problem).__name__]
+            lines += [f"  - {text[0]}"] + [f"    {line}" for line in text[1:]]
+        super().__init__("\n".join(lines))

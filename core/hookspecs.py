@@ -56,6 +56,23 @@ FACTORY_HOOKS = (
 
 
 # --------------------------------------------------------------------------------------------
+# Checks before anything loads
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def rlcore_preflight(config: dict[str, Any], plugins: list[str]) -> None:
+    """Check this plugin's own needs before any data is read or model loads (``rlcore train`` and
+    ``rlcore validate``): an optional library it imports, a service it reaches, a setting it requires.
+    Raise an :class:`~rlcore.errors.RLCoreError` that names the plugin to stop the run; it is
+    reported together with every other problem found before loading.
+
+    :param config: the resolved configuration as a plain ``dict`` (read only).
+    :param plugins: the names of the selected plugins.
+    """
+
+
+# --------------------------------------------------------------------------------------------
 # Registration
 # --------------------------------------------------------------------------------------------
 

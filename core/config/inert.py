@@ -23,8 +23,11 @@ def changed_keys(cfg: DictConfig) -> list[str]:
     return out
 
 
-def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int) -> list[tuple[str, str]]:
-    """``(key, reason)`` for every key set by the user that this run will not use."""
+def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int,
+               ignore: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """``(key, reason)`` for every key set by the user that this run will not use; keys in ``ignore``
+    (e.g. set by a preset, not by the user) are left out."""
+    ignore = set(ignore)
     plugins = set(plugins)
     rules = [
         ("actor.remeshing.", "remesh" not in plugins, "the 'remesh' plugin is not selected"),
@@ -44,13 +47,14 @@ def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int) -> list
         ("algorithm.lam", cfg.algorithm.adv_estimator != "gae", "GAE is not used"),
         ("algorithm.gamma", cfg.algorithm.adv_estimator != "gae", "GAE is not used"),
         ("algorithm.norm_adv_by_std", cfg.algorithm.adv_estimator != "grpo", "only GRPO uses it"),
-        ("reward_model.offload", "rm-offload" not in plugins and cfg.reward_model.enable,
-         "the 'rm-offload' plugin is not selected"),
-        ("trainer.nproc_per_node", world_size > 1, "already running under a launcher"),
+        ("trainer.nproc_per_node", world_size > 1 and cfg.trainer.nproc_per_node != world_size,
+         f"already running under a launcher with {world_size} processes"),
         ("trainer.gradient_accumulation_steps", cfg.ppo.micro_batch_size > 0, "ppo.micro_batch_size is set"),
     ]
     out = []
     for key in changed_keys(cfg):
+        if key in ignore:
+            continue
         for prefix, inert, why in rules:
             if inert and (key == prefix or key.startswith(prefix)) and key != "ppo.kl_coeff":
                 out.append((key, why))

@@ -130,7 +130,8 @@ def parse_overrides(overrides: Sequence[str]) -> tuple[dict, list[str]]:
     good = []
     for o in overrides:
         if "=" not in o or o.startswith("="):
-            errors.append(f"override '{o}' is not of the form key=value")
+            hint = f" (a config file? pass it as --config {o})" if o.endswith((".yaml", ".yml")) else ""
+            errors.append(f"override '{o}' is not of the form key=value{hint}")
         else:
             good.append(o)
     try:

@@ -94,8 +94,14 @@ def apply_length_policy(ids: list[list[int]], config: DataConfig, where: str, *,
     """Apply ``max_prompt_length`` to a batch.
 
     :returns: indices of the rows kept, their (possibly truncated) ids, and the counts.
-    :raises DataError: overlong rows under ``truncation=error`` (when they are not filtered).
+    :raises DataError: prompts without a single token; overlong rows under ``truncation=error``
+        (when they are not filtered).
     """
+    empty = [i for i, x in enumerate(ids) if len(x) == 0]
+    if empty:
+        raise DataError(f"{where}: {len(empty)} of {len(ids)} prompt(s) give no tokens (first at row {empty[0]}): "
+                        f"empty text in column '{config.prompt_key}' (data.prompt_key), or a tokenizer that does "
+                        "not cover the data (is actor.model_path set?)")
     limit = int(config.max_prompt_length)
     stats = LengthStats(rows=len(ids), longest=max((len(x) for x in ids), default=0))
     over = [i for i, x in enumerate(ids) if len(x) > limit]

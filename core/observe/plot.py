@@ -3,7 +3,7 @@
 Panels: reward (train mean with min/max band, held-out evaluations), KL, response length and the
 share clipped at ``max_new_tokens``, the step-time breakdown by phase, GPU utilisation against
 the 85-95% band, and throughput with MFU. matplotlib is an optional dependency
-(``pip install 'rlcore[plot]'``).
+(``pip install matplotlib``, or the ``plot`` extra of an rlcore checkout).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _require_matplotlib() -> Any:
     try:
         import matplotlib
     except ImportError as e:
-        raise RLCoreError("rlcore plot needs matplotlib: pip install 'rlcore[plot]'") from e
+        raise RLCoreError("rlcore plot needs matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

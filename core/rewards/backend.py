@@ -26,6 +26,9 @@ from rlcore.protocols import RewardInput, RewardOutput
 from rlcore.rewards.base import ComponentResult, check_batch, check_finite, describe_sample
 from rlcore.rewards.functions import FunctionReward, load_function
 
+OFFLOAD_NEEDS_PLUGIN = ("reward_model.offload=true needs the 'rm-offload' plugin: add it to the plugins list "
+                        "(--plugins rm-offload or plugins=[rm-offload])")
+
 #: Name of the reward-model component in ``reward.weights`` and in the metrics.
 RM_NAME = "rm"
 _HOW_TO = ("configure a reward: custom_reward_function.path (a Python function), reward.weights "
@@ -229,8 +232,7 @@ def build_reward_backend(reward_model: Any, reward_function: Any, reward: Any, p
     rm_factory = None
     if reward_model.enable:
         if placement.offload("reward"):
-            raise PlacementError("reward_model.offload=true needs the 'rm-offload' plugin: add it to the "
-                                 "plugins list (plugins=[rm-offload])")
+            raise PlacementError(OFFLOAD_NEEDS_PLUGIN)
         device = placement.device_for("reward")
 
         def rm_factory() -> Any:

@@ -14,8 +14,7 @@ name                 score                                                      
 ``format_penalty``   0 when the response carries a final-answer marker (``####``, ``\\boxed{}``,  —
                      ``<answer>…</answer>``) and closes any ``<think>``; -1 otherwise
 ``length_penalty``   0 up to ``max_response_length - buffer`` tokens, then falls linearly to -1    —
-``demo_echo``,       the demo task's rule (:func:`rlcore.demo.echo_score` /                       —
-``demo_alphabet``    :func:`rlcore.demo.alphabet_score`, whichever the demo module defines)
+``demo_alphabet``    the demo task's rule (:func:`rlcore.demo.alphabet_score`)                    —
 ===================  ==========================================================================  ===========
 """
 
@@ -236,7 +235,7 @@ def length_penalty(prompts: Sequence[str], responses: Sequence[str],
 
 
 #: Rules of the demo task: registered name -> function name in :mod:`rlcore.demo`.
-DEMO_RULES = {"demo_echo": "echo_score", "demo_alphabet": "alphabet_score"}
+DEMO_RULES = {"demo_alphabet": "alphabet_score"}
 
 
 def _lazy_demo_rule(attr: str) -> Callable[..., list[float]]:
@@ -256,7 +255,7 @@ def _demo_rules() -> dict[str, Callable[..., list[float]]]:
         import rlcore.demo as demo
     except ImportError:  # pragma: no cover - only before the demo module exists
         return {name: _lazy_demo_rule(attr) for name, attr in DEMO_RULES.items()}
-    return {name: getattr(demo, attr) for name, attr in DEMO_RULES.items() if callable(getattr(demo, attr, None))}
+    return {name: getattr(demo, attr) for name, attr in DEMO_RULES.items()}
 
 
 #: The built-in rules by name.

@@ -169,6 +169,10 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement))
     device = placement.device_for("actor")
     model_path = actor_cfg.model_path or _demo_model(tcfg.output_dir, dist)
+    if not actor_cfg.model_path and (data_cfg.train_files or data_cfg.custom_cls.path) and dist.is_main:
+        log.warning("actor.model_path is not set: the policy is the demo's tiny model (%s, a word tokenizer of "
+                    "the demo's 12 letters) trained on your data; set actor.model_path to a Hugging Face model "
+                    "directory to train your own", model_path)
     tokenizer = models.load_tokenizer(model_path)
 
     # Data next: bad input fails before the (expensive) models load.

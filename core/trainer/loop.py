@@ -52,6 +52,8 @@ class Trainer:
         self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
         self.hook = pm.hook
         self.state = TrainerState()
+        #: "completed" or "interrupted" once :meth:`train` returns (a failed run raises)
+        self.status = "not started"
         self.c: Components = build_components(cfg, pm, dist)
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
@@ -101,6 +103,7 @@ class Trainer:
             if path:
                 log.info("final policy exported to %s", path)
         self.hook.rlcore_train_end(step=self.state.step, status=status, summary=summary)
+        self.status = status
         return summary
 
     def train_step(self, step: int) -> dict[str, float]:

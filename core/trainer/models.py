@@ -65,7 +65,9 @@ class ValueModel(nn.Module):
                 position_ids: torch.Tensor) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False)
-        return self.value_head(out.last_hidden_state).squeeze(-1)
+        # a matrix-vector product gives [B, T] directly (no squeezed view of the head's output, which
+        # FSDP2 warns about for a wrapped module's return value)
+        return torch.matmul(out.last_hidden_state, self.value_head.weight[0]) + self.value_head.bias[0]
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

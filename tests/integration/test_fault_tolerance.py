@@ -200,7 +200,7 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path, demo_model):
         code = p.wait(timeout=300)
     out = log_path.read_text()
     assert code == 0, out[-4000:]
-    assert "received SIGTERM" in out
+    assert "received SIGTERM" in out and "run interrupted at step" in out
     last = json.loads(metrics.read_text().splitlines()[-1])
     assert last["split"] == "summary" and last["status"] == "interrupted" and last["step"] < 50
     assert _latest(run_dir) == f"step_{last['step']:08d}"

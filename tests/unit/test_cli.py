@@ -155,3 +155,52 @@ def test_reward_arguments_are_matched_with_the_data_columns_before_tokenizing(tm
 def test_a_device_the_machine_lacks_is_named_before_anything_loads(tmp_path):
     code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", "critic.device=cuda:64"])
     assert code != 0 and "critic.device='cuda:64' asks for" in err
+
+
+def test_every_preflight_problem_is_reported_together(tmp_path):
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", f"data.train_files=[{tmp_path}/no.parquet]",
+                              "trainer.resume=disabled", f"custom_reward_function.path={tmp_path}/r.py",
+                              "custom_reward_function.name=f", "reward_model.enable=true", "reward_model.offload=true",
+                              f"reward_model.path={tmp_path}/rm"])
+    assert code != 0 and "problems found before loading anything" in err
+    for part in ("no.parquet", "did you mean 'disable'", "r.py", "needs the 'rm-offload' plugin", "reward_model.path"):
+        assert part in err, part
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", "--plugins", "remesh",
+                              "trainer.nproc_per_node=2", "actor.remeshing.training_shard_size=4"])
+    assert code != 0 and "'actor.remeshing.training_shard_size' = 4 does not divide the world size 2" in err
+
+
+def test_overrides_may_come_before_and_after_options(tmp_path):
+    code, out, err = run_cli(["config", "ppo.kl_coeff=0.3", "--plugins", "remesh", "trainer.max_steps=7",
+                              "ppo.kl_coeff=0.4"])
+    assert code == 0, err
+    assert "kl_coeff: 0.4" in out and "max_steps: 7" in out and "- remesh" in out
+    code, out, err = run_cli(["config", "run.yaml"])
+    assert code != 0 and "pass it as --config run.yaml" in err
+
+
+def test_plugins_check_their_own_needs_with_the_other_preflight_checks(tmp_path, monkeypatch):
+    from rlcore import cli
+    from rlcore.config import load_config
+    from rlcore.errors import PluginError, PreflightError
+    from rlcore.hookspecs import hookimpl
+    from rlcore.plugin_manager import build_plugin_manager
+
+    class Needy:
+        @hookimpl
+        def rlcore_preflight(self, config, plugins):
+            raise PluginError(f"plugin 'needy' needs a client (max_steps={config['trainer']['max_steps']}, "
+                              f"plugins={plugins})")
+
+    def with_needy(names):
+        pm = build_plugin_manager(names)
+        pm.register(Needy(), name="needy")
+        return pm
+
+    monkeypatch.setattr("rlcore.plugin_manager.build_plugin_manager", with_needy)
+    cfg = load_config([], [f"trainer.output_dir={tmp_path}/run", "trainer.max_steps=3", "trainer.resume=disabled"])
+    with pytest.raises(PreflightError) as e:
+        cli.preflight(cfg, ["sparse-logging"])
+    text = str(e.value)
+    assert "plugin 'needy' needs a client (max_steps=3, plugins=['sparse-logging'])" in text
+    assert "did you mean 'disable'" in text and text.startswith("2 problems found before loading anything")

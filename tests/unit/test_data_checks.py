@@ -118,3 +118,10 @@ def test_cli_validate_fails_before_loading_a_model(tmp_path):
     code, _, err = run_cli(["validate", f"data.train_files=[{tmp_path}/none.parquet]",
                             "actor.model_path=/nonexistent/model", f"trainer.output_dir={tmp_path}/run"])
     assert code == 2 and "none.parquet" in err and "data.train_files" in err
+
+
+def test_prompts_without_tokens_are_a_clear_error(tmp_path, tiny_tokenizer):
+    path = str(tmp_path / "blank.parquet")
+    pq.write_table(pa.table({"prompt": ["a b", "", "c"]}), path)
+    with pytest.raises(DataError, match=r"blank\.parquet.*1 of 3 prompt\(s\) give no tokens \(first at row 1\)"):
+        build_dataset(DataConfig(train_files=[path]), tiny_tokenizer, "train", DistInfo())

@@ -80,5 +80,5 @@ def test_plot_errors_are_clear(tmp_path, monkeypatch):
         return real_import(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(RLCoreError, match=r"pip install 'rlcore\[plot\]'"):
+    with pytest.raises(RLCoreError, match="needs matplotlib: pip install matplotlib"):
         plot.plot_run(str(tmp_path))

@@ -21,6 +21,7 @@ import re
 from typing import Any, Iterator, Mapping, Optional
 
 from rlcore.errors import PluginError
+from rlcore.hookspecs import hookimpl
 from rlcore.observe.sink import SinkHooks
 
 __version__ = "0.1.0"
@@ -58,7 +59,7 @@ def _import_mlflow() -> Any:
         import mlflow
     except ImportError as e:
         raise PluginError("plugin 'mlflow' (rlcore-mlflow) needs the MLflow client: "
-                          "pip install 'rlcore-mlflow[skinny]' (or 'rlcore-mlflow[mlflow]')") from e
+                          "pip install mlflow-skinny (or mlflow)") from e
     return mlflow
 
 
@@ -122,3 +123,9 @@ def _make(run_dir: str, dist: Any, config: Mapping[str, Any]) -> Optional[Mlflow
 #: The MLflow run in progress (rebuilt at every train start); the hooks delegate to it.
 RUN = SinkHooks(_make)
 rlcore_train_start, rlcore_metrics, rlcore_train_end = RUN.hooks()
+
+
+@hookimpl
+def rlcore_preflight(config: Mapping[str, Any], plugins: list[str]) -> None:
+    """The MLflow client must import before a run is started (``rlcore validate`` checks it too)."""
+    _import_mlflow()

@@ -25,8 +25,10 @@ def test_names_params_and_values():
 
 def test_missing_client_is_a_clear_plugin_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "mlflow", None)
-    with pytest.raises(PluginError, match=r"pip install 'rlcore-mlflow\[skinny\]'"):
+    with pytest.raises(PluginError, match=r"needs the MLflow client: pip install mlflow-skinny"):
         rlcore_mlflow.rlcore_train_start(run_dir=str(tmp_path), dist=DistInfo(), config=CONFIG)
+    with pytest.raises(PluginError, match="plugin 'mlflow'"):  # before anything loads (rlcore validate too)
+        rlcore_mlflow.rlcore_preflight(config=CONFIG, plugins=["mlflow"])
 
 
 @pytest.fixture
