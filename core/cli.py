@@ -93,9 +93,9 @@ def preflight(cfg, names):
     attempt(_check_plugin_needs, cfg, names)
     from omegaconf import OmegaConf
 
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    given = {"config": OmegaConf.to_container(cfg, resolve=True), "plugins": list(names)}
     for impl in pm.hook.rlcore_preflight.get_hookimpls():  # each plugin's checks, all reported
-        attempt(impl.function, plain, list(names))
+        attempt(lambda: impl.function(**{name: given[name] for name in impl.argnames}))
     attempt(_check_rank_groups, cfg)
     if len(problems) == 1:
         raise problems[0]

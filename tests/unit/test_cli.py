@@ -192,9 +192,16 @@ def test_plugins_check_their_own_needs_with_the_other_preflight_checks(tmp_path,
             raise PluginError(f"plugin 'needy' needs a client (max_steps={config['trainer']['max_steps']}, "
                               f"plugins={plugins})")
 
+    class Picky:  # an implementation may take only some of the arguments
+        @hookimpl
+        def rlcore_preflight(self, plugins):
+            if "sparse-logging" in plugins:
+                raise PluginError("plugin 'picky' does not go with sparse-logging")
+
     def with_needy(names):
         pm = build_plugin_manager(names)
         pm.register(Needy(), name="needy")
+        pm.register(Picky(), name="picky")
         return pm
 
     monkeypatch.setattr("rlcore.plugin_manager.build_plugin_manager", with_needy)
@@ -203,4 +210,5 @@ def test_plugins_check_their_own_needs_with_the_other_preflight_checks(tmp_path,
         cli.preflight(cfg, ["sparse-logging"])
     text = str(e.value)
     assert "plugin 'needy' needs a client (max_steps=3, plugins=['sparse-logging'])" in text
-    assert "did you mean 'disable'" in text and text.startswith("2 problems found before loading anything")
+    assert "plugin 'picky' does not go with sparse-logging" in text
+    assert "did you mean 'disable'" in text and text.startswith("3 problems found before loading anything")
