@@ -79,7 +79,7 @@ def preflight(cfg, names):
     train_files = attempt(check_data_files, _to_object(cfg.data))
     if train_files:
         attempt(check_rows_for_batch, train_files, cfg.ppo.rollout_batch_size, _world_size(cfg))
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic") if cfg.algorithm.adv_estimator == "gae" else ("actor",):
         if cfg[role].model_path:
             attempt(check_model_path, cfg[role].model_path, f"{role}.model_path")
     if cfg.reward_model.enable:
@@ -95,13 +95,27 @@ def preflight(cfg, names):
 
     given = {"config": OmegaConf.to_container(cfg, resolve=True), "plugins": list(names)}
     for impl in pm.hook.rlcore_preflight.get_hookimpls():  # each plugin's checks, all reported
-        attempt(lambda: impl.function(**{name: given[name] for name in impl.argnames}))
+        attempt(_plugin_check, impl, given)
     attempt(_check_rank_groups, cfg)
     if len(problems) == 1:
         raise problems[0]
     if problems:
         raise PreflightError(problems)
     return pm
+
+
+def _plugin_check(impl, given: dict) -> None:
+    """Run one plugin's ``rlcore_preflight``; an exception that is not an rlcore error (a bug in the
+    plugin, a missing module) becomes a :class:`PluginError` naming the plugin."""
+    from rlcore.errors import PluginError
+
+    try:
+        impl.function(**{name: given[name] for name in impl.argnames})
+    except RLCoreError:
+        raise
+    except Exception as e:
+        raise PluginError(f"plugin '{impl.plugin_name}': its start-up check (rlcore_preflight) failed: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 def _check_reward_function(cfg, train_files) -> None:
@@ -113,7 +127,9 @@ def _check_reward_function(cfg, train_files) -> None:
     from rlcore.rewards.functions import check_arguments, load_function
 
     reward = load_function(fn.path, fn.name)
-    if train_files:
+    # Columns are known for local parquet files (their footers); a jsonl file shows only its first
+    # record, and remote files are not opened here, so those leave the check to the first batch.
+    if train_files and all(info.format == "parquet" and info.columns for info in train_files):
         columns = set.intersection(*(set(info.columns) for info in train_files))
         check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
 
@@ -125,7 +141,7 @@ def _check_plugin_needs(cfg, names) -> None:
         from rlcore.rewards.backend import OFFLOAD_NEEDS_PLUGIN
 
         raise PlacementError(OFFLOAD_NEEDS_PLUGIN)
-    if "remesh" in names:
+    if "remesh" in names and cfg.actor.remeshing.enabled and _world_known(cfg):
         from rlcore.distributed.remesh import check_sizes
 
         check_sizes(_to_object(cfg.actor.remeshing), _world_size(cfg))
@@ -155,6 +171,14 @@ def _check_rank_groups(cfg) -> None:
 
     check_trainer_placement(ColocatedPlacement(PlacementRequest(rank_groups=groups), DistInfo(world_size=world)),
                             world)
+
+
+def _world_known(cfg) -> bool:
+    """Whether the number of processes is known before any starts (torchrun's ``WORLD_SIZE`` or
+    ``trainer.nproc_per_node`` > 1); a plain one-process command may still be started by a launcher."""
+    from rlcore.distributed.init import env_int
+
+    return env_int("WORLD_SIZE", 0) > 0 or int(cfg.trainer.nproc_per_node or 1) > 1
 
 
 def _world_size(cfg) -> int:

@@ -44,8 +44,15 @@ class PreflightError(RLCoreError):
 
     def __init__(self, problems: Sequence[Exception]):
         self.problems = list(problems)
-        lines = [f"{len(self.problems)} problems found before loading anything:"]
-        for problem in self.problems:
-            text = str(problem).splitlines() or [type(problem).__name__]
+        items: list[str] = []
+        for problem in self.problems:  # a ConfigError's own list joins this one, item by item
+            inner = getattr(problem, "problems", None)
+            if isinstance(problem, ConfigError) and inner:
+                items += [str(p) for p in inner]
+            else:
+                items.append(str(problem) or type(problem).__name__)
+        lines = [f"{len(items)} problems found before loading anything:"]
+        for item in items:
+            text = item.splitlines() or [""]
             lines += [f"  - {text[0]}"] + [f"    {line}" for line in text[1:]]
         super().__init__("\n".join(lines))

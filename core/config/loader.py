@@ -195,11 +195,15 @@ def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> No
 
 
 def _check_values(cfg: DictConfig, errors: list[str]) -> None:
+    # Without a critic (GRPO, RLOO) its settings are never read, so they are not held against the run.
+    no_critic = cfg.algorithm.adv_estimator in ("grpo", "rloo")
     for key, allowed in CHOICES.items():
+        if no_critic and key.startswith("critic."):
+            continue
         value = OmegaConf.select(cfg, key)
         if value is not None and value not in allowed:
             errors.append(f"'{key}' = {value!r} is not one of {', '.join(allowed)}")
-    for role in ("actor", "critic"):
+    for role in ("actor",) if no_critic else ("actor", "critic"):
         for name in ("sharding_strategy", "param_dtype", "reduce_dtype"):  # per-role refinements of ``fsdp``
             v = OmegaConf.select(cfg, f"{role}.fsdp.{name}")
             if v is not None and v not in CHOICES[f"fsdp.{name}"]:

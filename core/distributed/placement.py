@@ -33,6 +33,11 @@ def parse_device(spec: str, local: torch.device, key: str = "device") -> torch.d
         dev = torch.device(spec)
     except (RuntimeError, TypeError) as e:
         raise PlacementError(f"{key}='{spec}' is not a device (use auto, cpu, cuda or cuda:N)") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise PlacementError(f"{key}='{spec}': device type '{dev.type}' is not supported (use auto, cpu, cuda "
+                             "or cuda:N)")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise PlacementError(f"{key}='{spec}': there is one CPU device (use cpu)")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise PlacementError(f"{key}='{spec}' asks for a CUDA GPU, but none is available")

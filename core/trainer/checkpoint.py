@@ -120,9 +120,12 @@ def archive_previous_run(output_dir: str, stamp: Optional[str] = None) -> Option
     ``output_dir/previous-runs/<UTC time>/``, so that a run with ``trainer.resume=disable`` neither
     overwrites nor prunes them. Returns the archive directory, or ``None`` when there was nothing."""
     root = Path(output_dir)
+    ckpts = root / "checkpoints"
+    has_checkpoints = ckpts.is_dir() and ((ckpts / "latest").exists() or any(
+        p.is_dir() and step_of(p) is not None for p in ckpts.iterdir()))
+    if not (has_checkpoints or (root / "metrics.jsonl").is_file()):
+        return None  # no sign of an earlier rlcore run: files of the user's own are left alone
     found = [name for name in RUN_ARTIFACTS if (root / name).exists()]
-    if not found:
-        return None
     import time
 
     base = root / PREVIOUS_RUNS / (stamp or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
@@ -132,8 +135,10 @@ def archive_previous_run(output_dir: str, stamp: Optional[str] = None) -> Option
     target.mkdir(parents=True)
     for name in found:
         os.replace(root / name, target / name)
+    unfinished = has_checkpoints and not (root / "final").exists()
     log.warning("trainer.resume=disable starts afresh: the earlier run in %s (%s) was moved to %s; nothing was "
-                "deleted (trainer.resume=auto would have continued it)", root, ", ".join(found), target)
+                "deleted%s", root, ", ".join(found), target,
+                " (trainer.resume=auto would have continued it)" if unfinished else "")
     return target
 
 

@@ -220,6 +220,25 @@ def test_a_fresh_run_moves_an_earlier_one_aside(tmp_path, caplog):
     assert (moved / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+def test_only_an_earlier_rlcore_run_is_moved_aside(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "mine").mkdir(parents=True)  # a user's own folders, no run of ours
+    (run_dir / "final").mkdir()
+    assert archive_previous_run(str(run_dir), stamp="T") is None
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "final"]
+    # a finished run (metrics and final model, no checkpoint): moved, and not called resumable
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    with caplog.at_level(logging.WARNING):
+        moved = archive_previous_run(str(run_dir), stamp="T")
+    assert sorted(p.name for p in moved.iterdir()) == ["checkpoints", "final", "metrics.jsonl"]
+    assert "moved to" in caplog.text and "would have continued" not in caplog.text
+    caplog.clear()
+    root = _two_checkpoints(tmp_path / "unfinished")  # checkpoints and no final model: resumable
+    with caplog.at_level(logging.WARNING):
+        assert archive_previous_run(str(root.parent), stamp="T") is not None
+    assert "trainer.resume=auto would have continued it" in caplog.text
+
+
 def test_disable_and_empty_dir_start_fresh(tmp_path):
     _two_checkpoints(tmp_path)
     assert policy(tmp_path, resume="disable").resume(Run().state()) == 0

@@ -165,9 +165,65 @@ def test_every_preflight_problem_is_reported_together(tmp_path):
     assert code != 0 and "problems found before loading anything" in err
     for part in ("no.parquet", "did you mean 'disable'", "r.py", "needs the 'rm-offload' plugin", "reward_model.path"):
         assert part in err, part
-    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", "--plugins", "remesh",
-                              "trainer.nproc_per_node=2", "actor.remeshing.training_shard_size=4"])
-    assert code != 0 and "'actor.remeshing.training_shard_size' = 4 does not divide the world size 2" in err
+    remesh = ["validate", f"trainer.output_dir={tmp_path}/run", "--plugins", "remesh",
+              "actor.remeshing.training_shard_size=4", "actor.remeshing.generation_shard_size=3"]
+    code, out, err = run_cli(remesh + ["trainer.nproc_per_node=2", "actor.remeshing.enabled=true",
+                                       "trainer.resume=disabled"])
+    # the remesh plugin's two size problems are listed one by one, next to the resume problem
+    assert code != 0 and err.count("\n  - ") == 3 and "3 problems found" in err, err
+    assert "'actor.remeshing.training_shard_size' = 4 does not divide the world size 2" in err
+    assert "'actor.remeshing.generation_shard_size' = 3 does not divide the world size 2" in err
+    # sizes matter only when remeshing is on and the world size is known before start
+    code, out, err = run_cli(remesh + ["trainer.nproc_per_node=2"])
+    assert code == 0, err
+    code, out, err = run_cli(remesh + ["actor.remeshing.enabled=true"])
+    assert code == 0, err
+
+
+def test_checks_of_the_critic_are_skipped_when_the_algorithm_has_none(tmp_path):
+    args = ["validate", f"trainer.output_dir={tmp_path}/run", "critic.lr=0", "critic.grad_clip=-1",
+            f"critic.model_path={tmp_path}/no-critic"]
+    code, out, err = run_cli(args)
+    assert code != 0 and "'critic.lr' must be > 0" in err and "'critic.grad_clip' must be >= 0" in err
+    code, out, err = run_cli(args[:2] + args[4:])
+    assert code != 0 and "no-critic" in err
+    for algo in ("grpo", "rloo"):
+        code, out, err = run_cli(args + [f"algorithm.adv_estimator={algo}", "ppo.generation.n=2"])
+        assert code == 0, err
+
+
+def test_a_plugin_check_that_crashes_is_named(tmp_path, monkeypatch):
+    from rlcore import cli
+    from rlcore.config import load_config
+    from rlcore.errors import PluginError
+    from rlcore.hookspecs import hookimpl
+    from rlcore.plugin_manager import build_plugin_manager
+
+    class Buggy:
+        @hookimpl
+        def rlcore_preflight(self, config):
+            return config["no_such_section"]["x"]
+
+    def with_buggy(names):
+        pm = build_plugin_manager(names)
+        pm.register(Buggy(), name="buggy")
+        return pm
+
+    monkeypatch.setattr("rlcore.plugin_manager.build_plugin_manager", with_buggy)
+    cfg = load_config([], [f"trainer.output_dir={tmp_path}/run"])
+    with pytest.raises(PluginError, match=r"plugin 'buggy': its start-up check .*KeyError: 'no_such_section'"):
+        cli.preflight(cfg, [])
+
+
+def test_reward_arguments_are_not_checked_against_a_jsonl_first_record(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a b"}\n' + '{"prompt": "c d", "answer": "x"}\n' * 40)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(prompt, response, answer):\n    return 0.0\n")
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", f"data.train_files=[{data}]",
+                              "ppo.rollout_batch_size=8", f"custom_reward_function.path={reward}",
+                              "custom_reward_function.name=score"])
+    assert code == 0, err
 
 
 def test_overrides_may_come_before_and_after_options(tmp_path):

@@ -75,6 +75,12 @@ def test_device_strings():
     assert parse_device("cpu", local) == torch.device("cpu")
     with pytest.raises(PlacementError, match="device='tpu-ish:x' is not a device"):
         parse_device("tpu-ish:x", local)
+    for spec in ("mps", "meta", "xpu:0"):  # real torch device types this trainer does not place roles on
+        with pytest.raises(PlacementError, match=f"reward_model.device='{spec}': device type '.*' is not supported"):
+            parse_device(spec, local, "reward_model.device")
+    with pytest.raises(PlacementError, match="one CPU device"):
+        parse_device("cpu:1", local)
+    assert parse_device("cpu:0", local) == torch.device("cpu:0")
     if not torch.cuda.is_available():
         with pytest.raises(PlacementError, match="actor.device='cuda:0' asks for a CUDA GPU, but none is available"):
             parse_device("cuda:0", local, "actor.device")
