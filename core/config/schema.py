@@ -146,7 +146,9 @@ class ActorConfig(ModelRoleConfig):
 
 @dataclass
 class CriticConfig(ModelRoleConfig):
-    #: Only used by ``algorithm.adv_estimator=gae``. Empty model_path = initialise from the actor.
+    #: A Hugging Face model directory for the value model (read only with ``algorithm.adv_estimator=gae``). Empty = initialise from the actor's model.
+    model_path: Optional[str] = None
+    #: Learning rate of the critic's optimizer (only used with ``algorithm.adv_estimator=gae``).
     lr: float = 1e-5
 
 
@@ -304,7 +306,7 @@ class TrainerConfig:
     gpu_monitor: bool = True
     #: Seconds between GPU samples.
     gpu_monitor_interval: float = 0.5
-    #: Held-out prompts used by the demo evaluation.
+    #: Evaluation reads the first N held-out prompts (from data.val_files, or the demo's held-out set).
     eval_samples: int = 64
 
 

@@ -102,7 +102,9 @@ class ColocatedPlacement:
         self.dist = dist
         self._devices = {role: parse_device(getattr(request, role), dist.device, DEVICE_KEYS[role])
                          for role in ROLES}
-        self._groups = check_rank_groups(request.rank_groups, dist.world_size)
+        # One process holds every role: rank pools describe a multi-process layout and are ignored
+        # here (the run logs the key as inert), so one config serves a one-process debug run too.
+        self._groups = check_rank_groups(request.rank_groups, dist.world_size) if dist.world_size > 1 else {}
         self._process_groups: dict[str, Any] = {}
 
     @property

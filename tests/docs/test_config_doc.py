@@ -117,8 +117,9 @@ def test_seed_template_is_accepted_and_mapped(text):
 
 def test_field_comments_follow_inheritance():
     rows = documented_rows(docgen.config_reference())
-    # CriticConfig redeclares lr with its own comment; ActorConfig inherits ModelRoleConfig's.
-    assert "Only used by" in rows["critic.lr"]
+    # CriticConfig redeclares lr and model_path with their own comments; ActorConfig inherits ModelRoleConfig's.
+    assert "only used with" in rows["critic.lr"] and "initialise from the actor" in rows["critic.model_path"]
+    assert "demo's tiny model" in rows["actor.model_path"]
     assert "Learning rate of this role's optimizer" in rows["actor.lr"]
     assert "`\"FULL_SHARD\"`" in rows["fsdp.sharding_strategy"] and "`null`" in rows["actor.fsdp.sharding_strategy"]
 

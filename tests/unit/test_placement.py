@@ -96,3 +96,11 @@ def test_default_plugin_builds_it(rlcore_pm):
     with pytest.raises(PlacementError, match="world size is 2"):
         rlcore_pm.build("rlcore_placement_policy", request=PlacementRequest(rank_groups={"reward": [2]}),
                         dist=DistInfo(rank=0, world_size=2))
+
+
+def test_one_process_holds_every_role_whatever_the_rank_groups():
+    p = ColocatedPlacement(PlacementRequest(rank_groups={"reward": [1], "actor": [0, 2]}), DistInfo(world_size=1))
+    assert not p.split
+    assert all(p.holds(role) and p.ranks_for(role) == [0] for role in ("actor", "reward", "critic"))
+    with pytest.raises(PlacementError, match="world size is 2"):  # with several processes they are checked
+        ColocatedPlacement(PlacementRequest(rank_groups={"reward": [2]}), DistInfo(world_size=2))
