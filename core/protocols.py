@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from rlcore.config.schema import FSDPConfig
 
 ROLES = ("actor", "critic", "ref", "reward")
 
@@ -67,8 +70,13 @@ class PlacementPolicy(Protocol):
 class ReshardPolicy(Protocol):
     """Switches the actor between its training layout and its generation layout."""
 
-    def prepare(self, model: torch.nn.Module, role: str) -> torch.nn.Module:
-        """Wrap ``model`` for training (e.g. ``fully_shard``) and return the module to train."""
+    def prepare(self, model: torch.nn.Module, role: str, fsdp: Optional[FSDPConfig] = None) -> torch.nn.Module:
+        """Wrap ``model`` for training (e.g. ``fully_shard``) and return the module to train.
+
+        ``fsdp`` is the role's own effective sharding settings (``<role>.fsdp`` over the top-level
+        ``fsdp``); ``None`` means the settings the policy was built with (the actor's). A policy
+        whose ``prepare`` takes no ``fsdp`` keeps its own settings for every role (with a warning
+        when the critic's differ)."""
         ...
 
     def generation(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[torch.nn.Module]:

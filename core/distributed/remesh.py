@@ -272,16 +272,19 @@ class RemeshPolicy:
         return self._gen_mesh["tp"]
 
     # -- ReshardPolicy --------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, role: str) -> nn.Module:
-        """Shard ``model`` in HSDP groups; for the actor also build its (empty) generation replica."""
+    def prepare(self, model: nn.Module, role: str, fsdp: Optional[FSDPConfig] = None) -> nn.Module:
+        """Shard ``model`` in HSDP groups (with ``fsdp``, default the policy's settings); for the actor
+        also build its (empty) generation replica."""
         if not self.dist.distributed:
             return model
+        if fsdp is not None:
+            check_fsdp_config(fsdp)
         with self._timer.measure(f"prepare_{role}"):
             if role == "actor" and self.g > 1:
                 check_model(model, self.g)
                 dtype = None if self.fsdp.param_dtype == "fp32" else DTYPES[self.fsdp.param_dtype]
                 self.replica = TensorParallelReplica(model, self.tp_mesh(), dtype, self.dist.device)
-            model = apply_fsdp(model, self.fsdp, self.dist, mesh=self.train_mesh())
+            model = apply_fsdp(model, fsdp or self.fsdp, self.dist, mesh=self.train_mesh())
         if role == "actor":
             self._actor = model
         return model

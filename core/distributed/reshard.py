@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -145,14 +145,17 @@ class FSDPReshardPolicy:
         self.reshard_after_forward = RESHARD_AFTER_FORWARD[fsdp.sharding_strategy]
         self._timer = SwitchTimer(dist.device)
 
-    def prepare(self, model: torch.nn.Module, role: str) -> torch.nn.Module:
-        """Shard ``model`` over all ranks (unchanged in a single process)."""
+    def prepare(self, model: torch.nn.Module, role: str, fsdp: Optional[FSDPConfig] = None) -> torch.nn.Module:
+        """Shard ``model`` over all ranks with ``fsdp`` (default: the policy's settings); unchanged in a
+        single process."""
         if not self.dist.distributed:
             return model
-        from rlcore.distributed.fsdp import apply_fsdp
+        from rlcore.distributed.fsdp import apply_fsdp, check_fsdp_config
 
+        if fsdp is not None:
+            check_fsdp_config(fsdp)
         with self._timer.measure(f"prepare_{role}"):
-            return apply_fsdp(model, self.fsdp, self.dist)
+            return apply_fsdp(model, fsdp or self.fsdp, self.dist)
 
     @contextlib.contextmanager
     def generation(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:

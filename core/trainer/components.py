@@ -189,7 +189,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     if ref is not None and dist.distributed:
         ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
     if critic is not None:
-        critic = reshard.prepare(critic, "critic")
+        critic = prepare_role(reshard, critic, "critic", resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), actor_fsdp)
     n = int(ppo.rollout_batch_size) * ppo.generation.n
     total = tcfg.max_steps * ppo.ppo_epochs * max(1, n // max(1, ppo.mini_batch_size or 10**9))
     actor_opt, actor_sched = models.build_optimizer(actor, actor_cfg, total)
@@ -243,6 +243,19 @@ def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, dev
 def _wants_compile(setting: Optional[bool], device: torch.device | str) -> bool:
     """``<role>.compile``: as set, or (``null``) on for a role that trains on CUDA."""
     return bool(setting) if setting is not None else torch.device(device).type == "cuda"
+
+
+def prepare_role(reshard: Any, model: torch.nn.Module, role: str, fsdp: Any, policy_fsdp: Any) -> torch.nn.Module:
+    """``reshard.prepare`` with the role's own FSDP settings; a policy whose ``prepare`` takes no
+    ``fsdp`` argument (written before it existed) keeps its own, with a warning when they differ."""
+    import inspect
+
+    if "fsdp" in inspect.signature(reshard.prepare).parameters:
+        return reshard.prepare(model, role, fsdp=fsdp)
+    if fsdp != policy_fsdp:
+        log.warning("the reshard policy %s takes no per-role FSDP settings: %s is sharded with the actor's "
+                    "(%s) instead of its own (%s)", type(reshard).__name__, role, policy_fsdp, fsdp)
+    return reshard.prepare(model, role)
 
 
 def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placement: Any, actor_fsdp: Any,

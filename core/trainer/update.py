@@ -90,6 +90,17 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
     return loss
 
 
+def set_gradient_sync(module, on: bool) -> None:
+    """Turn the cross-rank gradient reduction of an FSDP2 module on or off (no-op for other modules).
+
+    With it off, a backward accumulates this rank's unsharded gradients without communication, so
+    ``trainer.gradient_accumulation_steps`` micro-batches cost one reduce-scatter, not one each
+    (the price: the unsharded gradients are held until the last micro-batch)."""
+    setter = getattr(module, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(on)
+
+
 def critic_micro_loss(critic, mb: Experience, ppo: PPOConfig, weight: float, stats: dict) -> None:
     values = response_values(critic, mb.input_ids, mb.attention_mask, mb.response_len)
     vf_loss, clipfrac = rlmath.value_loss(values, mb.values, mb.returns, mb.response_mask, ppo.cliprange_value)
@@ -119,6 +130,12 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                                                stable=True).indices]
             weights = micro_weights(exp.response_mask, mini_idx, cut.micro, ppo.loss_agg)
             for mstart, weight in zip(range(0, cut.mini, cut.micro), weights):
+                # Sharded gradients are reduced across ranks once per optimizer step, in the last
+                # micro-batch's backward; the earlier ones accumulate locally.
+                last = mstart + cut.micro >= cut.mini
+                set_gradient_sync(actor, last)
+                if critic is not None:
+                    set_gradient_sync(critic, last)
                 idx = mini_idx[mstart:mstart + cut.micro].to(exp.input_ids.device)
                 mb = exp.select(idx)
                 if ppo.trim_padding:

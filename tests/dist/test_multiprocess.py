@@ -59,7 +59,8 @@ STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 
 def test_two_processes(tmp_path, tiny_model_dir):
     cases = STRATEGIES + ["FULL_SHARD-bf16", "FULL_SHARD-offload", "FULL_SHARD-ckpt",
-                          "remesh-t2-g1", "remesh-t2-g2", "remesh-t1-g2", "remesh-t2-g2-v129", "sync", "data"]
+                          "remesh-t2-g1", "remesh-t2-g2", "remesh-t1-g2", "remesh-t2-g2-v129", "sync", "data",
+                          "grad-accum", "critic-fsdp"]
     recs = run_worker(tmp_path, 2, cases, tiny_model_dir)
     for name in STRATEGIES + ["FULL_SHARD-offload", "FULL_SHARD-ckpt", "remesh-t2-g1", "remesh-t2-g2",
                               "remesh-t1-g2", "remesh-t2-g2-v129"]:
@@ -72,6 +73,10 @@ def test_two_processes(tmp_path, tiny_model_dir):
     assert sync["random_broadcast"], "ranks did not all receive rank 0's weights"
     assert sync["tied"], "tied embeddings came apart while loading"
     assert_distinct_rows(recs["data"]["rows"])
+    ga = recs["grad-accum"]  # 4 micro-batches: one gradient reduction per optimizer step, the same weights
+    assert ga["reduce_scatters_1"] > 0 and ga["reduce_scatters_4"] == ga["reduce_scatters_1"], ga
+    assert ga["update_norm"] > 0 and ga["update_diff"] < 1e-4, ga
+    assert recs["critic-fsdp"] == {"actor": "torch.float32", "critic": "torch.bfloat16"}
 
 
 def test_four_processes(tmp_path):

@@ -157,6 +157,64 @@ def check_data_sharding(dist: DistInfo) -> dict:
     return {"rows": dinit.all_gather_object(mine)}
 
 
+def check_gradient_accumulation(dist: DistInfo) -> dict:
+    """One optimizer step of ``ppo_update`` with 1 and with 4 micro-batches: the gradient reductions
+    (reduce-scatters, counted by the profiler) and the resulting weights."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlcore.config.schema import PPOConfig
+    from rlcore.trainer.experience import Experience
+    from rlcore.trainer.update import ppo_update
+
+    g = torch.Generator().manual_seed(100 + dist.rank)  # each rank its own samples
+    ids = torch.randint(3, 100, (BATCH, SEQ), generator=g)
+    resp = 4
+    exp = Experience(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=torch.ones(BATCH, resp),
+                     old_logprobs=None, scores=torch.zeros(BATCH),
+                     advantages=torch.randn(BATCH, resp, generator=g))
+    out, deltas = {}, {}
+    for accum in (1, 4):
+        torch.manual_seed(0)
+        model = apply_fsdp(build_model(), FSDPConfig(param_dtype="fp32"), dist)
+        before = [p.full_tensor().detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        ppo = PPOConfig(mini_batch_size=BATCH, ppo_epochs=1, trim_padding=False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            ppo_update(exp, actor=model, actor_opt=opt, actor_sched=sched, actor_grad_clip=0.0, ppo=ppo,
+                       grad_accum=accum, temperature=1.0, kl_loss_coef=0.0, generator=torch.Generator().manual_seed(0))
+        names = [e.name for e in prof.events()]
+        out[f"reduce_scatters_{accum}"] = sum("reduce_scatter" in n for n in names)
+        deltas[accum] = torch.cat([(p.full_tensor().detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    out["update_norm"] = float(deltas[1].norm())
+    out["update_diff"] = float((deltas[4] - deltas[1]).norm() / deltas[1].norm())  # relative
+    return out
+
+
+def check_critic_fsdp(dist: DistInfo) -> dict:
+    """The critic is sharded with its own settings, not the actor's the policy was built with."""
+    from rlcore.trainer.components import prepare_role
+    from rlcore.trainer.models import ValueModel
+
+    actor_fsdp, critic_fsdp = FSDPConfig(param_dtype="fp32"), FSDPConfig(param_dtype="bf16")
+    policy = FSDPReshardPolicy(actor_fsdp, dist)
+    dtypes = {}
+    for role, fsdp in (("actor", actor_fsdp), ("critic", critic_fsdp)):
+        model = ValueModel.from_causal_lm(build_model()) if role == "critic" else build_model()
+        model = prepare_role(policy, model, role, fsdp, actor_fsdp)
+        seen = []
+        layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+        layer.register_forward_hook(lambda m, a, o: seen.append(str((o[0] if isinstance(o, tuple) else o).dtype)))
+        ids = torch.randint(3, 100, (2, SEQ))
+        with torch.no_grad():
+            if role == "critic":
+                model(ids, torch.ones_like(ids), torch.arange(SEQ).expand(2, SEQ))
+            else:
+                model(ids)
+        dtypes[role] = seen[0]
+    return dtypes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -177,6 +235,10 @@ def main() -> int:
             records[case] = check_sync_module_states(dist, args.model_dir)
         elif case == "data":
             records[case] = check_data_sharding(dist)
+        elif case == "grad-accum":
+            records[case] = check_gradient_accumulation(dist)
+        elif case == "critic-fsdp":
+            records[case] = check_critic_fsdp(dist)
         else:
             variant = "-v129" if case.endswith("-v129") else ""
             if variant not in refs:
