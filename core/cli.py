@@ -141,6 +141,11 @@ def _check_plugin_needs(cfg, names) -> None:
         from rlcore.rewards.backend import OFFLOAD_NEEDS_PLUGIN
 
         raise PlacementError(OFFLOAD_NEEDS_PLUGIN)
+    if cfg.actor.remeshing.enabled and "remesh" not in names:
+        from rlcore.errors import PluginError
+
+        raise PluginError("actor.remeshing.enabled=true needs the 'remesh' plugin: add --plugins remesh "
+                          "(or plugins: [remesh] in the config)")
     if "remesh" in names and cfg.actor.remeshing.enabled and _world_known(cfg):
         from rlcore.distributed.remesh import check_sizes
 

@@ -124,11 +124,12 @@ def apply_length_policy(ids: list[list[int]], config: DataConfig, where: str, *,
     return list(range(len(ids))), out, stats
 
 
-def ensure_input_ids(rows: list[dict], tokenizer: Any, config: DataConfig) -> list[dict]:
+def ensure_input_ids(rows: list[dict], tokenizer: Any, config: DataConfig, *, drop_overlong: bool = False) -> list[dict]:
     """Give every row ``input_ids`` (rows of custom datasets often hold only text) within the length limit.
 
-    Rows are never dropped here (every rank must keep its batch size): overlong prompts are truncated
-    by ``data.truncation`` or rejected when it is ``error``.
+    Overlong prompts are dropped when ``drop_overlong`` and ``data.filter_overlong_prompts`` are both
+    on (the caller refills the batch, see :class:`BatchFiller`); otherwise they are truncated by
+    ``data.truncation`` or rejected when it is ``error``.
     """
     key = config.prompt_key
     todo = [i for i, r in enumerate(rows) if r.get("input_ids") is None]
@@ -142,13 +143,45 @@ def ensure_input_ids(rows: list[dict], tokenizer: Any, config: DataConfig) -> li
         for i, t, x in zip(todo, texts, ids):
             out[i][key], out[i]["input_ids"] = t, x
     ids = [list(r["input_ids"]) for r in out]
-    _, ids, stats = apply_length_policy(ids, config, f"column '{key}'", can_drop=False)
+    keep, ids, stats = apply_length_policy(ids, config, f"column '{key}'", can_drop=drop_overlong)
     if stats.truncated:
         log.info("truncated %d of %d prompt(s) to %d tokens (%s)", stats.truncated, len(rows),
                  config.max_prompt_length, config.truncation)
+    if stats.dropped:
+        log.info("dropped %d of %d prompt(s) over data.max_prompt_length=%d tokens (data.filter_overlong_prompts)",
+                 stats.dropped, len(rows), config.max_prompt_length)
+    out = [out[i] for i in keep]
     for r, x in zip(out, ids):
         r["input_ids"] = x
     return out
+
+
+class BatchFiller:
+    """Training batches of exactly ``size`` prompts from ``loader`` when rows are dropped after loading
+    (overlong prompts of a custom dataset with ``data.filter_overlong_prompts``).
+
+    Called with a batch the loader gave, it tokenizes the rows, drops the overlong ones and takes
+    more from the loader's next batches until the batch is full; rows left over open the next
+    batch. Those few carried rows are not part of a checkpoint: a resumed run starts at the
+    loader's saved position, after them.
+    """
+
+    def __init__(self, loader: Any, tokenizer: Any, config: DataConfig, size: int):
+        self.loader, self.tokenizer, self.config, self.size = loader, tokenizer, config, int(size)
+        self._carry: list[dict] = []
+
+    def __call__(self, rows: list[dict]) -> list[dict]:
+        kept = self._carry + ensure_input_ids(rows, self.tokenizer, self.config, drop_overlong=True)
+        first_epoch = getattr(self.loader, "epoch", 0)
+        while len(kept) < self.size:
+            if getattr(self.loader, "epoch", 0) - first_epoch >= 2:
+                raise DataError(f"a whole epoch of the training data gave fewer than {self.size} prompts within "
+                                f"data.max_prompt_length={self.config.max_prompt_length} tokens (the rest were "
+                                "dropped by data.filter_overlong_prompts): raise the limit or set "
+                                "data.filter_overlong_prompts=false with data.truncation=left|right")
+            kept += ensure_input_ids(self.loader.next_batch(), self.tokenizer, self.config, drop_overlong=True)
+        self._carry = kept[self.size:]
+        return kept[:self.size]
 
 
 def list_collate(batch: list) -> list:

@@ -11,6 +11,8 @@ critic and ref train, or are sharded like the actor, with FSDP over every rank.
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -18,6 +20,8 @@ import torch
 from rlcore.errors import PlacementError
 from rlcore.protocols import ROLES, DistInfo, PlacementRequest
 
+
+log = logging.getLogger(__name__)
 
 #: the config key that sets each role's device
 DEVICE_KEYS = {"actor": "actor.device", "critic": "critic.device", "ref": "actor.device",
@@ -47,6 +51,25 @@ def parse_device(spec: str, local: torch.device, key: str = "device") -> torch.d
         if dev.index is None:
             dev = local if local.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def warn_shared_gpu(request: PlacementRequest, dist: DistInfo) -> None:
+    """Warn (once per node) when a role's device names one GPU (``cuda:N``) while several processes of
+    this node hold that role: each of them would put its copy on that same GPU."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if local < 2 or dist.local_rank != 0:
+        return
+    groups = request.rank_groups or {}
+    for role in ("actor", "critic", "reward"):
+        spec = str(getattr(request, role))
+        if not spec.startswith("cuda:"):
+            continue
+        if role in groups and len(groups[role]) < 2:
+            continue  # one process holds it: a chosen GPU is what the user wants
+        log.warning("%s='%s' puts the %s on the same GPU in each of the %d processes of this node; use 'auto' "
+                    "(each process its own GPU)%s", DEVICE_KEYS[role], spec, role, local,
+                    ", or placement.rank_groups.reward to give the reward model its own ranks" if role == "reward"
+                    else "")
 
 
 def check_rank_groups(groups: Mapping[str, Sequence[int]], world_size: int) -> dict[str, list[int]]:
@@ -102,6 +125,7 @@ class ColocatedPlacement:
         self.dist = dist
         self._devices = {role: parse_device(getattr(request, role), dist.device, DEVICE_KEYS[role])
                          for role in ROLES}
+        warn_shared_gpu(request, dist)
         # One process holds every role: rank pools describe a multi-process layout and are ignored
         # here (the run logs the key as inert), so one config serves a one-process debug run too.
         self._groups = check_rank_groups(request.rank_groups, dist.world_size) if dist.world_size > 1 else {}

@@ -113,8 +113,11 @@ class Components:
 
 
 def _load_rows(dataset: Any, limit: int) -> list:
+    """The first ``limit`` rows of the held-out set (``trainer.eval_samples``); says so when there are more."""
     rows = []
     if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        if len(dataset) > limit:
+            log.info("evaluation uses the first %d of %d held-out prompts (trainer.eval_samples)", limit, len(dataset))
         for i in range(min(limit, len(dataset))):
             rows.append(dataset[i])
     else:
@@ -126,7 +129,7 @@ def _load_rows(dataset: Any, limit: int) -> list:
 
 
 def build_placement(pm: Any, dist: DistInfo, actor_cfg: Any, critic_cfg: Any, reward_model_cfg: Any,
-                    placement_cfg: Any) -> Any:
+                    placement_cfg: Any, uses_critic: bool = True) -> Any:
     """The placement policy for the role devices and ``placement.rank_groups``, checked against the
     world size and against what the trainer runs (only ``reward`` may be split).
 
@@ -135,8 +138,12 @@ def build_placement(pm: Any, dist: DistInfo, actor_cfg: Any, critic_cfg: Any, re
     """
     from rlcore.distributed.placement import check_trainer_placement
 
+    # A role the run does not have (no critic under GRPO/RLOO, no reward model unless enabled) keeps
+    # its device "auto": its setting is inert, as the start-up warning says, and is not checked.
+    critic_device = critic_cfg.device if uses_critic else "auto"
+    reward_device = reward_model_cfg.device if reward_model_cfg.enable else "auto"
     placement = pm.build("rlcore_placement_policy", request=PlacementRequest(
-        actor=actor_cfg.device, critic=critic_cfg.device, ref=actor_cfg.device, reward=reward_model_cfg.device,
+        actor=actor_cfg.device, critic=critic_device, ref=actor_cfg.device, reward=reward_device,
         reward_offload=bool(reward_model_cfg.offload),
         rank_groups={role: list(ranks) for role, ranks in placement_cfg.rank_groups.items()}), dist=dist)
     check_trainer_placement(placement, dist.world_size)
@@ -166,7 +173,8 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     torch.manual_seed(tcfg.seed)
 
     # Placement first: a layout that does not fit the world fails before anything loads.
-    placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement))
+    placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement),
+                                uses_critic=algo.adv_estimator == "gae")
     device = placement.device_for("actor")
     model_path = actor_cfg.model_path or _demo_model(tcfg.output_dir, dist)
     if not actor_cfg.model_path and (data_cfg.train_files or data_cfg.custom_cls.path) and dist.is_main:
@@ -221,8 +229,8 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
 def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, device: torch.device,
                 model_path: str, dist: DistInfo) -> tuple[Any, list, Callable]:
-    """``(train loader, held-out rows, ensure_ids)``; sizes ``ppo.rollout_batch_size=auto`` first."""
-    from rlcore.data.collate import ensure_input_ids
+    """``(train loader, held-out rows, ensure_ids: full training batches from the loader's)``; sizes ``ppo.rollout_batch_size=auto`` first."""
+    from rlcore.data.collate import BatchFiller, ensure_input_ids
     from rlcore.data.loader import PromptLoader
 
     train_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="train", dist=dist)
@@ -230,14 +238,14 @@ def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, dev
     if data_cfg.val_files or not data_cfg.train_files:
         val_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="val", dist=dist)
         val_rows = _load_rows(val_ds, tcfg.eval_samples)
-    ensure = lambda rows: ensure_input_ids(rows, tokenizer, data_cfg)  # noqa: E731
-    val_rows = ensure(val_rows) if val_rows else []
+    val_rows = ensure_input_ids(val_rows, tokenizer, data_cfg, drop_overlong=True) if val_rows else []
     if ppo.rollout_batch_size == "auto":
         from rlcore.rollout.autosize import auto_rollout_batch_size
 
         ppo.rollout_batch_size = auto_rollout_batch_size(device=device, n=ppo.generation.n, model_path=model_path,
                                                          max_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
-    return PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist), val_rows, ensure
+    loader = PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist)
+    return loader, val_rows, BatchFiller(loader, tokenizer, data_cfg, int(ppo.rollout_batch_size))
 
 
 def _wants_compile(setting: Optional[bool], device: torch.device | str) -> bool:

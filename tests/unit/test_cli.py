@@ -178,6 +178,8 @@ def test_every_preflight_problem_is_reported_together(tmp_path):
     assert code == 0, err
     code, out, err = run_cli(remesh + ["actor.remeshing.enabled=true"])
     assert code == 0, err
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", "actor.remeshing.enabled=true"])
+    assert code != 0 and "actor.remeshing.enabled=true needs the 'remesh' plugin" in err
 
 
 def test_checks_of_the_critic_are_skipped_when_the_algorithm_has_none(tmp_path):

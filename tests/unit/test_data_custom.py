@@ -101,3 +101,25 @@ def test_ensure_input_ids_truncates_or_rejects(tiny_tokenizer):
         ensure_input_ids(rows, tiny_tokenizer, DataConfig(max_prompt_length=3))
     with pytest.raises(DataError, match=r"no column 'prompt' .* columns: q"):
         ensure_input_ids([{"q": "a"}], tiny_tokenizer, DataConfig())
+
+
+def test_overlong_rows_of_a_custom_dataset_are_dropped_and_the_batch_refilled(tiny_tokenizer):
+    from rlcore.config.schema import DataConfig
+    from rlcore.data.collate import BatchFiller
+    from rlcore.data.loader import PromptLoader
+    from rlcore.protocols import DistInfo
+
+    # every third prompt is over the limit of 4 tokens
+    rows = [{"prompt": "a b c d e f g" if i % 3 == 0 else "a b", "i": i} for i in range(30)]
+    config = DataConfig(max_prompt_length=4, shuffle=False)
+    loader = PromptLoader(rows, config, 4, 0, DistInfo())
+    fill = BatchFiller(loader, tiny_tokenizer, config, 4)
+    batches = [fill(loader.next_batch()) for _ in range(4)]
+    assert all(len(b) == 4 for b in batches)
+    seen = [r["i"] for b in batches for r in b]
+    assert seen == [i for i in range(30) if i % 3][:16]  # in order, none lost, none repeated
+    assert all(len(r["input_ids"]) <= 4 for b in batches for r in b)
+    everything_long = [{"prompt": "a b c d e f g"} for _ in range(8)]
+    loader = PromptLoader(everything_long, config, 4, 0, DistInfo())
+    with pytest.raises(DataError, match="fewer than 4 prompts within data.max_prompt_length=4"):
+        BatchFiller(loader, tiny_tokenizer, config, 4)(loader.next_batch())

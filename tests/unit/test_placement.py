@@ -133,3 +133,22 @@ def test_a_reshard_policy_without_per_role_settings_keeps_its_own_with_a_warning
     assert "Old takes no per-role FSDP settings: critic is sharded with the actor's" in caplog.text
     prepare_role(New(), model, "critic", critic, actor)
     assert calls == [("critic", None), ("critic", None), ("critic", critic)]
+
+
+def test_one_named_gpu_for_every_process_of_a_node_is_warned_about(monkeypatch, caplog):
+    import logging
+
+    from rlcore.distributed.placement import warn_shared_gpu
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with caplog.at_level(logging.WARNING):
+        warn_shared_gpu(PlacementRequest(actor="cuda:0", reward="cuda:4"), DistInfo(world_size=8))
+    assert "actor.device='cuda:0' puts the actor on the same GPU in each of the 8 processes" in caplog.text
+    assert "reward_model.device='cuda:4'" in caplog.text and "placement.rank_groups.reward" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_shared_gpu(PlacementRequest(reward="cuda:4", rank_groups={"reward": [7]}), DistInfo(world_size=8))
+        warn_shared_gpu(PlacementRequest(actor="auto", reward="cuda"), DistInfo(world_size=8))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        warn_shared_gpu(PlacementRequest(actor="cuda:0"), DistInfo())
+    assert caplog.text == ""

@@ -115,3 +115,21 @@ def test_validate_checks_rank_groups_against_the_launch_size(monkeypatch, capsys
     assert main(["validate", *common, "placement.rank_groups.critic=[1]"]) == 2
     assert "Only the 'reward' role can be split" in capsys.readouterr().err
     assert main(["validate", *common, "placement.rank_groups.reward=[1]"]) == 0
+
+
+def test_devices_of_roles_the_run_lacks_are_not_checked():
+    import torch
+
+    if torch.cuda.device_count() > 7:
+        pytest.skip("needs a machine without a cuda:7")
+    from rlcore.plugin_manager import build_plugin_manager
+
+    placement_for(["reward_model.device=cuda:7"], world=1)  # no reward model: inert, as the warning says
+    with pytest.raises(PlacementError, match="reward_model.device='cuda:7'"):
+        placement_for(["reward_model.device=cuda:7", "reward_model.enable=true"], world=1)
+    cfg = load_config(overrides=["critic.device=cuda:7"])
+    args = (build_plugin_manager([]), DistInfo(), obj(cfg.actor), obj(cfg.critic), obj(cfg.reward_model),
+            obj(cfg.placement))
+    build_placement(*args, uses_critic=False)  # GRPO/RLOO train no critic
+    with pytest.raises(PlacementError, match="critic.device='cuda:7'"):
+        build_placement(*args)
