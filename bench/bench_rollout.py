@@ -137,9 +137,6 @@ VARIANTS = {
     # the attention kernel as before rollout run 10: 4 warps, RoPE position looked up in every layer
     "engine_attn_before": {"attention_tuning": {"num_warps": 4, "rope_rows": False}},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
-    # the slots in 2 or 4 groups whose layers run concurrently on their own streams
-    "engine_parts2": {"row_parts": 2},
-    "engine_parts4": {"row_parts": 4},
 }
 
 

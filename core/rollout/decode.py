@@ -23,7 +23,6 @@ in a CUDA graph, so the compiled functions' Python guards cost nothing when it i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -152,10 +151,6 @@ class StepFunctions:
     compiled: bool
     spec: DecoderSpec
     rope_in_attention: bool = False
-    #: ``last`` in two: the last layer's tail (-> hidden ``[n, H]``), then norm + LM head (-> logits),
-    #: for steps whose rows run their layers in parts (:func:`decode` with ``parts`` > 1).
-    last_hidden: Callable | None = None
-    logits: Callable | None = None
 
 
 SPLIT_K_KEYS = ("o", "gate_up", "down")
@@ -235,24 +230,17 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
         x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split)
         return F.linear(rms_norm(x, norm, eps), lm_head)
 
-    def last_hidden(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias):
-        return _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split)
-
-    def logits(x, norm, lm_head):
-        return F.linear(rms_norm(x, norm, eps), lm_head)
-
     if rope_in_attention:
         first, middle = first_projected, middle_projected
     if compile_mode is None:
-        return StepFunctions(first, middle, last, compiled=False, spec=spec, rope_in_attention=rope_in_attention,
-                             last_hidden=last_hidden, logits=logits)
+        return StepFunctions(first, middle, last, compiled=False, spec=spec, rope_in_attention=rope_in_attention)
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"rollout engine: compile_mode {compile_mode!r} is not one of {COMPILE_MODES}")
     _raise_recompile_limit(64)
     options = dict(fullgraph=True, mode=None if compile_mode == "default" else compile_mode)
-    return StepFunctions(*(torch.compile(f, **options) for f in (first, middle, last)), compiled=True, spec=spec,
-                         rope_in_attention=rope_in_attention, last_hidden=torch.compile(last_hidden, **options),
-                         logits=torch.compile(logits, **options))
+    return StepFunctions(torch.compile(first, **options), torch.compile(middle, **options),
+                         torch.compile(last, **options), compiled=True, spec=spec,
+                         rope_in_attention=rope_in_attention)
 
 
 def _raise_recompile_limit(at_least: int) -> None:
@@ -320,86 +308,32 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
 
 # ----------------------------------------------------------------------------- the step
 
-_SIDE_STREAMS: dict[torch.device, list] = {}
-
-
-def _side_streams(device: torch.device, count: int) -> list:
-    """``count`` CUDA streams of ``device`` kept for the row parts of decode steps (created once)."""
-    streams = _SIDE_STREAMS.setdefault(device, [])
-    while len(streams) < count:
-        streams.append(torch.cuda.Stream(device=device))
-    return streams[:count]
-
-
-def row_parts(n: int, parts: int) -> list[tuple[int, int]]:
-    """``n`` rows cut into ``parts`` contiguous ``(start, stop)`` ranges of near-equal size (no empty one)."""
-    parts = max(1, min(int(parts), n))
-    bounds = [n * p // parts for p in range(parts + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
 @torch.no_grad()
 def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: int, length: int,
            cos_table: torch.Tensor, sin_table: torch.Tensor, fns: StepFunctions,
-           attention: str = "sdpa", attention_tuning: dict | None = None, parts: int = 1) -> torch.Tensor:
+           attention: str = "sdpa", attention_tuning: dict | None = None) -> torch.Tensor:
     """One decode step for slots ``0..n-1``; no host synchronisation, fixed shapes.
 
     Writes each slot's key/value at its ``cache_index``, marks it valid in ``bias``, attends over
     columns ``0..length-1`` (``length`` must exceed every live slot's ``cache_index``), advances
     ``positions`` and ``cache_index`` (clamped to ``S-1`` so idle slots stay in bounds).
 
-    With ``parts`` > 1 the slots are cut into that many contiguous groups whose layers run
-    concurrently, each on its own CUDA stream (one after another off CUDA); the groups' final
-    hidden states are then normed and projected by one LM-head product. At a few hundred rows
-    the step's products fill few of the GPU's multiprocessors, so a group's products can run
-    beside another group's attention.
-
     Args:
         cache: ``[L, 2, B, KVH, S, D]``. cos_table, sin_table: ``[S, D]`` (``sin_table`` signed), in
             the compute dtype for the separate RoPE, any float dtype for ``fns.rope_in_attention``
             (which needs ``attention="triton"``). fns: :func:`step_functions`.
         attention_tuning: for ``attention="triton"``, see :func:`check_attention_tuning`.
-        parts: row groups run concurrently (needs ``fns.last_hidden`` and ``fns.logits``).
     Returns:
         ``[n, V]`` next-token logits in the compute dtype.
     """
     last_column = cache.shape[4] - 1
-    ranges = row_parts(n, parts) if fns.last_hidden is not None and fns.logits is not None else [(0, n)]
-    if len(ranges) == 1:
-        logits = _rows(weights, cache, state, 0, n, length, cos_table, sin_table, fns, attention,
-                       attention_tuning, final=True)
-    else:
-        hidden = torch.empty(n, weights.embed.shape[1], dtype=weights.embed.dtype, device=weights.embed.device)
-        main = torch.cuda.current_stream(cache.device) if cache.is_cuda else None
-        streams = [main] + _side_streams(cache.device, len(ranges) - 1) if main is not None else [None] * len(ranges)
-        for stream in streams[1:] if main is not None else ():
-            stream.wait_stream(main)
-        for (a, b), stream in zip(ranges, streams):
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                hidden[a:b].copy_(_rows(weights, cache, state, a, b, length, cos_table, sin_table, fns, attention,
-                                        attention_tuning, final=False))
-        for stream in streams[1:] if main is not None else ():
-            main.wait_stream(stream)
-        logits = fns.logits(hidden, weights.norm, weights.lm_head)
     positions, cache_index = state.positions[:n], state.cache_index[:n]
-    positions.add_(1).clamp_(max=last_column)
-    cache_index.add_(1).clamp_(max=last_column)
-    return logits
-
-
-def _rows(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, a: int, b: int, length: int,
-          cos_table: torch.Tensor, sin_table: torch.Tensor, fns: StepFunctions, attention: str,
-          attention_tuning: dict | None, final: bool) -> torch.Tensor:
-    """Every layer for slots ``a..b-1``: their logits (``final``) or their last hidden state."""
-    n = b - a
-    positions, cache_index = state.positions[a:b], state.cache_index[a:b]
-    bias = state.bias[a:b]
+    bias = state.bias[:n]
     bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
     tuning = dict(attention_tuning or {})
     rope_rows = tuning.pop("rope_rows", True)
     if attention == "triton" and state.attention_counters is not None:
-        kv_heads = cache.shape[3]
-        tuning["counters"] = state.attention_counters[a * kv_heads:b * kv_heads]  # each part its own
+        tuning["counters"] = state.attention_counters
     if fns.rope_in_attention:
         spec = fns.spec
         rotary = (cos_table, sin_table, positions)
@@ -407,26 +341,27 @@ def _rows(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, a: i
             rotary = (cos_table.index_select(0, positions), sin_table.index_select(0, positions), None)
 
         def attend_layer(layer, head):
-            return decode_attention.attend_new(head[0], layer[:, a:b], bias, length, *rotary, cache_index,
-                                               spec.num_heads, spec.num_kv_heads, **tuning)
+            return decode_attention.attend_new(head[0], layer, bias, length, *rotary, cache_index, spec.num_heads,
+                                               spec.num_kv_heads, **tuning)
     else:
         dim = cache.shape[-1]
-        flat = (state.flat_base[:, a:b] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
+        flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
 
         def attend_layer(layer, head):
             q, kv = head
             layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
-            return attend(q, layer[:, a:b], bias, length, attention, tuning)
+            return attend(q, layer, bias, length, attention, tuning)
 
     layers = weights.layers
-    x, head, rope = fns.first(state.tokens[a:b], positions, cos_table, sin_table, weights.embed,
+    x, head, rope = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
                               *head_args(layers[0]))
     for index, lw in enumerate(layers):
         attn = attend_layer(cache[index], head)  # cache[index]: [2, B, KVH, S, D]
         if index + 1 < len(layers):
             x, head = fns.middle(x, attn, rope, *tail_args(lw), *head_args(layers[index + 1]))
-        elif final:
-            return fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
         else:
-            return fns.last_hidden(x, attn, *tail_args(lw))
-    raise ValueError("decode: the model has no layers")
+            logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
+    positions.add_(1).clamp_(max=last_column)
+    cache_index.add_(1).clamp_(max=last_column)
+    return logits
+

@@ -155,9 +155,6 @@ class RolloutEngine:
             on CUDA (the compiler fuses the sums), else none; ``None`` or ``{}``: none.
         attention_tuning: settings of the Triton attention kernel, e.g. ``{"num_warps": 2}``; keys in
             :data:`rlcore.rollout.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.decode.check_attention_tuning`).
-        row_parts: cut a decode step's slots into this many groups whose layers run concurrently on
-            their own CUDA streams (one LM-head product for all of them); used when the step has at
-            least two slots per group (see :func:`rlcore.rollout.decode.decode`). Default 1.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -167,7 +164,7 @@ class RolloutEngine:
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
                  rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto",
-                 attention_tuning: Mapping[str, object] | None = None, row_parts: int = 1):
+                 attention_tuning: Mapping[str, object] | None = None):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -203,9 +200,6 @@ class RolloutEngine:
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
         self.attention_tuning = decode.check_attention_tuning(attention_tuning)
-        if isinstance(row_parts, bool) or not isinstance(row_parts, int) or row_parts < 1:
-            raise ValueError(f"RolloutEngine: row_parts must be an integer >= 1, got {row_parts!r}")
-        self.row_parts = row_parts
         if split_k == "auto":
             split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
         self.split_k = decode.split_k_tuple(split_k)
@@ -333,7 +327,7 @@ class RolloutEngine:
     def _step(self, n: int, length: int, fns: decode.StepFunctions) -> torch.Tensor:
         cos, sin = (self.cos, self.sin) if fns.rope_in_attention else (self.step_cos, self.step_sin)
         return decode.decode(self.weights, self.cache, self.state, n, length, cos, sin, fns, self.attention,
-                             self.attention_tuning, parts=self.row_parts if n >= 2 * self.row_parts else 1)
+                             self.attention_tuning)
 
     def _warm_eager(self, n: int) -> None:
         """Run (and so compile) a step of ``n`` slots, leaving the decode state as it was."""

@@ -136,37 +136,3 @@ def test_compiled_step_matches_hf_on_cpu(qwen2, eos_case, split_k):
     assert engine.compile, "compilation fell back to the plain step"
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
-
-
-def test_row_parts_cover_every_row_once():
-    assert decode.row_parts(7, 2) == [(0, 3), (3, 7)]
-    assert decode.row_parts(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert decode.row_parts(3, 8) == [(0, 1), (1, 2), (2, 3)]
-    assert decode.row_parts(5, 1) == [(0, 5)]
-
-
-@pytest.mark.parametrize("parts", [2, 3])
-def test_a_step_in_row_parts_matches_hf(qwen2, eos_case, parts):
-    """Slots cut into groups whose layers run separately (then one LM head): HF's greedy tokens and
-    log-probs, also while slots are freed, refilled and compacted."""
-    params, expected = eos_case
-    engine = RolloutEngine(qwen2, max_batch_size=6, max_seq_len=24, admit_fraction=0.0, eos_check_interval=1,
-                           attention_length_step=4, row_parts=parts)
-    calls = []
-    real = decode.row_parts
-
-    def spy(n, p):
-        calls.append((n, p))
-        return real(n, p)
-
-    try:
-        decode.row_parts = spy
-        got = engine.generate(PROMPTS, params)
-    finally:
-        decode.row_parts = real
-    assert any(p == parts and n >= 2 * parts for n, p in calls)  # the steps of a full batch ran in parts
-    assert torch.equal(got.response_ids, expected.response_ids)
-    assert torch.equal(got.response_mask, expected.response_mask)
-    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
-    with pytest.raises(ValueError, match="row_parts must be an integer >= 1"):
-        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=8, row_parts=0)

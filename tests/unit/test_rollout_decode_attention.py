@@ -229,18 +229,3 @@ def test_engine_rope_in_attention_matches_the_separate_steps(qwen2):
     expected, got = separate.generate(PROMPTS, GREEDY), fused.generate(PROMPTS, GREEDY)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
-
-
-@needs_kernel
-@pytest.mark.slow
-def test_engine_row_parts_with_the_kernel_match_one_part(qwen2):
-    """Slot groups on their own streams (CUDA: captured in one graph), each with its own slice of the
-    cache and of the kernel's counters: the tokens and log-probs of the one-part step."""
-    kwargs = dict(max_batch_size=6, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
-                  attention="triton", device=DEVICE)
-    expected = RolloutEngine(qwen2, **kwargs).generate(PROMPTS, GREEDY)
-    engine = RolloutEngine(qwen2, row_parts=2, **kwargs)
-    got = engine.generate(PROMPTS, GREEDY)
-    assert torch.equal(got.response_ids, expected.response_ids)
-    assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
-    assert int(engine.state.attention_counters.abs().sum()) == 0
