@@ -221,7 +221,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from rlcore.config.inert import inert_keys
+    from rlcore.config.inert import idle_plugins, inert_keys
     from rlcore.distributed.init import init_distributed
     from rlcore.distributed.launch import maybe_launch
 
@@ -238,6 +238,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             preset = {o.split("=", 1)[0] for o in DEMO_OVERRIDES} - {o.split("=", 1)[0] for o in args.overrides}
         for key, why in inert_keys(cfg, names, dist.world_size, ignore=preset):
             log.warning("config key '%s' has no effect in this run: %s", key, why)
+        for name, why in idle_plugins(cfg, names):
+            log.warning("plugin '%s' is selected but does nothing in this run: %s", name, why)
         if is_demo(args.config, args.overrides):
             log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
     from rlcore.trainer.loop import Trainer
@@ -259,6 +261,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
         print(f"held-out mean reward: {before:.3f} -> {after:.3f} ({after - before:+.3f})")
     elif after is not None:
         print(f"held-out mean reward: {after:.3f}")
+    elif before is not None:
+        print(f"held-out mean reward before training: {before:.3f} (no final evaluation: the run stopped early)")
     for k, v in sorted(summary.items()):
         if not k.endswith("reward_mean"):
             print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
@@ -307,8 +311,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    if getattr(args, "argv", "unset") is None:
-        args.argv = argv[1:]
+    if getattr(args, "argv", "unset") is None:  # what follows the command, for the workers of rlcore's launcher
+        args.argv = argv[argv.index(args.command) + 1:]
+    os.environ["RLCORE_LOG_LEVEL"] = str(args.log_level)  # workers started by the launcher log alike
     try:
         return int(args.func(args) or 0)
     except RLCoreError as e:

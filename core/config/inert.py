@@ -62,3 +62,13 @@ def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int,
                 out.append((key, why))
                 break
     return out
+
+
+def idle_plugins(cfg: DictConfig, plugins: Iterable[str]) -> list[tuple[str, str]]:
+    """``(plugin, reason)`` for selected built-in plugins that this config leaves with nothing to do."""
+    plugins = set(plugins)
+    rules = [
+        ("remesh", not cfg.actor.remeshing.enabled, "actor.remeshing.enabled is false"),
+        ("rm-offload", not cfg.reward_model.enable, "reward_model.enable is false (no reward model to place)"),
+    ]
+    return [(name, why) for name, idle, why in rules if name in plugins and idle]

@@ -17,6 +17,11 @@ log = logging.getLogger(__name__)
 #: Set by torchrun in every worker; its presence means "already launched".
 LAUNCHED_MARKERS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 
+#: Seconds torch elastic lets the workers finish after a SIGTERM/SIGINT before it kills them (its
+#: own default is 30, less than a training step plus a checkpoint save of a real model). The
+#: environment variable ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, when set, wins.
+SHUTDOWN_TIMEOUT_S = 900
+
 
 def under_launcher() -> bool:
     """True inside a process started by torchrun (or another launcher that set ``WORLD_SIZE``)."""
@@ -43,13 +48,20 @@ def maybe_launch(nproc_per_node: int, argv: Sequence[str]) -> bool:
         raise RLCoreError(f"trainer.nproc_per_node must be >= 1, got {n}")
     if n == 1 or under_launcher():
         return False
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     args = parse_args(launcher_args(n, argv))
     log.info("starting %d worker processes with torch.distributed.run (torchrun)", n)
     try:
         run(args)
+    except SignalException as e:  # the workers got the signal too, finished their step and saved
+        log.warning("stopped by signal %s: the workers were given up to %s s to finish their step and save a "
+                    "checkpoint (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)", getattr(e, "sigval", "?"),
+                    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+        return True
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         detail = failure.message if failure.message and "enable traceback" not in failure.message else ""

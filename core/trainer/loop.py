@@ -147,11 +147,14 @@ class Trainer:
         m["actor/kl_coef"] = c.kl_ctrl.value
         self.hook.rlcore_step_end(step=step, metrics=m)
         c.profiler.step_end(step)
-        if step % self.tcfg.log_steps == 0 or step == self.tcfg.max_steps:
+        logged = step % self.tcfg.log_steps == 0 or step == self.tcfg.max_steps
+        if logged:
             m.update(c.gpu_monitor.interval_summary())
-            self.hook.rlcore_metrics(step=step, metrics=c.reduce_metrics(m), split="train")
-        if self.tcfg.eval_steps and step % self.tcfg.eval_steps == 0 and c.val_rows:
-            self.evaluate("step")
+        m = c.reduce_metrics(m)  # averaged over ranks: what the log, the progress bar and the summary show
+        if logged:
+            self.hook.rlcore_metrics(step=step, metrics=m, split="train")
+        if self.tcfg.eval_steps and step % self.tcfg.eval_steps == 0:
+            self.evaluate("step")  # every rank takes part, also one without held-out rows
         return m
 
     # ------------------------------------------------------------------------------------------
@@ -247,25 +250,45 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, float]:
-        """Greedy generation on held-out prompts; mean reward."""
+        """Greedy generation on held-out prompts; mean reward over every rank's prompts.
+
+        Ranks may hold different numbers of held-out rows (a provider that shards them); every
+        rank still makes the same number of generation calls, since each one gathers the sharded
+        weights: a rank with fewer batches generates (and drops) copies of a held-out row."""
         c = self.c
-        if not c.val_rows:
-            return {}
-        scores, lengths = [], []
         bs = max(1, int(self.gen_cfg.batch_size))
+        batches = [c.val_rows[i:i + bs] for i in range(0, len(c.val_rows), bs)]
+        if self.dist.world_size > 1:
+            from rlcore.distributed.init import all_gather_object
+
+            shared = all_gather_object((len(batches), c.val_rows[0] if c.val_rows else None))
+            total = max(count for count, _ in shared)
+            if total:
+                spare = next(row for _, row in shared if row is not None)
+                batches += [None] * (total - len(batches))
+        if not batches:
+            return {}
+        sums = {"reward": 0.0, "length": 0.0, "count": 0.0}
         saved_n, self.n = self.n, 1
         try:
-            for i in range(0, len(c.val_rows), bs):
-                rows = c.val_rows[i:i + bs]
-                prompts, extras = self.expand(rows)
+            for rows in batches:
+                prompts, extras = self.expand(rows if rows is not None else [spare])
                 rollout = self.generate(prompts, self.sampling(0, greedy=True))
                 s, _ = self.score(rollout, extras)
-                scores.append(s)
-                lengths.append(rollout.response_mask.sum(-1).float())
+                if rows is not None:
+                    sums["reward"] += float(s.sum())
+                    sums["length"] += float(rollout.response_mask.sum())
+                    sums["count"] += len(rows)
         finally:
             self.n = saved_n
-        out = {"reward_mean": float(torch.cat(scores).mean()), "response_length": float(torch.cat(lengths).mean())}
-        self.hook.rlcore_metrics(step=self.state.step, metrics=c.reduce_metrics(out), split="val")
+        if self.dist.world_size > 1:
+            from rlcore.distributed.init import all_gather_object
+
+            parts = all_gather_object(sums)
+            sums = {k: sum(p[k] for p in parts) for k in sums}
+        count = max(sums["count"], 1.0)
+        out = {"reward_mean": sums["reward"] / count, "response_length": sums["length"] / count}
+        self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
         return out
 
 

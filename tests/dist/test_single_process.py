@@ -83,6 +83,29 @@ def test_launch_only_when_asked_and_not_already_launched(no_torchrun):
     assert parsed.module and parsed.training_script == "rlcore" and parsed.nproc_per_node == "2"
 
 
+def test_a_stop_signal_to_the_launcher_is_a_graceful_end(no_torchrun, caplog):
+    import logging
+
+    import torch.distributed.run as trun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(args):
+        raise SignalException("got signal: 15", sigval=15)
+
+    no_torchrun.setattr(trun, "run", stopped)
+    no_torchrun.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert launch.maybe_launch(2, ["trainer.max_steps=1"]) is True
+    import os
+
+    # the workers get time for their step and checkpoint (torch's own default is 30 s)
+    assert os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(launch.SHUTDOWN_TIMEOUT_S)
+    assert "stopped by signal 15" in caplog.text
+    no_torchrun.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5")
+    launch.maybe_launch(2, [])
+    assert os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "5"  # the user's setting wins
+
+
 def test_fsdp_config_mapping():
     assert F.RESHARD_AFTER_FORWARD == {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False,
                                        "HYBRID_SHARD": True}

@@ -40,6 +40,31 @@ def test_nproc_per_node_starts_the_elastic_launcher_with_remesh(tmp_path):
     assert "starting 2 worker processes" in proc.stderr + proc.stdout
 
 
+def test_streaming_with_an_uneven_held_out_set_and_a_global_log_level(tmp_path):
+    """Streaming shards the held-out rows too (17 and 16 here): both ranks still make the same
+    generation calls, and the summary shows the mean over every rank's prompts, as the log does.
+    ``--log-level`` before the command reaches the workers of rlcore's launcher."""
+    import json
+
+    from rlcore.data.synthetic import write_parquet_shards
+
+    train = write_parquet_shards(str(tmp_path / "train"), [64])
+    val = write_parquet_shards(str(tmp_path / "val"), [33], seed=1)
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "rlcore", "--log-level", "WARNING", "train", *COMMON, f"trainer.output_dir={out}",
+                "trainer.nproc_per_node=2", "--plugins", "streaming,sparse-logging", f"data.train_files=[{train[0]}]",
+                f"data.val_files=[{val[0]}]", "trainer.eval_samples=64", "ppo.generation.batch_size=8",
+                "ppo.rollout_batch_size=4"], tmp_path)
+    assert_trained(proc, out)
+    text = proc.stdout + proc.stderr
+    assert " INFO " not in text  # the workers log at the level given to the launcher
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val_means = [r["reward_mean"] for r in records if r.get("split") == "val"]
+    assert len(val_means) == 2, records  # before and after training
+    summary = next(line for line in proc.stdout.splitlines() if line.startswith("held-out mean reward:"))
+    assert summary.startswith(f"held-out mean reward: {val_means[0]:.3f} -> {val_means[1]:.3f}"), (summary, val_means)
+
+
 def test_worker_failure_fails_the_launch_with_a_clear_error(tmp_path):
     proc = run([sys.executable, "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={tmp_path / 'run'}",
                 "trainer.nproc_per_node=2", "plugins=[remesh]", "actor.remeshing.enabled=true",

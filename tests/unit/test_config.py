@@ -133,6 +133,11 @@ def test_inert_keys_are_reported_with_a_reason():
     # with the plugin and several ranks the same keys are live
     live = dict(inert_keys(cfg, plugins=["remesh"], world_size=4))
     assert "actor.remeshing.enabled" not in live and "fsdp.sync_module_states" not in live
+    from rlcore.config.inert import idle_plugins
+
+    assert dict(idle_plugins(load_config(), ["remesh", "rm-offload", "streaming"])) == {
+        "remesh": "actor.remeshing.enabled is false", "rm-offload": "reward_model.enable is false (no reward model to place)"}
+    assert idle_plugins(load_config([], ["actor.remeshing.enabled=true"]), ["remesh"]) == []
     cached = load_config([], ["data.cache_dir=/tmp/c"])
     assert "data.cache_dir" not in dict(inert_keys(cached, plugins=[], world_size=1))
     assert "streaming" in dict(inert_keys(cached, plugins=["streaming"], world_size=1))["data.cache_dir"]
