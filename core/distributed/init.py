@@ -105,6 +105,22 @@ def write_error_file(path: str, error: BaseException, callstack: str) -> None:
         json.dump(record, f)
 
 
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """On ranks other than 0, keep warnings and errors but drop INFO lines (rank 0 says them once
+    for the job), unless the log level is DEBUG."""
+    root = logging.getLogger()
+    if rank == 0 or root.getEffectiveLevel() <= logging.DEBUG:
+        return
+    for handler in root.handlers:
+        if not any(isinstance(f, _WarningsOnly) for f in handler.filters):
+            handler.addFilter(_WarningsOnly())
+
+
 def init_distributed(device_pref: str = "auto") -> DistInfo:
     """Join the process group when started by torchrun (``WORLD_SIZE`` > 1); else describe one process.
 
@@ -127,6 +143,7 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
         tdist.init_process_group(**kwargs)
     _install_error_file_hook()
     info = DistInfo(rank=tdist.get_rank(), world_size=tdist.get_world_size(), local_rank=local_rank, device=device)
+    quiet_other_ranks(info.rank)
     if info.is_main:
         log.info("process group: %d ranks, backend %s, timeout %.0f s", info.world_size,
                  tdist.get_backend(), collective_timeout().total_seconds())

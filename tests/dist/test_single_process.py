@@ -182,3 +182,24 @@ def test_prompt_loader_gives_each_rank_distinct_rows(world):
         seen.append([r["prompt"] for _ in range(2) for r in loader.next_batch()])
     flat = [r for part in seen for r in part]
     assert len(flat) == len(set(flat)) == world * 6
+
+
+def test_ranks_other_than_0_keep_only_warnings():
+    import logging
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    root.addHandler(handler)
+    level = root.level
+    try:
+        root.setLevel(logging.INFO)
+        info = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+        warning = logging.LogRecord("x", logging.WARNING, __file__, 1, "m", None, None)
+        dinit.quiet_other_ranks(0)
+        assert handler.filter(info)
+        dinit.quiet_other_ranks(1)
+        dinit.quiet_other_ranks(1)
+        assert not handler.filter(info) and handler.filter(warning) and len(handler.filters) == 1
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
