@@ -242,6 +242,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             log.warning("plugin '%s' is selected but does nothing in this run: %s", name, why)
         if is_demo(args.config, args.overrides):
             log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
+        elif not cfg.data.train_files and not cfg.data.custom_cls.path:
+            log.warning("data.train_files is not set: the run trains on the built-in demo task (the alphabet "
+                        "prompts)%s", "" if cfg.actor.model_path else " with the demo's tiny model")
     from rlcore.trainer.loop import Trainer
 
     trainer = Trainer(cfg, pm, dist)

@@ -1,4 +1,6 @@
-"""The seed's user dataset class, usable as written:
+"""The seed's user dataset class, with one change: it yields every column of a row, not only the
+prompt, so that rewards can read ``ground_truth`` and ``data_source`` (a class that yields the prompt
+alone needs a reward that reads nothing else, e.g. a reward model):
 
     rlcore train data.custom_cls.path=examples/streaming_dataset.py data.custom_cls.name=StreamingRLHFDataset \
         "data.train_files=['/data/parquet/part-00000.parquet', '/data/parquet/part-00001.parquet']"
@@ -18,4 +20,4 @@ class StreamingRLHFDataset(IterableDataset):
             # streamed: one file at a time, never all of them in memory
             ds = load_dataset("parquet", data_files=file, split="train", streaming=True)
             for sample in ds:
-                yield {self.prompt_key: sample[self.prompt_key]}
+                yield dict(sample)  # the prompt (self.prompt_key) and the columns rewards read

@@ -142,8 +142,20 @@ def check_data_files(config: DataConfig) -> list[FileInfo]:
         for key, spec in (("data.train_files", config.train_files), ("data.val_files", config.val_files)):
             resolve_files(spec, key)
         return []
-    train = check_files(config.train_files, config.prompt_key, "data.train_files")
-    check_files(config.val_files, config.prompt_key, "data.val_files")
+    problems: list[DataError] = []
+    train: list[FileInfo] = []
+    for key, spec in (("data.train_files", config.train_files), ("data.val_files", config.val_files)):
+        try:
+            infos = check_files(spec, config.prompt_key, key)
+        except DataError as e:  # both lists are checked, so a missing val file shows with a missing train file
+            problems.append(e)
+            continue
+        if key == "data.train_files":
+            train = infos
+    if len(problems) > 1:
+        raise DataError("\n".join(str(p) for p in problems))
+    if problems:
+        raise problems[0]
     return train
 
 

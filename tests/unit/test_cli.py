@@ -270,3 +270,33 @@ def test_plugins_check_their_own_needs_with_the_other_preflight_checks(tmp_path,
     assert "plugin 'needy' needs a client (max_steps=3, plugins=['sparse-logging'])" in text
     assert "plugin 'picky' does not go with sparse-logging" in text
     assert "did you mean 'disable'" in text and text.startswith("3 problems found before loading anything")
+
+
+def test_missing_train_and_val_files_are_named_together(tmp_path):
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", f"data.train_files=[{tmp_path}/t.parquet]",
+                              f"data.val_files=[{tmp_path}/v.parquet]"])
+    assert code != 0 and "data.train_files: 1 of 1 input(s) not found" in err and "v.parquet" in err, err
+
+
+def test_a_config_without_data_says_it_trains_the_demo_task(tmp_path, caplog, monkeypatch):
+    import logging
+
+    from rlcore import cli
+
+    class NoTraining:  # the warning comes before the trainer is built
+        status = "completed"
+
+        def __init__(self, *args):
+            pass
+
+        def train(self):
+            return {}
+
+    monkeypatch.setattr("rlcore.trainer.loop.Trainer", NoTraining)
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"trainer:\n  max_steps: 0\n  output_dir: {tmp_path}/run\n")
+    with caplog.at_level(logging.WARNING):
+        code = cli.main(["train", "--config", str(cfg), "trainer.progress=false", "trainer.export_final=false"])
+    assert code == 0
+    assert "data.train_files is not set: the run trains on the built-in demo task" in caplog.text

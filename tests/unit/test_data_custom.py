@@ -35,7 +35,7 @@ def test_seed_streaming_dataset_runs_as_written(seed_config, tiny_tokenizer):
     batches = [ensure_input_ids(loader.next_batch(), tiny_tokenizer, seed_config) for _ in range(4)]
     assert loader.epoch == 0 and all(len(b) == 4 for b in batches)
     for row in batches[0]:
-        assert set(row) == {"prompt", "input_ids"}
+        assert set(row) == {"prompt", "input_ids", "ground_truth", "data_source", "id"}  # every column, for rewards
         assert row["input_ids"] == tiny_tokenizer(row["prompt"])["input_ids"]
     loader.next_batch()  # 17 rows -> 4 whole batches, then the next epoch
     assert loader.epoch == 1
