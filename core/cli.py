@@ -65,6 +65,7 @@ def preflight(cfg, names):
     from rlcore.data.provider import check_data_files, check_rows_for_batch
     from rlcore.errors import PreflightError
     from rlcore.trainer.checkpoint import check_output_dir, check_resume
+    from rlcore.config.schema import trains_critic
     from rlcore.trainer.models import check_model_path
 
     problems: list[RLCoreError] = []
@@ -79,7 +80,7 @@ def preflight(cfg, names):
     train_files = attempt(check_data_files, _to_object(cfg.data))
     if train_files:
         attempt(check_rows_for_batch, train_files, cfg.ppo.rollout_batch_size, _world_size(cfg))
-    for role in ("actor", "critic") if cfg.algorithm.adv_estimator == "gae" else ("actor",):
+    for role in ("actor", "critic") if trains_critic(cfg.algorithm.adv_estimator) else ("actor",):
         if cfg[role].model_path:
             attempt(check_model_path, cfg[role].model_path, f"{role}.model_path")
     if cfg.reward_model.enable:
@@ -156,12 +157,12 @@ def _check_devices(cfg) -> None:
     """Each role's ``device`` names a device this machine has (the roles this run uses)."""
     import torch
 
-    from rlcore.distributed.placement import parse_device
+    from rlcore.config.schema import trains_critic
+    from rlcore.distributed.placement import DEVICE_KEYS, parse_device, requested_devices
 
-    roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else []) \
-        + (["reward_model"] if cfg.reward_model.enable else [])
-    for role in roles:
-        parse_device(str(cfg[role].device), torch.device("cpu"), f"{role}.device")
+    devices = requested_devices(cfg.actor, cfg.critic, cfg.reward_model, trains_critic(cfg.algorithm.adv_estimator))
+    for role, spec in devices.items():
+        parse_device(str(spec), torch.device("cpu"), DEVICE_KEYS[role])
 
 
 def _check_rank_groups(cfg) -> None:
@@ -230,9 +231,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv)):
         return 0
     dist = init_distributed(cfg.trainer.device)
+    demo = is_demo(args.config, args.overrides)
     if dist.is_main:
         preset = set()
-        if is_demo(args.config, args.overrides):  # keys the demo preset set, unless the user set them too
+        if demo:  # keys the demo preset set, unless the user set them too
             from rlcore.demo import DEMO_OVERRIDES
 
             preset = {o.split("=", 1)[0] for o in DEMO_OVERRIDES} - {o.split("=", 1)[0] for o in args.overrides}
@@ -240,7 +242,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             log.warning("config key '%s' has no effect in this run: %s", key, why)
         for name, why in idle_plugins(cfg, names):
             log.warning("plugin '%s' is selected but does nothing in this run: %s", name, why)
-        if is_demo(args.config, args.overrides):
+        if demo:
             log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
         elif not cfg.data.train_files and not cfg.data.custom_cls.path:
             log.warning("data.train_files is not set: the run trains on the built-in demo task (the alphabet "

@@ -15,7 +15,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlcore.config.schema import RLCoreConfig
+from rlcore.config.schema import RLCoreConfig, trains_critic
 from rlcore.errors import ConfigError
 
 # Dict-typed fields whose keys are free-form (not checked against the schema).
@@ -196,7 +196,7 @@ def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> No
 
 def _check_values(cfg: DictConfig, errors: list[str]) -> None:
     # Without a critic (GRPO, RLOO) its settings are never read, so they are not held against the run.
-    no_critic = cfg.algorithm.adv_estimator in ("grpo", "rloo")
+    no_critic = not trains_critic(cfg.algorithm.adv_estimator)
     for key, allowed in CHOICES.items():
         if no_critic and key.startswith("critic."):
             continue

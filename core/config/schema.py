@@ -252,6 +252,11 @@ class PPOConfig:
     group_by_length: bool = True
 
 
+def trains_critic(adv_estimator: str) -> bool:
+    """Whether ``algorithm.adv_estimator`` trains a critic (GAE does; GRPO and RLOO have none)."""
+    return adv_estimator == "gae"
+
+
 @dataclass
 class AlgorithmConfig:
     #: gae (PPO with a critic) | grpo | rloo.

@@ -28,6 +28,14 @@ DEVICE_KEYS = {"actor": "actor.device", "critic": "critic.device", "ref": "actor
                "reward": "reward_model.device"}
 
 
+def requested_devices(actor: Any, critic: Any, reward_model: Any, uses_critic: bool) -> dict[str, str]:
+    """Each role's device setting from the config sections. A role the run does not have (no critic
+    under GRPO/RLOO, no reward model unless enabled) keeps ``"auto"``: its setting is inert, as the
+    start-up warning says, and is not checked."""
+    return {"actor": actor.device, "critic": critic.device if uses_critic else "auto", "ref": actor.device,
+            "reward": reward_model.device if reward_model.enable else "auto"}
+
+
 def parse_device(spec: str, local: torch.device, key: str = "device") -> torch.device:
     """Turn ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` into a device, checking that it exists
     (errors name the config ``key``)."""

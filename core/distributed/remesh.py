@@ -277,8 +277,6 @@ class RemeshPolicy:
         also build its (empty) generation replica."""
         if not self.dist.distributed:
             return model
-        if fsdp is not None:
-            check_fsdp_config(fsdp)
         with self._timer.measure(f"prepare_{role}"):
             if role == "actor" and self.g > 1:
                 check_model(model, self.g)

@@ -150,10 +150,8 @@ class FSDPReshardPolicy:
         single process."""
         if not self.dist.distributed:
             return model
-        from rlcore.distributed.fsdp import apply_fsdp, check_fsdp_config
+        from rlcore.distributed.fsdp import apply_fsdp
 
-        if fsdp is not None:
-            check_fsdp_config(fsdp)
         with self._timer.measure(f"prepare_{role}"):
             return apply_fsdp(model, fsdp or self.fsdp, self.dist)
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlcore import rlmath
-from rlcore.config.schema import resolve_fsdp
+from rlcore.config.schema import resolve_fsdp, trains_critic
 from rlcore.protocols import DistInfo, PlacementRequest
 from rlcore.rollout.base import RolloutBatch, SamplingParams
 from rlcore.trainer import models
@@ -136,15 +136,11 @@ def build_placement(pm: Any, dist: DistInfo, actor_cfg: Any, critic_cfg: Any, re
     :raises PlacementError: a device that does not exist, rank groups that do not fit the world, or
         actor, critic or ref on a subset of the ranks.
     """
-    from rlcore.distributed.placement import check_trainer_placement
+    from rlcore.distributed.placement import check_trainer_placement, requested_devices
 
-    # A role the run does not have (no critic under GRPO/RLOO, no reward model unless enabled) keeps
-    # its device "auto": its setting is inert, as the start-up warning says, and is not checked.
-    critic_device = critic_cfg.device if uses_critic else "auto"
-    reward_device = reward_model_cfg.device if reward_model_cfg.enable else "auto"
+    devices = requested_devices(actor_cfg, critic_cfg, reward_model_cfg, uses_critic)
     placement = pm.build("rlcore_placement_policy", request=PlacementRequest(
-        actor=actor_cfg.device, critic=critic_device, ref=actor_cfg.device, reward=reward_device,
-        reward_offload=bool(reward_model_cfg.offload),
+        **devices, reward_offload=bool(reward_model_cfg.offload),
         rank_groups={role: list(ranks) for role, ranks in placement_cfg.rank_groups.items()}), dist=dist)
     check_trainer_placement(placement, dist.world_size)
     return placement
@@ -174,7 +170,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
     # Placement first: a layout that does not fit the world fails before anything loads.
     placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement),
-                                uses_critic=algo.adv_estimator == "gae")
+                                uses_critic=trains_critic(algo.adv_estimator))
     device = placement.device_for("actor")
     model_path = actor_cfg.model_path or _demo_model(tcfg.output_dir, dist)
     if not actor_cfg.model_path and (data_cfg.train_files or data_cfg.custom_cls.path) and dist.is_main:
@@ -229,7 +225,8 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
 def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, device: torch.device,
                 model_path: str, dist: DistInfo) -> tuple[Any, list, Callable]:
-    """``(train loader, held-out rows, ensure_ids: full training batches from the loader's)``; sizes ``ppo.rollout_batch_size=auto`` first."""
+    """``(train loader, held-out rows, ensure_ids)``, ``ensure_ids`` filling each training batch from the
+    loader's; sizes ``ppo.rollout_batch_size=auto`` first."""
     from rlcore.data.collate import BatchFiller, ensure_input_ids
     from rlcore.data.loader import PromptLoader
 
@@ -278,7 +275,7 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
         enable_gradient_checkpointing(actor)
     ref = models.frozen_copy(actor) if algo.use_reference and ppo.kl_coeff > 0 else None
     critic = None
-    if algo.adv_estimator == "gae":
+    if trains_critic(algo.adv_estimator):
         critic_path = critic_cfg.model_path or model_path
         base = load_model_for_role(
             lambda: models.load_causal_lm(critic_path, critic_cfg.dtype, placement.device_for("critic")),

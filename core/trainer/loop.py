@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlcore.distributed.init import all_gather_object
 from rlcore.protocols import DistInfo, RewardInput
 from rlcore.rollout.base import RolloutBatch, SamplingParams
 from rlcore.trainer.checkpoint import archive_previous_run
@@ -258,16 +259,12 @@ class Trainer:
         c = self.c
         bs = max(1, int(self.gen_cfg.batch_size))
         batches = [c.val_rows[i:i + bs] for i in range(0, len(c.val_rows), bs)]
-        if self.dist.world_size > 1:
-            from rlcore.distributed.init import all_gather_object
-
-            shared = all_gather_object((len(batches), c.val_rows[0] if c.val_rows else None))
-            total = max(count for count, _ in shared)
-            if total:
-                spare = next(row for _, row in shared if row is not None)
-                batches += [None] * (total - len(batches))
-        if not batches:
+        shared = all_gather_object((len(batches), c.val_rows[0] if c.val_rows else None))  # [mine] in one process
+        total = max(count for count, _ in shared)
+        if not total:
             return {}
+        spare = next(row for _, row in shared if row is not None)
+        batches += [None] * (total - len(batches))
         sums = {"reward": 0.0, "length": 0.0, "count": 0.0}
         saved_n, self.n = self.n, 1
         try:
@@ -281,11 +278,8 @@ class Trainer:
                     sums["count"] += len(rows)
         finally:
             self.n = saved_n
-        if self.dist.world_size > 1:
-            from rlcore.distributed.init import all_gather_object
-
-            parts = all_gather_object(sums)
-            sums = {k: sum(p[k] for p in parts) for k in sums}
+        parts = all_gather_object(sums)
+        sums = {k: sum(p[k] for p in parts) for k in sums}
         count = max(sums["count"], 1.0)
         out = {"reward_mean": sums["reward"] / count, "response_length": sums["length"] / count}
         self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
