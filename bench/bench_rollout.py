@@ -84,8 +84,10 @@ def hf_generate(model, prompts, new_tokens: int, static: bool):
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
 
 
-def roofline(model, batch: int, prompt: int, new: int, ceilings: dict[str, float]) -> dict[str, float]:
-    """Floors of one decode step at the mean context ``prompt + new / 2``."""
+def roofline(model, batch: int, prompt: int, new: int, ceilings: dict[str, float], samples: int = 1) -> dict[str, float]:
+    """Floors of one decode step at the mean context ``prompt + new / 2``: every sequence's keys
+    and values read (``memory_floor_ms``), and with each prompt's keys/values read once for its
+    ``samples`` sequences (``unique_memory_floor_ms``)."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     elem = next(model.parameters()).element_size()
@@ -94,9 +96,11 @@ def roofline(model, batch: int, prompt: int, new: int, ceilings: dict[str, float
     kv_bytes = batch * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem * context
     # every parameter is one multiply-add per token (the tied matrix as LM head; the lookup is free)
     flops = 2 * batch * params + 4 * batch * cfg.num_hidden_layers * cfg.hidden_size * context
-    out = {"weight_bytes": params * elem, "kv_bytes": kv_bytes, "flops": flops}
+    unique_kv_bytes = kv_bytes * (prompt / max(samples, 1) + new / 2) / context
+    out = {"weight_bytes": params * elem, "kv_bytes": kv_bytes, "unique_kv_bytes": unique_kv_bytes, "flops": flops}
     if ceilings:
         out["memory_floor_ms"] = (params * elem + kv_bytes) / ceilings["copy_bytes_per_s"] * 1e3
+        out["unique_memory_floor_ms"] = (params * elem + unique_kv_bytes) / ceilings["copy_bytes_per_s"] * 1e3
         out["compute_floor_ms"] = flops / ceilings["bf16_matmul_flops"] * 1e3
     return out
 
@@ -134,6 +138,7 @@ VARIANTS = {
     "engine_sdpa_attn": {"attention": "sdpa"},
     "engine_rope_separate": {"rope_in_attention": False},
     "engine_no_split_k": {"split_k": None},
+    "engine_no_sharing": {"prompt_sharing": False},
     # the attention kernel as before rollout run 10: 4 warps, RoPE position looked up in every layer
     "engine_attn_before": {"attention_tuning": {"num_warps": 4, "rope_rows": False}},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
@@ -212,7 +217,7 @@ def bench_case(model, shape: str, batch: int, args, ceilings, results: list, dea
     new, prompt = args.new_tokens, args.prompt_len
     prompts = make_prompts(batch // args.samples, args.samples, prompt, model.config.vocab_size)
     case = {"model": shape, "batch": batch, "prompt_len": prompt, "new_tokens": new,
-            "roofline": roofline(model, batch, prompt, new, ceilings), "systems": []}
+            "roofline": roofline(model, batch, prompt, new, ceilings, args.samples), "systems": []}
     results.append(case)
     print(f"== {shape} batch {batch} (at {time.time() - deadline + args.budget_s:.0f} s)", flush=True)
     for index, name in enumerate(args.variants.split(",")):
@@ -262,11 +267,13 @@ def summarize_case(case: dict[str, Any]) -> None:
     floor = case["roofline"].get("memory_floor_ms")
     if floor and "decode_step_ms" in eng:
         case["engine_step_over_memory_floor"] = eng["decode_step_ms"] / floor
+        case["engine_step_over_unique_memory_floor"] = eng["decode_step_ms"] / case["roofline"]["unique_memory_floor_ms"]
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print("\n| model | batch | system | new tok/s | ms/decode step | vs HF dynamic | vs HF static | step / mem floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| model | batch | system | new tok/s | ms/decode step | vs HF dynamic | vs HF static | step / mem floor "
+          "| step / unique-bytes floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for case in results:
         by = {r["system"]: r for r in case["systems"] if "seconds" in r}
         order = ["hf_dynamic", "hf_static"] + [name for name in by if name.startswith("engine")]
@@ -275,15 +282,18 @@ def print_table(results: list[dict[str, Any]]) -> None:
             if row is None:
                 continue
             floor = case["roofline"].get("memory_floor_ms")
+            unique = case["roofline"].get("unique_memory_floor_ms")
             ratio_dyn = row["new_tokens_per_s"] / by["hf_dynamic"]["new_tokens_per_s"] if "hf_dynamic" in by else None
             ratio_sta = row["new_tokens_per_s"] / by["hf_static"]["new_tokens_per_s"] if "hf_static" in by else None
             step = row.get("decode_step_ms")
             print(f"| {case['model']} | {case['batch']} | {name} | {row['new_tokens_per_s']:,.0f} | "
-                  f"{step:.2f} | {_fmt(ratio_dyn)} | {_fmt(ratio_sta)} | {_fmt(step / floor if floor else None)} |")
+                  f"{step:.2f} | {_fmt(ratio_dyn)} | {_fmt(ratio_sta)} | {_fmt(step / floor if floor else None)} | "
+                  f"{_fmt(step / unique if unique else None)} |")
         roof = case["roofline"]
         if "memory_floor_ms" in roof:
-            print(f"| {case['model']} | {case['batch']} | floor (memory / compute) | | "
-                  f"{roof['memory_floor_ms']:.3f} / {roof['compute_floor_ms']:.3f} | | | |")
+            print(f"| {case['model']} | {case['batch']} | floor (memory / unique bytes / compute) | | "
+                  f"{roof['memory_floor_ms']:.3f} / {roof['unique_memory_floor_ms']:.3f} / "
+                  f"{roof['compute_floor_ms']:.3f} | | | | |")
 
 
 def _fmt(value) -> str:

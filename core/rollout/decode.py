@@ -47,7 +47,10 @@ class DecodeState:
     column it is written to; ``bias``: additive key mask (0 valid, ``-inf`` not);
     ``flat_base``: ``[2, B, KVH]`` row of each slot's key and value heads in a layer's cache
     flattened to ``[2·B·KVH·S, D]``; ``attention_counters``: ``[B·KVH]`` int32 zeros for the Triton
-    attention kernel's in-kernel merge of chunks (``None``: a buffer shared by the device's calls).
+    attention kernel's in-kernel merge of chunks (``None``: a buffer shared by the device's calls);
+    ``share_source``, ``share_end``: ``[B]`` int32, the Triton attention kernel reads a slot's
+    columns below ``share_end`` from cache row ``share_source`` (the samples of one prompt reading
+    its keys/values at one place; ``None``: every slot reads its own row).
     """
 
     tokens: torch.Tensor
@@ -57,6 +60,8 @@ class DecodeState:
     flat_base: torch.Tensor
     zero: torch.Tensor
     attention_counters: torch.Tensor | None = None
+    share_source: torch.Tensor | None = None
+    share_end: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- the pieces
@@ -334,6 +339,8 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     rope_rows = tuning.pop("rope_rows", True)
     if attention == "triton" and state.attention_counters is not None:
         tuning["counters"] = state.attention_counters
+    if attention == "triton" and state.share_source is not None:
+        tuning["shared"] = (state.share_source[:n], state.share_end[:n])
     if fns.rope_in_attention:
         spec = fns.spec
         rotary = (cos_table, sin_table, positions)

@@ -78,6 +78,22 @@ if triton is not None:
         return new_max, run_sum, acc
 
     @triton.jit
+    def _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, cols, feat_ok, run_max, run_sum, acc, scale,
+                      IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Fold cache columns ``lo..hi-1`` (keys/values at ``k_base``/``v_base`` + column x
+        ``sc_s``) into the online softmax, ``BLOCK_N`` at a time."""
+        for start in range(lo, hi, BLOCK_N):
+            col = start + cols
+            col_ok = col < hi
+            at = col.to(tl.int64)[:, None] * sc_s
+            tile_ok = col_ok[:, None] & feat_ok[None, :]
+            k = tl.load(k_base + at, mask=tile_ok, other=0.0)
+            v = tl.load(v_base + at, mask=tile_ok, other=0.0)
+            bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=0.0).to(tl.float32)
+            run_max, run_sum, acc = _fold_block(q, k, v, bias, col_ok, run_max, run_sum, acc, scale, IEEE)
+        return run_max, run_sum, acc
+
+    @triton.jit
     def _attend_part(q_ptr, sq_n, sq_h, sq_g, sq_d,
                      k_ptr, v_ptr, sc_b, sc_h, sc_s, sc_d,
                      bias_ptr, sb_n, sb_s,
@@ -86,11 +102,13 @@ if triton is not None:
                      final_ptr, sf_n, sf_h, sf_g, sf_d, count_ptr,
                      length, chunk, scale,
                      new_ptr, sn_n, k_off, v_off, cos_ptr, sin_ptr, s_rope, pos_ptr, col_ptr,
+                     src_ptr, end_ptr,
                      group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
                      FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
                      ROWS: tl.constexpr,  # NEW with RoPE rows per slot (cos_ptr, sin_ptr [n, D]), not tables
+                     SHARED: tl.constexpr,  # columns < end_ptr[slot] are read from cache row src_ptr[slot]
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
@@ -134,15 +152,20 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
             # columns after the new one hold no key of this slot yet: not read at all
             hi = tl.minimum(hi, new_col)
-        for start in range(lo, hi, BLOCK_N):
-            col = start + cols
-            col_ok = col < hi
-            at = col.to(tl.int64)[:, None] * sc_s
-            tile_ok = col_ok[:, None] & feat_ok[None, :]
-            k = tl.load(k_base + at, mask=tile_ok, other=0.0)
-            v = tl.load(v_base + at, mask=tile_ok, other=0.0)
-            bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=0.0).to(tl.float32)
-            run_max, run_sum, acc = _fold_block(q, k, v, bias, col_ok, run_max, run_sum, acc, scale, IEEE)
+        if SHARED:
+            # the columns before the slot's shared end are read from the slot that holds the
+            # prompt's keys/values (the same addresses for every slot of a prompt: read from
+            # memory once, then from L2); the rest from the slot's own row
+            source = tl.load(src_ptr + slot).to(tl.int64)
+            shared_end = tl.load(end_ptr + slot)
+            mid = tl.maximum(tl.minimum(hi, shared_end), lo)
+            run_max, run_sum, acc = _fold_columns(
+                q, k_ptr + source * sc_b + head * sc_h + feats[None, :] * sc_d,
+                v_ptr + source * sc_b + head * sc_h + feats[None, :] * sc_d, bias_base, sb_s, sc_s,
+                lo, mid, cols, feat_ok, run_max, run_sum, acc, scale, IEEE, BLOCK_N)
+            lo = mid
+        run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, cols, feat_ok,
+                                              run_max, run_sum, acc, scale, IEEE, BLOCK_N)
         out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
         out_ok = row_ok[:, None] & feat_ok[None, :]
         if SPLIT:
@@ -247,7 +270,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, fold: bool = True,
-           counters: torch.Tensor | None = None) -> torch.Tensor:
+           counters: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -263,16 +286,23 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         counters: for ``fold``, ``[>= n·KVH]`` int32 zeros the kernel counts in and leaves at zero,
             owned by the caller (calls that may run at the same time need their own); default: one
             buffer per device, shared.
+        shared: ``(source, end)``, two ``[>= n]`` integer tensors: slot ``i`` reads its columns below
+            ``end[i]`` from cache row ``source[i]`` instead of its own row (several samples of one
+            prompt then read the prompt's keys and values at the same addresses, so memory serves
+            them once and L2 the rest; the slot's own row need not hold them). ``None``: every slot
+            reads its own row.
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, counters)
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, counters,
+                   shared=shared)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None) -> torch.Tensor:
+               num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -287,7 +317,8 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, counters: as for :func:`attend`.
+        splits, block_n, num_warps, num_stages, fold, counters, shared: as for :func:`attend` (the
+            new key/value always goes to the slot's own row, at a column at or after its shared end).
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
@@ -301,7 +332,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
     new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
            columns if positions is None else positions, columns)
     return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-                   rows=positions is None)
+                   rows=positions is None, shared=shared)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -321,7 +352,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-            rows: bool = False) -> torch.Tensor:
+            rows: bool = False, shared=None) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -339,14 +370,23 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     options = dict(num_warps=num_warps)
     if num_stages is not None:
         options["num_stages"] = num_stages
-    shared = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
+    common = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())
     sizes = (length, chunk, dim ** -0.5)
     new_args = new if new is not None else (q, 0, 0, 0, q, q, 0, q, q)
+    if shared is not None:
+        source, end = shared
+        if source.shape[0] < n or end.shape[0] < n or source.device != device or end.device != device \
+                or source.is_floating_point() or end.is_floating_point():
+            raise ValueError(f"decode attention: shared (source, end) must be integer tensors of >= {n} entries "
+                             f"on {device}, got {tuple(source.shape)} and {tuple(end.shape)}")
+        new_args = (*new_args, source, end)
+    else:
+        new_args = (*new_args, q, q)
     ieee = q.dtype == torch.float32 or interpreting()
     constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows),
-                     BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
+                     SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     if splits == 1:
-        _attend_part[(n, kv_heads, 1)](*shared, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
+        _attend_part[(n, kv_heads, 1)](*common, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
                                        SPLIT=False, FOLD=False, **constants, **options)
         return out.view(n, -1)
     parts = torch.empty(n, kv_heads, splits, group, dim, dtype=torch.float32, device=device)
@@ -359,7 +399,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     elif counters.dtype != torch.int32 or counters.numel() < n * kv_heads or counters.device != device:
         raise ValueError(f"decode attention: counters must be >= {n * kv_heads} int32 on {device}, got "
                          f"{counters.numel()} {counters.dtype} on {counters.device}")
-    _attend_part[(n, kv_heads, splits)](*shared, parts, *parts.stride()[:2], dim, 1, stats, plane,
+    _attend_part[(n, kv_heads, splits)](*common, parts, *parts.stride()[:2], dim, 1, stats, plane,
                                         out, *out.stride(), counters, *sizes, *new_args,
                                         SPLIT=True, FOLD=bool(fold), **constants, **options)
     if not fold:
@@ -368,9 +408,20 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     return out.view(n, -1)
 
 
-def reference(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int) -> torch.Tensor:
+def gather_shared(layer: torch.Tensor, n: int, source: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """``[2, n, KVH, S, D]``: rows ``0..n-1`` of ``layer`` as the kernel reads them with
+    ``shared=(source, end)`` (row ``i``'s columns below ``end[i]`` taken from row ``source[i]``)."""
+    rows = layer[:, :n]
+    before = torch.arange(layer.shape[3], device=layer.device)[None, :] < end[:n, None]  # [n, S]
+    return torch.where(before[None, :, None, :, None], layer[:, source[:n].long()], rows)
+
+
+def reference(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int,
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The same attention in float32 PyTorch (two matmuls and a softmax): ``[n, KVH·G·D]`` float32."""
     n, dim = q.shape[0], q.shape[-1]
+    if shared is not None:
+        layer = gather_shared(layer, n, *shared)
     keys, values = layer[0, :n, :, :length].float(), layer[1, :n, :, :length].float()
     scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * dim ** -0.5 + bias[:, None, None, :length].float()
     return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(n, -1)
@@ -378,7 +429,7 @@ def reference(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: 
 
 def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                   sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int,
-                  kv_heads: int) -> torch.Tensor:
+                  kv_heads: int, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """:func:`attend_new` in PyTorch: rotates in float32, writes the new key/value into ``layer``
     (in place) and returns :func:`reference` over it with the columns after each slot's new one
     masked, ``[n, heads·D]`` float32."""
@@ -391,7 +442,7 @@ def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, l
     rows = torch.arange(n, device=proj.device)
     layer[0, rows, :, columns] = qk[:, heads:].to(layer.dtype)
     layer[1, rows, :, columns] = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim).to(layer.dtype)
-    return reference(qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim), layer, bias, length)
+    return reference(qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim), layer, bias, length, shared)
 
 
 def usable(device: torch.device | str, dtype: torch.dtype, kv_heads: int, group: int,
@@ -432,17 +483,20 @@ def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
             if not torch.allclose(got, expected, atol=tolerance, rtol=tolerance):
                 error = float((got - expected).abs().max())
                 return False, f"disagrees with PyTorch attention (splits {splits}, max abs error {error:.3g})"
-        expected_layer = layer.clone()
-        expected = reference_new(proj, expected_layer, bias, length, cos, sin, positions, at, heads, kv_heads)
-        for splits in (1, 2):
+        # slots 1 and 2 read their first columns from row 0 (as samples of one prompt do)
+        sharing = (torch.tensor([0, 0, 0], device=device), torch.tensor([0, 9, 40], device=device))
+        for splits, shared in ((1, None), (2, None), (1, sharing), (2, sharing)):
+            expected_layer = layer.clone()
+            expected = reference_new(proj, expected_layer, bias, length, cos, sin, positions, at, heads, kv_heads,
+                                     shared)
             got_layer = layer.clone()
             got = attend_new(proj, got_layer, bias, length, cos, sin, positions, at, heads, kv_heads,
-                             splits=splits).float()
+                             splits=splits, shared=shared).float()
             error = float((got - expected).abs().max())
             written = float((got_layer.float() - expected_layer.float()).abs().max())
             if error > tolerance * 3 or written > tolerance * 3:
-                return False, (f"RoPE-and-write attention disagrees with PyTorch (splits {splits}, max abs error "
-                               f"{error:.3g}, cache {written:.3g})")
+                return False, (f"RoPE-and-write attention disagrees with PyTorch (splits {splits}, shared prompt "
+                               f"{shared is not None}, max abs error {error:.3g}, cache {written:.3g})")
     except Exception as error:  # noqa: BLE001 - any failure means: use the PyTorch path
         return False, f"{type(error).__name__}: {str(error)[:300]}"
     return True, "ok"

@@ -6,6 +6,8 @@
 * a KV cache for ``max_batch_size`` slots of ``max_seq_len`` tokens is allocated once;
 * prompts are prefilled in groups, left padded, positions taken from the attention mask; a prompt
   repeated in a group (``n`` samples per prompt) is prefilled once and its keys/values copied;
+  with the Triton attention kernel its samples then read the prompt's keys/values from one cache
+  row (``prompt_sharing``), so memory serves them once a step and L2 the other samples;
 * each decode step runs every slot at its own cache column and attends over the filled columns
   only (rounded up to a length bucket); on CUDA the pointwise work between the matrix products
   is fused by ``torch.compile`` and the step is captured in a CUDA graph per (batch bucket,
@@ -155,6 +157,10 @@ class RolloutEngine:
             on CUDA (the compiler fuses the sums), else none; ``None`` or ``{}``: none.
         attention_tuning: settings of the Triton attention kernel, e.g. ``{"num_warps": 2}``; keys in
             :data:`rlcore.rollout.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.decode.check_attention_tuning`).
+        prompt_sharing: with ``attention="triton"``, the samples of a prompt prefilled together read
+            the prompt's columns from the cache row of its first sample instead of their own copies
+            (same results, fewer bytes from memory). A slot whose source row is refilled or moved
+            goes back to its own copy. Ignored for the other attention kinds.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -164,7 +170,7 @@ class RolloutEngine:
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
                  rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto",
-                 attention_tuning: Mapping[str, object] | None = None):
+                 attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -200,6 +206,7 @@ class RolloutEngine:
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
         self.attention_tuning = decode.check_attention_tuning(attention_tuning)
+        self.prompt_sharing = self.attention == "triton" and bool(prompt_sharing)
         if split_k == "auto":
             split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
         self.split_k = decode.split_k_tuple(split_k)
@@ -303,6 +310,9 @@ class RolloutEngine:
             zero=torch.zeros(1, 1, dtype=self.dtype, device=dev),
             attention_counters=torch.zeros(b * spec.num_kv_heads, dtype=torch.int32, device=dev),
         )
+        if self.prompt_sharing:
+            self.state.share_source = torch.arange(b, dtype=torch.int32, device=dev)
+            self.state.share_end = torch.zeros(b, dtype=torch.int32, device=dev)
         cos, sin = llama.rope_table(self.model, s, dev)
         self.cos, self.sin = cos, llama.signed_sin(sin)  # float32, for prefill
         self.step_cos, self.step_sin = self.cos.to(self.dtype), self.sin.to(self.dtype)
@@ -381,6 +391,13 @@ class RolloutEngine:
             pick = torch.tensor(source, dtype=torch.long, device=self.device)
             logits, mask = logits[pick], mask[pick]
         st = self.state
+        if self.prompt_sharing:
+            # slots reading from a row refilled now go back to their own copy; the new slots read
+            # the prompt's columns from its first sample's row
+            st.share_end.masked_fill_(torch.isin(st.share_source, rows.to(torch.int32)), 0)
+            first = torch.tensor([owner[i] for i in source], dtype=torch.int32, device=self.device)
+            st.share_source[rows] = first
+            st.share_end[rows] = torch.where(first == rows.to(torch.int32), 0, width).to(torch.int32)
         bias = torch.full((len(slots), self.max_seq_len), float("-inf"), dtype=self.dtype, device=self.device)
         bias[:, :width].masked_fill_(mask.bool(), 0.0)
         st.bias[rows] = bias
@@ -402,3 +419,14 @@ class RolloutEngine:
         for buf in (st.tokens, st.positions, st.cache_index, st.bias):
             buf[:m] = buf.index_select(0, perm)
         st.bias[m:, 0] = 0.0  # rows past the live ones are free (see _release)
+        if self.prompt_sharing:
+            # a source row that moved is followed to its new row; one that is no longer live
+            # sends the slot back to its own (moved) copy
+            moved_to = torch.full((self.max_batch_size,), -1, dtype=torch.int32, device=self.device)
+            moved_to[perm] = torch.arange(m, dtype=torch.int32, device=self.device)
+            source = moved_to[st.share_source.index_select(0, perm).long()]
+            own = torch.arange(self.max_batch_size, dtype=torch.int32, device=self.device)
+            st.share_end[:m] = torch.where(source >= 0, st.share_end.index_select(0, perm), 0)
+            st.share_source[:m] = torch.where(source >= 0, source, own[:m])
+            st.share_source[m:] = own[m:]
+            st.share_end[m:] = 0

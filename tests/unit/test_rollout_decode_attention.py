@@ -229,3 +229,114 @@ def test_engine_rope_in_attention_matches_the_separate_steps(qwen2):
     expected, got = separate.generate(PROMPTS, GREEDY), fused.generate(PROMPTS, GREEDY)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("new", [False, True])
+def test_shared_prompt_columns_are_read_from_the_source_row(splits, new):
+    """Rows 1 and 2 read their first columns from row 0; their own copies there hold other numbers,
+    so reading them would change the result."""
+    gen = torch.Generator().manual_seed(5)
+    n, kv_heads, group, dim, columns, length = 4, 2, 3, 16, 140, 130
+    heads = kv_heads * group
+    layer = torch.randn(2, n, kv_heads, columns, dim, generator=gen).to(DEVICE)
+    bias = torch.zeros(n, columns, device=DEVICE)
+    bias[:3, :7] = float("-inf")  # the prompt's left padding, the same in its three samples
+    source = torch.tensor([0, 0, 0, 3], dtype=torch.int32, device=DEVICE)
+    end = torch.tensor([0, 70, 70, 0], dtype=torch.int32, device=DEVICE)  # 70: not a block boundary
+    whole = decode_attention.gather_shared(layer, n, source, end)
+    assert torch.equal(whole[:, 1, :, :70], layer[:, 0, :, :70]) and torch.equal(whole[:, 1, :, 70:], layer[:, 1, :, 70:])
+    if new:
+        proj = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE)
+        cos, sin = torch.randn(2, columns, dim, generator=gen).to(DEVICE)
+        positions = torch.tensor([80, 90, 100, 5], device=DEVICE)
+        at = torch.tensor([120, 100, 71, 129], device=DEVICE)  # at or after each slot's shared end
+        expected_layer, plain_layer = layer.clone(), layer.clone()
+        expected = decode_attention.reference_new(proj, expected_layer, bias, length, cos, sin, positions, at, heads,
+                                                  kv_heads, (source, end))
+        got = decode_attention.attend_new(proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads,
+                                          splits=splits, shared=(source, end))
+        unshared = decode_attention.attend_new(proj, plain_layer, bias, length, cos, sin, positions, at, heads,
+                                               kv_heads, splits=splits)
+        assert torch.equal(layer, plain_layer)  # the new key/value go to each slot's own row
+        assert torch.allclose(layer, expected_layer, atol=1e-5, rtol=1e-5)
+    else:
+        q = torch.randn(n, kv_heads, group, dim, generator=gen).to(DEVICE)
+        expected = decode_attention.reference(q, layer, bias, length, (source, end))
+        got = decode_attention.attend(q, layer, bias, length, splits=splits, shared=(source, end))
+        unshared = decode_attention.attend(q, layer, bias, length, splits=splits)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[[0, 3]], unshared[[0, 3]])  # rows that share nothing are untouched
+    assert not torch.allclose(got[1:3], unshared[1:3], atol=1e-3)
+
+
+@needs_kernel
+def test_shared_prompt_arguments_are_checked():
+    q, layer, bias, length = make_case(2, 16)
+    with pytest.raises(ValueError, match="shared"):
+        decode_attention.attend(q, layer, bias, length, shared=(torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                                                                torch.zeros(3, dtype=torch.int32, device=DEVICE)))
+    with pytest.raises(ValueError, match="shared"):
+        decode_attention.attend(q, layer, bias, length, shared=(torch.zeros(3, device=DEVICE),) * 2)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_engine_prompt_sharing_gives_the_same_samples(qwen2):
+    """Three samples of each of four prompts through three slots: groups are cut across prefills,
+    sources are refilled while their samples run (random lengths through several EOS tokens) and
+    live slots are compacted at the end; with and without sharing the samples are identical."""
+    prompts = [p for p in PROMPTS[:4] for _ in range(3)]
+    params = SamplingParams(max_new_tokens=7, temperature=1.0, seed=11, eos_token_ids=(3, 5, 8, 13, 21, 34))
+    kwargs = dict(max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
+                  attention="triton", device=DEVICE)
+    plain = RolloutEngine(qwen2, prompt_sharing=False, **kwargs)
+    shared = RolloutEngine(qwen2, **kwargs)
+    assert shared.prompt_sharing and not plain.prompt_sharing and plain.state.share_source is None
+    seen = []
+    prefill = shared._prefill
+
+    def watch(slots, prompts_, pad_id):
+        out = prefill(slots, prompts_, pad_id)
+        seen.append((shared.state.share_source.tolist(), shared.state.share_end.tolist()))
+        return out
+
+    shared._prefill = watch
+    expected, got = plain.generate(prompts, params), shared.generate(prompts, params)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    # the same numbers in other blocks of columns: equal up to float32 rounding
+    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-5)
+    lengths = got.response_mask.sum(-1)
+    assert len(set(lengths.tolist())) > 1  # sequences really ended at different steps
+    assert any(any(end) for _, end in seen)  # some slots did read another row
+    for source, end in seen:  # a slot that shares reads a row holding the same prompt's columns
+        for slot, (src, stop) in enumerate(zip(source, end)):
+            assert stop == 0 or src != slot
+
+
+def test_engine_sharing_state_follows_refills_and_compaction(qwen2, monkeypatch):
+    """The bookkeeping alone (no kernel needed): a refilled source sends its samples back to
+    their own copies, and compaction follows moved sources."""
+    monkeypatch.setattr(decode_attention, "usable", lambda *args: (True, "ok"))
+    engine = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=24, attention="triton", compile=False)
+    assert engine.prompt_sharing
+    st = engine.state
+    engine._prefill([0, 1, 2, 3], [[1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3]], 0)
+    assert st.share_source.tolist() == [0, 0, 2, 0] and st.share_end.tolist() == [0, 3, 0, 3]
+    assert torch.equal(engine.cache[:, :, 3, :, :3], engine.cache[:, :, 0, :, :3])  # own copies kept
+    engine._prefill([0], [[9, 9]], 0)  # the source row is refilled: its samples use their copies
+    assert st.share_source.tolist()[0] == 0 and st.share_end.tolist() == [0, 0, 0, 0]
+    engine._prefill([1, 2], [[7, 8], [7, 8]], 0)
+    assert st.share_source.tolist()[1:3] == [1, 1] and st.share_end.tolist()[1:3] == [0, 2]
+    engine._compact([2, 3])  # row 2 (reading row 1, not live) -> row 0 on its own copy
+    assert st.share_source.tolist() == [0, 1, 2, 3] and st.share_end.tolist() == [0, 0, 0, 0]
+    engine._prefill([0, 1, 2], [[6], [6], [6]], 0)
+    engine._compact([1, 2])  # both follow: row 1 -> 0, row 2 (source 0, not live) -> 1 on its own copy
+    assert st.share_source.tolist()[:2] == [0, 1] and st.share_end.tolist()[:2] == [0, 0]
+    engine._prefill([0, 1, 2], [[5, 4], [3], [5, 4]], 0)
+    engine._compact([1, 2])  # row 2 reads row 0, which is not live
+    assert st.share_end.tolist()[:2] == [0, 0]
+    engine._prefill([0, 1, 2, 3], [[3], [5, 4], [6], [5, 4]], 0)
+    engine._compact([1, 3])  # row 3 reads row 1: both live, the source moves to row 0
+    assert st.share_source.tolist()[:2] == [0, 0] and st.share_end.tolist()[:2] == [0, 2]
