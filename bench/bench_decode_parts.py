@@ -66,6 +66,8 @@ ATTENTION_SWEEPS = {
     # columns per block against warps and pipeline stages (RoPE rows gathered once)
     "blocks": [dict(block_n=block, num_warps=warps, num_stages=stages)
                for block, warps, stages in itertools.product((16, 32, 64, 128), (2, 4), (1, 2, 3, 4))],
+    # samples of one prompt (8 a prompt, the prompt in the first 128 columns) reading it from one row
+    "shared": [dict(share="rows")],
 }
 
 
@@ -91,13 +93,21 @@ def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320),
     bandwidth = copy_bandwidth()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    group_rows = [slot - slot % 8 for slot in range(batch)]
+    share_source = torch.tensor(group_rows, dtype=torch.int32, device="cuda")
     for length in lengths:
         at = length - 1 - torch.randint(0, 64, (batch,), device="cuda", generator=gen)
+        # the prompt: the first 128 columns, or all below the last 64 (every new column after it)
+        prompt = min(128, length - 64)
+        share_end = torch.full((batch,), prompt, dtype=torch.int32, device="cuda")
+        sharing = {"rows": (share_source, share_end)}
         floor_us = float((at + 1).sum()) * kv_heads * dim * 2 * 2 / bandwidth * 1e6
         found = []
         rows_cos, rows_sin = cos[at], sin[at]
         for tuning in [{}] + ATTENTION_SWEEPS[sweep]:
-            kwargs = {k: v for k, v in tuning.items() if k != "rope_rows"}
+            kwargs = {k: v for k, v in tuning.items() if k not in ("rope_rows", "share")}
+            if tuning.get("share"):
+                kwargs["shared"] = sharing[tuning["share"]]
             rope = (rows_cos, rows_sin, None) if tuning.get("rope_rows", True) else (cos, sin, at)
 
             def fn():

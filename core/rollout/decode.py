@@ -50,7 +50,8 @@ class DecodeState:
     attention kernel's in-kernel merge of chunks (``None``: a buffer shared by the device's calls);
     ``share_source``, ``share_end``: ``[B]`` int32, the Triton attention kernel reads a slot's
     columns below ``share_end`` from cache row ``share_source`` (the samples of one prompt reading
-    its keys/values at one place; ``None``: every slot reads its own row).
+    its keys/values at one place; ``None``: every slot reads its own row); ``share_active``: use
+    them in this step (off when no prompt repeats).
     """
 
     tokens: torch.Tensor
@@ -62,6 +63,7 @@ class DecodeState:
     attention_counters: torch.Tensor | None = None
     share_source: torch.Tensor | None = None
     share_end: torch.Tensor | None = None
+    share_active: bool = False
 
 
 # ----------------------------------------------------------------------------- the pieces
@@ -339,7 +341,7 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     rope_rows = tuning.pop("rope_rows", True)
     if attention == "triton" and state.attention_counters is not None:
         tuning["counters"] = state.attention_counters
-    if attention == "triton" and state.share_source is not None:
+    if attention == "triton" and state.share_source is not None and state.share_active:
         tuning["shared"] = (state.share_source[:n], state.share_end[:n])
     if fns.rope_in_attention:
         spec = fns.spec

@@ -70,15 +70,16 @@ def length_step(max_seq_len: int) -> int:
 
 
 class _Graphs:
-    """CUDA graphs of the decode step, one per (batch bucket, length bucket), captured on first use."""
+    """CUDA graphs of the decode step, one per (batch bucket, length bucket, prompt sharing on),
+    captured on first use."""
 
     def __init__(self, engine: "RolloutEngine"):
         self.engine = engine
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
     def run(self, n: int, length: int) -> torch.Tensor:
-        key = (n, length)
+        key = (n, length, self.engine.state.share_active)
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(n, length)
@@ -160,7 +161,8 @@ class RolloutEngine:
         prompt_sharing: with ``attention="triton"``, the samples of a prompt prefilled together read
             the prompt's columns from the cache row of its first sample instead of their own copies
             (same results, fewer bytes from memory). A slot whose source row is refilled or moved
-            goes back to its own copy. Ignored for the other attention kinds.
+            goes back to its own copy. Used in the ``generate`` calls where some prompt repeats
+            (the kernel then loads two more numbers a slot); ignored for the other attention kinds.
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -252,10 +254,14 @@ class RolloutEngine:
             return
         for n in sizes:
             for length in self.length_buckets:
-                if (n, length) not in self._graphs.graphs:
-                    self._graphs.run(n, length)
-                if self._graphs is None:  # capture failed: eager from now on
-                    return
+                for sharing in (False, True) if self.prompt_sharing else (False,):
+                    self.state.share_active = sharing
+                    if (n, length, sharing) not in self._graphs.graphs:
+                        self._graphs.run(n, length)
+                    if self._graphs is None:  # capture failed: eager from now on
+                        self.state.share_active = False
+                        return
+        self.state.share_active = False
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """Sample one response per prompt; see :class:`~rlcore.rollout.base.RolloutBackend`."""
@@ -271,6 +277,8 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.generate: prompt length {widest} + max_new_tokens "
                              f"{params.max_new_tokens} exceeds max_seq_len {self.max_seq_len}")
         start = time.perf_counter()
+        # the sharing kernel only when some prompt repeats (it loads two more numbers a slot)
+        self.state.share_active = self.prompt_sharing and len({tuple(p) for p in prompts}) < len(prompts)
         run = Scheduler(self, prompts, params)
         run.loop()
         batch = run.result()

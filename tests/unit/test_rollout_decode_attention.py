@@ -310,6 +310,9 @@ def test_engine_prompt_sharing_gives_the_same_samples(qwen2):
     lengths = got.response_mask.sum(-1)
     assert len(set(lengths.tolist())) > 1  # sequences really ended at different steps
     assert any(any(end) for _, end in seen)  # some slots did read another row
+    assert shared.state.share_active and not plain.state.share_active
+    shared.generate(PROMPTS, params)  # no prompt repeats: the plain kernel
+    assert not shared.state.share_active
     for source, end in seen:  # a slot that shares reads a row holding the same prompt's columns
         for slot, (src, stop) in enumerate(zip(source, end)):
             assert stop == 0 or src != slot
