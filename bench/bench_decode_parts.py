@@ -68,6 +68,8 @@ ATTENTION_SWEEPS = {
                for block, warps, stages in itertools.product((16, 32, 64, 128), (2, 4), (1, 2, 3, 4))],
     # samples of one prompt (8 a prompt, the prompt in the first 128 columns) reading it from one row
     "shared": [dict(share="rows")],
+    # more programs per multiprocessor: the columns cut into chunks, fewer pipeline stages
+    "splits": [dict(splits=splits, num_stages=stages, share="rows") for splits, stages in itertools.product((1, 2), (1, 2))],
 }
 
 

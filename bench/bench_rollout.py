@@ -139,6 +139,9 @@ VARIANTS = {
     "engine_rope_separate": {"rope_in_attention": False},
     "engine_no_split_k": {"split_k": None},
     "engine_no_sharing": {"prompt_sharing": False},
+    "engine_split2_stages1": {"attention_tuning": {"splits": 2, "num_stages": 1}},
+    "engine_split2_stages2": {"attention_tuning": {"splits": 2, "num_stages": 2}},
+    "engine_stages1": {"attention_tuning": {"num_stages": 1}},
     # the attention kernel as before rollout run 10: 4 warps, RoPE position looked up in every layer
     "engine_attn_before": {"attention_tuning": {"num_warps": 4, "rope_rows": False}},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
