@@ -162,13 +162,24 @@ class BatchFiller:
 
     Called with a batch the loader gave, it tokenizes the rows, drops the overlong ones and takes
     more from the loader's next batches until the batch is full; rows left over open the next
-    batch. Those few carried rows are not part of a checkpoint: a resumed run starts at the
-    loader's saved position, after them.
+    batch. Its checkpoint state is the loader's position plus those carried rows, so a resumed
+    run starts with them (unless the world size changed: the carried rows are then dropped, as
+    the loader restarts its epoch).
     """
 
     def __init__(self, loader: Any, tokenizer: Any, config: DataConfig, size: int):
         self.loader, self.tokenizer, self.config, self.size = loader, tokenizer, config, int(size)
         self._carry: list[dict] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state with the rows carried into the next batch (``carry``)."""
+        return {**self.loader.state_dict(), "carry": [dict(row) for row in self._carry]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the loader's position and the carried rows (none in checkpoints without them)."""
+        self.loader.load_state_dict(state)
+        same_world = state.get("world_size") == getattr(getattr(self.loader, "dist", None), "world_size", None)
+        self._carry = [dict(row) for row in state.get("carry", [])] if same_world else []
 
     def __call__(self, rows: list[dict]) -> list[dict]:
         kept = self._carry + ensure_input_ids(rows, self.tokenizer, self.config, drop_overlong=True)

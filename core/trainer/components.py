@@ -57,7 +57,9 @@ class Components:
 
     def stateful(self, trainer_state: Any) -> dict[str, Any]:
         state = {"actor": self.actor, "actor_optim": self.actor_opt, "actor_sched": self.actor_sched,
-                 "kl_ctrl": self.kl_ctrl, "data": self.train_loader, "trainer": trainer_state, "rng": self.rng}
+                 "kl_ctrl": self.kl_ctrl, "trainer": trainer_state, "rng": self.rng,
+                 # the loader's position, with the rows a batch filler carries over if there is one
+                 "data": self.ensure_ids if hasattr(self.ensure_ids, "state_dict") else self.train_loader}
         if self.critic is not None:
             state.update(critic=self.critic, critic_optim=self.critic_opt, critic_sched=self.critic_sched)
         return state

@@ -119,6 +119,21 @@ def test_overlong_rows_of_a_custom_dataset_are_dropped_and_the_batch_refilled(ti
     seen = [r["i"] for b in batches for r in b]
     assert seen == [i for i in range(30) if i % 3][:16]  # in order, none lost, none repeated
     assert all(len(r["input_ids"]) <= 4 for b in batches for r in b)
+    # the carried rows are part of the checkpoint state: a resumed filler goes on where this one is
+    while not fill._carry:
+        fill(loader.next_batch())
+    state = fill.state_dict()
+    assert [r["i"] for r in state["carry"]] and state["offset"] == loader.state_dict()["offset"]
+    expected = [r["i"] for r in fill(loader.next_batch())]
+    resumed_loader = PromptLoader(rows, config, 4, 0, DistInfo())
+    resumed = BatchFiller(resumed_loader, tiny_tokenizer, config, 4)
+    resumed.load_state_dict(state)
+    assert [r["i"] for r in resumed(resumed_loader.next_batch())] == expected
+    old = {k: v for k, v in state.items() if k != "carry"}  # a checkpoint from before carried rows were kept
+    resumed.load_state_dict(old)
+    assert resumed._carry == []
+    resumed.load_state_dict({**state, "world_size": 2})  # another world size: the loader restarts, rows dropped
+    assert resumed._carry == []
     everything_long = [{"prompt": "a b c d e f g"} for _ in range(8)]
     loader = PromptLoader(everything_long, config, 4, 0, DistInfo())
     with pytest.raises(DataError, match="fewer than 4 prompts within data.max_prompt_length=4"):
