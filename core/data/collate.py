@@ -178,7 +178,7 @@ class BatchFiller:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the loader's position and the carried rows (none in checkpoints without them)."""
         self.loader.load_state_dict(state)
-        same_world = state.get("world_size") == getattr(getattr(self.loader, "dist", None), "world_size", None)
+        same_world = state.get("world_size") == self.loader.dist.world_size
         self._carry = [dict(row) for row in state.get("carry", [])] if same_world else []
 
     def __call__(self, rows: list[dict]) -> list[dict]:

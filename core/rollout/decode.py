@@ -343,7 +343,7 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     rope_rows = tuning.pop("rope_rows", True)
     if attention == "triton" and state.attention_counters is not None:
         tuning["counters"] = state.attention_counters
-    if attention == "triton" and state.share_source is not None and state.share_active:
+    if attention == "triton" and state.share_active:
         tuning["shared"] = (state.share_source[:n], state.share_end[:n])
     if fns.rope_in_attention:
         spec = fns.spec

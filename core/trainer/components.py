@@ -45,7 +45,7 @@ class Components:
     placement: Any
     train_loader: Any
     val_rows: list
-    ensure_ids: Callable[[list], list]
+    ensure_ids: Any  # rlcore.data.collate.BatchFiller: fills each batch; its state is the data position
     gpu_monitor: Any
     profiler: Any
     train_device: torch.device
@@ -58,8 +58,8 @@ class Components:
     def stateful(self, trainer_state: Any) -> dict[str, Any]:
         state = {"actor": self.actor, "actor_optim": self.actor_opt, "actor_sched": self.actor_sched,
                  "kl_ctrl": self.kl_ctrl, "trainer": trainer_state, "rng": self.rng,
-                 # the loader's position, with the rows a batch filler carries over if there is one
-                 "data": self.ensure_ids if hasattr(self.ensure_ids, "state_dict") else self.train_loader}
+                 # the loader's position, with the rows the batch filler carries into the next batch
+                 "data": self.ensure_ids}
         if self.critic is not None:
             state.update(critic=self.critic, critic_optim=self.critic_opt, critic_sched=self.critic_sched)
         return state
