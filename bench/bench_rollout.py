@@ -139,6 +139,10 @@ VARIANTS = {
     "engine_rope_separate": {"rope_in_attention": False},
     "engine_no_split_k": {"split_k": None},
     "engine_no_sharing": {"prompt_sharing": False},
+    # the products as before rollout run 14: q/k/v in one piece, gate/up not transposed
+    "engine_products_before": {"split_k": {"o": 2, "down": 4}, "mlp_transposed": False},
+    "engine_no_qkv_split": {"split_k": {"o": 2, "down": 4}},
+    "engine_mlp_rows": {"mlp_transposed": False},
     "engine_split2_stages1": {"attention_tuning": {"splits": 2, "num_stages": 1}},
     "engine_split2_stages2": {"attention_tuning": {"splits": 2, "num_stages": 2}},
     "engine_stages1": {"attention_tuning": {"num_stages": 1}},

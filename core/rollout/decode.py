@@ -68,18 +68,28 @@ class DecodeState:
 
 # ----------------------------------------------------------------------------- the pieces
 
-def _project(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, eps: float) -> torch.Tensor:
-    """``x [n, H]`` -> the fused q/k/v projection ``[n, (heads + 2·kv_heads)·D]`` of ``norm(x)``."""
-    return linear_group(rms_norm(x, ln1, eps), qkv, qkv_bias)
+def _project(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, eps: float,
+             splits: int = 1, parts: bool = False) -> torch.Tensor:
+    """``x [n, H]`` -> the fused q/k/v projection ``[n, (heads + 2·kv_heads)·D]`` of ``norm(x)``.
+
+    ``splits > 1`` (a fused matrix): the product over slices of the inner dimension (:func:`_partials`),
+    summed here, or with ``parts`` returned as ``[splits, n, ·]`` without the bias, for the attention
+    kernel to sum and add it (:func:`rlcore.rollout.decode_attention.attend_new`)."""
+    h = rms_norm(x, ln1, eps)
+    if splits == 1 or len(qkv) != 1:
+        return linear_group(h, qkv, qkv_bias)
+    if parts:
+        return _partials(h, qkv[0], None, splits)
+    return _sum(_partials(h, qkv[0], qkv_bias[0], splits)).to(x.dtype)
 
 
 def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: torch.Tensor, sin: torch.Tensor,
-          eps: float, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+          eps: float, heads: int, kv_heads: int, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [n, H]`` -> ``(q [n, KVH, G, D], kv [2, n, KVH, D])`` with RoPE applied to q and k.
 
     ``cos``, ``sin`` ``[n, 1, D]`` (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`)."""
     n, dim = x.shape[0], cos.shape[-1]
-    proj = _project(x, ln1, qkv, qkv_bias, eps)
+    proj = _project(x, ln1, qkv, qkv_bias, eps, splits)
     qk = rotate(proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
     v = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
     q = qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
@@ -87,18 +97,30 @@ def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: 
 
 
 def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: torch.Tensor, gate_up: tuple,
-          gate_up_bias: tuple, down: torch.Tensor, down_bias, eps: float, split: tuple = (1, 1, 1)) -> torch.Tensor:
+          gate_up_bias: tuple, down: torch.Tensor, down_bias, eps: float, split: tuple = (1, 1, 1),
+          transposed: bool = False) -> torch.Tensor:
     """``x + o(attn)``, then ``+ mlp(norm(.))``; ``x [n, H]``, ``attn [n, heads·D]``.
 
     ``split``: how many slices of the inner dimension the o, gate/up and down products are cut
-    into (see :func:`_partials`)."""
+    into (see :func:`_partials`). ``transposed`` (a fused gate/up matrix): the gate/up product is
+    taken as ``weight @ norm(x)^T`` (``[2·I, n]``: the library's tiles fit a tall output better at a
+    few hundred rows), SiLU·mul runs on that layout and the down product reads it through strides."""
     x = _add(x, _partials(attn, o, o_bias, split[0]))
-    if len(gate_up) == 1 and split[1] > 1:
-        gate_up_out = _sum(_partials(rms_norm(x, ln2, eps), gate_up[0], gate_up_bias[0], split[1]))
+    h = rms_norm(x, ln2, eps)
+    if transposed and len(gate_up) == 1:
+        gate_up_t = torch.mm(gate_up[0], h.t())
+        if gate_up_bias[0] is not None:
+            gate_up_t = gate_up_t + gate_up_bias[0][:, None]
+        gate, up = gate_up_t.chunk(2, dim=0)
+        act = (F.silu(gate) * up).to(x.dtype).t()  # [n, I], stored as [I, n]
     else:
-        gate_up_out = linear_group(rms_norm(x, ln2, eps), gate_up, gate_up_bias)
-    gate, up = gate_up_out.chunk(2, dim=-1)
-    return _add(x, _partials((F.silu(gate) * up).to(x.dtype), down, down_bias, split[2]))
+        if len(gate_up) == 1 and split[1] > 1:
+            gate_up_out = _sum(_partials(h, gate_up[0], gate_up_bias[0], split[1]))
+        else:
+            gate_up_out = linear_group(h, gate_up, gate_up_bias)
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(x.dtype)
+    return _add(x, _partials(act, down, down_bias, split[2]))
 
 
 def _partials(x: torch.Tensor, weight: torch.Tensor, bias, splits: int) -> torch.Tensor:
@@ -111,7 +133,11 @@ def _partials(x: torch.Tensor, weight: torch.Tensor, bias, splits: int) -> torch
     if splits == 1 or inner % splits:
         return F.linear(x, weight, bias)[None]
     width = inner // splits
-    out = torch.bmm(x.view(n, splits, width).transpose(0, 1), weight.view(-1, splits, width).permute(1, 2, 0))
+    if x.stride(0) == 1 and n > 1:  # stored transposed ([inner, n]): slice its rows
+        slices = x.t().reshape(splits, width, n).transpose(1, 2)
+    else:
+        slices = x.view(n, splits, width).transpose(0, 1)
+    out = torch.bmm(slices, weight.view(-1, splits, width).permute(1, 2, 0))
     if bias is not None:
         out[0] += bias
     return out
@@ -158,13 +184,14 @@ class StepFunctions:
     compiled: bool
     spec: DecoderSpec
     rope_in_attention: bool = False
+    qkv_parts: bool = False  # the head's projection is [splits, n, ·] partial products without the bias
 
 
-SPLIT_K_KEYS = ("o", "gate_up", "down")
-#: the engine's default on CUDA: at a few hundred rows the o and down products have too few
+SPLIT_K_KEYS = ("o", "gate_up", "down", "qkv")
+#: the engine's default on CUDA: at a few hundred rows the o, down and q/k/v products have too few
 #: output tiles for the GPU (Qwen2-0.5B/1.5B shapes at 256 rows on an H200: o 5.0 -> 4.3 us,
-#: down 10.6 -> 7.0 us; gate/up, already wide, got slower split)
-AUTO_SPLIT_K = {"o": 2, "down": 4}
+#: down 10.6 -> 7.0 us, q/k/v 5.1 -> 4.4 us; gate/up, already wide, got slower split)
+AUTO_SPLIT_K = {"o": 2, "down": 4, "qkv": 2}
 
 
 def _positive_int(value) -> bool:
@@ -196,22 +223,26 @@ def check_options(name: str, options, rules: dict, shape: str = "a mapping") -> 
 _SPLIT_K_RULES = {key: ("a positive integer", _positive_int) for key in SPLIT_K_KEYS}
 
 
-def split_k_tuple(split_k: dict | None) -> tuple[int, int, int]:
-    """``{"o": 2, "down": 4}`` -> ``(2, 1, 4)`` (the order of :data:`SPLIT_K_KEYS`); checks keys and values."""
+def split_k_tuple(split_k: dict | None) -> tuple[int, int, int, int]:
+    """``{"o": 2, "down": 4}`` -> ``(2, 1, 4, 1)`` (the order of :data:`SPLIT_K_KEYS`); checks keys and values."""
     split_k = check_options("split_k", split_k, _SPLIT_K_RULES, f"'auto', None or a mapping like {AUTO_SPLIT_K}")
     return tuple(split_k.get(key, 1) for key in SPLIT_K_KEYS)
 
 
-def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
-                   rope_in_attention: bool = False, split_k: tuple[int, int, int] = (1, 1, 1)) -> StepFunctions:
+def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_attention: bool = False,
+                   split_k: tuple[int, ...] = (1, 1, 1, 1), mlp_transposed: bool = False) -> StepFunctions:
     """The step pieces for ``spec``, compiled with ``torch.compile(mode=compile_mode)`` unless ``None``.
 
-    ``split_k``: slices of the inner dimension for the o, gate/up and down products (:func:`_partials`).
+    ``split_k``: slices of the inner dimension for the o, gate/up, down and q/k/v products
+    (:func:`_partials`; with ``rope_in_attention`` the attention kernel adds the q/k/v slices and the
+    bias). ``mlp_transposed``: the gate/up product as ``weight @ norm(x)^T`` (see :func:`_tail`).
 
     Compilation is lazy (first call); the caller falls back to the plain pieces if it raises.
     The model constants are closed over, so each model shape gets its own compiled graphs.
     """
-    eps, heads, kv_heads, split = spec.rms_eps, spec.num_heads, spec.num_kv_heads, tuple(split_k)
+    eps, heads, kv_heads = spec.rms_eps, spec.num_heads, spec.num_kv_heads
+    split = tuple(split_k) + (1,) * (len(SPLIT_K_KEYS) - len(split_k))
+    qkv_split, turned = split[3], bool(mlp_transposed)
 
     # first: (tokens, positions, tables, embed, layer 0 head weights) -> (x, head, rope);
     # middle: (x, attn, rope, layer i tail weights, layer i+1 head weights) -> (x, head).
@@ -219,35 +250,37 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None,
     def first(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias):
         cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
         x = F.embedding(tokens, embed)
-        return x, _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads), (cos, sin)
+        return x, _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads, qkv_split), (cos, sin)
 
     def middle(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
-        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split)
-        return x, _head(x, ln1, qkv, qkv_bias, *rope, eps, heads, kv_heads)
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split, turned)
+        return x, _head(x, ln1, qkv, qkv_bias, *rope, eps, heads, kv_heads, qkv_split)
 
     def first_projected(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias):
         x = F.embedding(tokens, embed)
-        return x, (_project(x, ln1, qkv, qkv_bias, eps),), ()
+        return x, (_project(x, ln1, qkv, qkv_bias, eps, qkv_split, parts=True),), ()
 
     def middle_projected(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
-        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split)
-        return x, (_project(x, ln1, qkv, qkv_bias, eps),)
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split, turned)
+        return x, (_project(x, ln1, qkv, qkv_bias, eps, qkv_split, parts=True),)
 
     def last(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, norm, lm_head):
-        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split)
+        x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split, turned)
         return F.linear(rms_norm(x, norm, eps), lm_head)
 
     if rope_in_attention:
         first, middle = first_projected, middle_projected
+    parts = bool(rope_in_attention and qkv_split > 1)
     if compile_mode is None:
-        return StepFunctions(first, middle, last, compiled=False, spec=spec, rope_in_attention=rope_in_attention)
+        return StepFunctions(first, middle, last, compiled=False, spec=spec, rope_in_attention=rope_in_attention,
+                             qkv_parts=parts)
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"rollout engine: compile_mode {compile_mode!r} is not one of {COMPILE_MODES}")
     _raise_recompile_limit(64)
     options = dict(fullgraph=True, mode=None if compile_mode == "default" else compile_mode)
     return StepFunctions(torch.compile(first, **options), torch.compile(middle, **options),
                          torch.compile(last, **options), compiled=True, spec=spec,
-                         rope_in_attention=rope_in_attention)
+                         rope_in_attention=rope_in_attention, qkv_parts=parts)
 
 
 def _raise_recompile_limit(at_least: int) -> None:
@@ -351,14 +384,16 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
         if rope_rows:  # the same rows serve every layer: gather them once
             rotary = (cos_table.index_select(0, positions), sin_table.index_select(0, positions), None)
 
-        def attend_layer(layer, head):
+        def attend_layer(layer, head, lw):
+            if fns.qkv_parts and len(lw.qkv) == 1:  # slices without the bias: the kernel adds both
+                tuning["proj_bias"] = lw.qkv_bias[0]
             return decode_attention.attend_new(head[0], layer, bias, length, *rotary, cache_index, spec.num_heads,
                                                spec.num_kv_heads, **tuning)
     else:
         dim = cache.shape[-1]
         flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
 
-        def attend_layer(layer, head):
+        def attend_layer(layer, head, lw):
             q, kv = head
             layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
             return attend(q, layer, bias, length, attention, tuning)
@@ -367,7 +402,7 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     x, head, rope = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
                               *head_args(layers[0]))
     for index, lw in enumerate(layers):
-        attn = attend_layer(cache[index], head)  # cache[index]: [2, B, KVH, S, D]
+        attn = attend_layer(cache[index], head, lw)  # cache[index]: [2, B, KVH, S, D]
         if index + 1 < len(layers):
             x, head = fns.middle(x, attn, rope, *tail_args(lw), *head_args(layers[index + 1]))
         else:

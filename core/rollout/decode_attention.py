@@ -42,19 +42,43 @@ if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite start of the running maximum: no inf - inf on empty blocks
 
     @triton.jit
-    def _rotate_new(q, q_rows, sq_d, row_ok, row_new, k_off, v_off, cos_ptr, sin_ptr, rope_at, feats, feat_ok,
-                    dim: tl.constexpr):
+    def _proj(ptrs, bias_ptrs, ok, part_stride, scale, PARTS: tl.constexpr, SCALED: tl.constexpr,
+              PBIAS: tl.constexpr):
+        """float32 projection values at ``ptrs``: the sum of ``PARTS`` partial products (``part_stride``
+        elements apart), times the slot's norm scale (``SCALED``), plus the bias at ``bias_ptrs`` (``PBIAS``)."""
+        value = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        for p in tl.static_range(1, PARTS):
+            value += tl.load(ptrs + p * part_stride, mask=ok, other=0.0).to(tl.float32)
+        if SCALED:
+            value = value * scale
+        if PBIAS:
+            value += tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32)
+        return value
+
+    @triton.jit
+    def _rotate_new(q_rows, q_cols, sq_d, row_ok, row_new, new_cols, k_off, v_off, cos_ptr, sin_ptr, rope_at,
+                    feats, feat_ok, part_stride, scale, pbias_ptr, out_dtype: tl.constexpr, dim: tl.constexpr,
+                    PARTS: tl.constexpr, SCALED: tl.constexpr, PBIAS: tl.constexpr):
         """RoPE (half-split layout: ``x * cos + roll(x, D/2) * signed sin``, in float32) of the query
-        rows ``q`` (pointers ``q_rows``) and of the new key in the projection row ``row_new``; returns
-        ``(rotated q in q's dtype, rotated key float32, value)``."""
+        rows (pointers ``q_rows``, projection columns ``q_cols``) and of the new key in the projection
+        row ``row_new`` (its head's columns start at ``new_cols``); returns ``(rotated q in
+        ``out_dtype``, rotated key float32, value float32)``. The projection values are read through
+        :func:`_proj`."""
         turned = (feats + dim // 2) % dim
         cos = tl.load(cos_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32)
-        q_turned = tl.load(q_rows + turned[None, :] * sq_d, mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
-        q = (q.to(tl.float32) * cos[None, :] + q_turned.to(tl.float32) * sin[None, :]).to(q.dtype)
-        key = tl.load(row_new + k_off + feats, mask=feat_ok, other=0.0).to(tl.float32)
-        key_turned = tl.load(row_new + k_off + turned, mask=feat_ok, other=0.0).to(tl.float32)
-        value = tl.load(row_new + v_off + feats, mask=feat_ok, other=0.0)
+        q_ok = row_ok[:, None] & feat_ok[None, :]
+        q = _proj(q_rows + feats[None, :] * sq_d, pbias_ptr + q_cols + feats[None, :], q_ok, part_stride, scale,
+                  PARTS, SCALED, PBIAS)
+        q_turned = _proj(q_rows + turned[None, :] * sq_d, pbias_ptr + q_cols + turned[None, :], q_ok, part_stride,
+                         scale, PARTS, SCALED, PBIAS)
+        q = (q * cos[None, :] + q_turned * sin[None, :]).to(out_dtype)
+        key = _proj(row_new + k_off + feats, pbias_ptr + new_cols + k_off + feats, feat_ok, part_stride, scale,
+                    PARTS, SCALED, PBIAS)
+        key_turned = _proj(row_new + k_off + turned, pbias_ptr + new_cols + k_off + turned, feat_ok, part_stride,
+                           scale, PARTS, SCALED, PBIAS)
+        value = _proj(row_new + v_off + feats, pbias_ptr + new_cols + v_off + feats, feat_ok, part_stride, scale,
+                      PARTS, SCALED, PBIAS)
         return q, key * cos + key_turned * sin, value
 
     @triton.jit
@@ -102,13 +126,16 @@ if triton is not None:
                      final_ptr, sf_n, sf_h, sf_g, sf_d, count_ptr,
                      length, chunk, scale,
                      new_ptr, sn_n, k_off, v_off, cos_ptr, sin_ptr, s_rope, pos_ptr, col_ptr,
-                     src_ptr, end_ptr,
+                     src_ptr, end_ptr, part_stride, scale_ptr, pbias_ptr,
                      group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
                      FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
                      ROWS: tl.constexpr,  # NEW with RoPE rows per slot (cos_ptr, sin_ptr [n, D]), not tables
                      SHARED: tl.constexpr,  # columns < end_ptr[slot] are read from cache row src_ptr[slot]
+                     PARTS: tl.constexpr,  # NEW: the projection is the sum of PARTS partial products
+                     SCALED: tl.constexpr,  # NEW: times scale_ptr[slot] (a folded RMSNorm's row scale)
+                     PBIAS: tl.constexpr,  # NEW: plus the projection bias pbias_ptr (after the scale)
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
@@ -120,8 +147,9 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_N)
         row_ok = rows < group
         feat_ok = feats < dim
-        q = tl.load(q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g + feats[None, :] * sq_d,
-                    mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
+        if not NEW:
+            q = tl.load(q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g + feats[None, :] * sq_d,
+                        mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
         k_base = k_ptr + slot * sc_b + head * sc_h + feats[None, :] * sc_d
         v_base = v_ptr + slot * sc_b + head * sc_h + feats[None, :] * sc_d
         bias_base = bias_ptr + slot * sb_n
@@ -139,9 +167,15 @@ if triton is not None:
                 rope_at = slot * s_rope
             else:
                 rope_at = tl.load(pos_ptr + slot) * s_rope
-            q, key, value = _rotate_new(q, q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g, sq_d,
-                                        row_ok, new_ptr + slot * sn_n + head * dim, k_off, v_off,
-                                        cos_ptr, sin_ptr, rope_at, feats, feat_ok, dim)
+            if SCALED:
+                row_scale = tl.load(scale_ptr + slot)
+            else:
+                row_scale = 1.0
+            q_cols = head * sq_h + rows[:, None] * sq_g
+            q, key, value = _rotate_new(q_ptr + slot * sq_n + q_cols, q_cols, sq_d, row_ok,
+                                        new_ptr + slot * sn_n + head * dim, head * dim, k_off, v_off,
+                                        cos_ptr, sin_ptr, rope_at, feats, feat_ok, part_stride, row_scale, pbias_ptr,
+                                        q_ptr.dtype.element_ty, dim, PARTS, SCALED, PBIAS)
             key = key.to(k_ptr.dtype.element_ty)
             if part == 0:
                 at = new_col.to(tl.int64) * sc_s + feats * sc_d
@@ -302,15 +336,17 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None,
-               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None, row_scale: torch.Tensor | None = None,
+               proj_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
     Columns after a slot's new column are not read (they hold no key of its sequence yet).
 
     Args:
-        proj: ``[n, (heads + 2·kv_heads)·D]`` the fused q/k/v projection (bias included), last
-            dimension contiguous.
+        proj: ``[n, (heads + 2·kv_heads)·D]`` the fused q/k/v projection, last dimension contiguous;
+            or ``[P, n, (heads + 2·kv_heads)·D]``, ``P`` partial products (over slices of the inner
+            dimension) the kernel adds up.
         layer: ``[2, B, KVH, S, D]`` one layer's cache; column ``columns[i]`` of row ``i`` is written.
         bias: ``[n, S]`` additive key mask; ``bias[i, columns[i]]`` must already be 0.
         cos, sin: ``[S, D]`` RoPE tables (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`),
@@ -319,20 +355,29 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             each slot's new token.
         splits, block_n, num_warps, num_stages, fold, counters, shared: as for :func:`attend` (the
             new key/value always goes to the slot's own row, at a column at or after its shared end).
+        row_scale: ``[n]`` float32, each slot's projection is multiplied by it (the row scale of an
+            RMSNorm whose weight was folded into the projection matrix; see
+            :mod:`rlcore.rollout.decode_folded`), before ``proj_bias`` ``[(heads + 2·kv_heads)·D]`` is added.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
-    n = proj.shape[0]
+    parts = proj if proj.dim() == 3 else proj[None]
+    n, width = parts.shape[1], parts.shape[2]
     dim = layer.shape[-1]
-    if proj.stride(-1) != 1 or proj.shape[1] != (heads + 2 * kv_heads) * dim or cos.stride(-1) != 1 \
+    if parts.stride(-1) != 1 or width != (heads + 2 * kv_heads) * dim or cos.stride(-1) != 1 \
             or sin.stride() != cos.stride():
         raise ValueError(f"decode attention: projection {tuple(proj.shape)} does not hold {heads} + 2 x {kv_heads} "
                          f"heads of {dim}, or RoPE tables not row-major")
-    q = proj[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
-    new = (proj, proj.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
+    if (row_scale is not None and (row_scale.shape[0] < n or row_scale.dtype != torch.float32)) or \
+            (proj_bias is not None and (proj_bias.shape != (width,) or proj_bias.stride(0) != 1)):
+        raise ValueError(f"decode attention: row_scale must be >= {n} float32 and proj_bias [{width}] contiguous")
+    first = parts[0]
+    q = first[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
+    new = (first, first.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
            columns if positions is None else positions, columns)
+    folded = (parts.stride(0) if parts.shape[0] > 1 else 0, row_scale, proj_bias, parts.shape[0])
     return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-                   rows=positions is None, shared=shared)
+                   rows=positions is None, shared=shared, folded=folded)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -352,7 +397,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-            rows: bool = False, shared=None) -> torch.Tensor:
+            rows: bool = False, shared=None, folded=(0, None, None, 1)) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -382,8 +427,11 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
         new_args = (*new_args, source, end)
     else:
         new_args = (*new_args, q, q)
+    part_stride, row_scale, proj_bias, proj_parts = folded
+    new_args = (*new_args, part_stride, q if row_scale is None else row_scale, q if proj_bias is None else proj_bias)
     ieee = q.dtype == torch.float32 or interpreting()
-    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows),
+    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows), PARTS=proj_parts,
+                     SCALED=row_scale is not None, PBIAS=proj_bias is not None,
                      SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*common, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,

@@ -151,11 +151,16 @@ class RolloutEngine:
         rope_in_attention: with ``attention="triton"``, let the attention kernel also apply RoPE and
             write the new key/value to the cache (one kernel per layer instead of three). Ignored
             for the other attention kinds.
-        split_k: cut the decode step's o, gate/up or down products into this many slices of their
-            inner dimension, e.g. ``{"down": 4}``: one batched product with more output tiles, the
-            partial sums added by the kernel that reads them (see :func:`rlcore.rollout.decode._partials`).
+        split_k: cut the decode step's o, gate/up, down or q/k/v products into this many slices of
+            their inner dimension, e.g. ``{"down": 4}``: one batched product with more output tiles, the
+            partial sums added by the kernel that reads them (see :func:`rlcore.rollout.decode._partials`;
+            the q/k/v slices by the attention kernel when it applies RoPE).
             ``"auto"`` (default): :data:`rlcore.rollout.decode.AUTO_SPLIT_K` when the step is compiled
             on CUDA (the compiler fuses the sums), else none; ``None`` or ``{}``: none.
+        mlp_transposed: take the decode step's gate/up product as ``weight @ norm(x)^T`` (the
+            library's tiles fit that tall output better at a few hundred rows; SiLU·mul and the down
+            product read the transposed layout). ``"auto"`` (default): on when the step is compiled on
+            CUDA.
         attention_tuning: settings of the Triton attention kernel, e.g. ``{"num_warps": 2}``; keys in
             :data:`rlcore.rollout.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.decode.check_attention_tuning`).
         prompt_sharing: with ``attention="triton"``, the samples of a prompt prefilled together read
@@ -172,7 +177,8 @@ class RolloutEngine:
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
                  rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto",
-                 attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True):
+                 attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True,
+                 mlp_transposed: bool | str = "auto"):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -212,10 +218,15 @@ class RolloutEngine:
         if split_k == "auto":
             split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
         self.split_k = decode.split_k_tuple(split_k)
+        if mlp_transposed == "auto":
+            mlp_transposed = self.compile and self.device.type == "cuda"
+        elif not isinstance(mlp_transposed, bool):
+            raise ValueError(f"RolloutEngine: mlp_transposed must be 'auto', True or False, got {mlp_transposed!r}")
+        self.mlp_transposed = mlp_transposed
         self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
-                                            split_k=self.split_k)
-        self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k)
-                     if self.compile else self._plain)
+                                            split_k=self.split_k, mlp_transposed=mlp_transposed)
+        self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k,
+                                           mlp_transposed) if self.compile else self._plain)
         self._allocate()
         if self.compile:
             self._mark_static()

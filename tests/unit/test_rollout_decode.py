@@ -73,8 +73,8 @@ def test_a_failing_compiled_step_falls_back_to_the_plain_one(qwen2, monkeypatch,
 
     real = decode.step_functions
 
-    def fake(spec, compile_mode=None, rope_in_attention=False, split_k=(1, 1, 1)):
-        plain = real(spec, rope_in_attention=rope_in_attention, split_k=split_k)
+    def fake(spec, compile_mode=None, rope_in_attention=False, split_k=(1, 1, 1, 1), mlp_transposed=False):
+        plain = real(spec, rope_in_attention=rope_in_attention, split_k=split_k, mlp_transposed=mlp_transposed)
         return plain if compile_mode is None else decode.StepFunctions(broken, broken, broken, compiled=True,
                                                                         spec=spec)
 
@@ -93,13 +93,16 @@ def test_engine_option_errors(qwen2):
     with pytest.raises(ValueError, match="compile_mode"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, compile_mode="reduce-overhead")
     assert not RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12).compile  # off by default on CPU
-    with pytest.raises(ValueError, match="split_k keys \\['qkv'\\]"):
-        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, split_k={"qkv": 2})
+    with pytest.raises(ValueError, match="split_k keys \\['v'\\]"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, split_k={"v": 2})
+    with pytest.raises(ValueError, match="mlp_transposed must be"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, mlp_transposed="yes")
     with pytest.raises(ValueError, match="split_k\\['down'\\] must be a positive integer"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, split_k={"down": 0})
     with pytest.raises(ValueError, match="split_k must be 'auto', None or a mapping"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12, split_k="fast")
-    assert RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12).split_k == (1, 1, 1)  # "auto": off uncompiled
+    default = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=12)  # "auto": off uncompiled
+    assert default.split_k == (1, 1, 1, 1) and not default.mlp_transposed
 
 
 def test_split_products_sum_to_the_plain_product():
@@ -108,15 +111,20 @@ def test_split_products_sum_to_the_plain_product():
         parts = decode._partials(x, weight, bias.double(), splits)
         assert parts.shape == (splits if 24 % splits == 0 else 1, 5, 7)
         assert torch.allclose(parts.sum(0), torch.nn.functional.linear(x, weight, bias.double()))
+        # the input stored transposed ([24, 5] seen as [5, 24]): the same slices
+        stored = decode._partials(x.t().contiguous().t(), weight, bias.double(), splits)
+        assert torch.allclose(stored, parts)
 
 
-@pytest.mark.parametrize("split_k", [{"down": 4}, {"o": 2, "gate_up": 2, "down": 2}])
-def test_split_k_step_matches_hf(qwen2, eos_case, split_k):
-    """Split-K products (the partial sums added by the next kernel) give HF's greedy tokens and log-probs."""
+@pytest.mark.parametrize("split_k, transposed", [({"down": 4}, False), ({"o": 2, "gate_up": 2, "down": 2}, False),
+                                                 ({"qkv": 2, "down": 4}, True)])
+def test_split_k_step_matches_hf(qwen2, eos_case, split_k, transposed):
+    """Split-K products (the partial sums added by the next kernel) and the transposed gate/up
+    product give HF's greedy tokens and log-probs."""
     params, expected = eos_case
     engine = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, admit_fraction=0.0, eos_check_interval=1,
-                           split_k=split_k)
-    assert engine.split_k == tuple(split_k.get(k, 1) for k in ("o", "gate_up", "down"))
+                           split_k=split_k, mlp_transposed=transposed, share_weights=False)
+    assert engine.split_k == tuple(split_k.get(k, 1) for k in decode.SPLIT_K_KEYS)
     got = engine.generate(PROMPTS, params)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)

@@ -219,6 +219,50 @@ def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits, rope_
 
 
 @needs_kernel
+@pytest.mark.parametrize("scaled", [False, True])
+def test_projection_slices_scale_and_bias_are_applied_before_rope(scaled):
+    """``attend_new`` given the q/k/v projection as 2 partial products, a per-slot scale and the bias
+    equals ``attend_new`` of the finished projection ``sum · scale + bias`` (output and cache)."""
+    gen = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, dim, columns, length = 3, 4, 2, 16, 40, 24
+    parts = torch.randn(2, n, (heads + 2 * kv_heads) * dim, generator=gen)
+    proj_bias = torch.randn(parts.shape[-1], generator=gen)
+    scale = torch.rand(n, generator=gen) + 0.5 if scaled else torch.ones(n)
+    layer = torch.randn(2, 4, kv_heads, columns, dim, generator=gen)
+    bias = torch.zeros(n, columns)
+    bias[1, :3] = float("-inf")
+    cos, sin = torch.randn(2, columns, dim, generator=gen)
+    positions, at = torch.tensor([3, 11, 20]), torch.tensor([length - 1, 9, 15])
+    whole = parts.sum(0) * scale[:, None] + proj_bias
+    to = dict(device=DEVICE)
+    expected_layer, got_layer = layer.clone().to(**to), layer.clone().to(**to)
+    expected = decode_attention.attend_new(whole.to(**to), expected_layer, bias.to(**to), length, cos.to(**to),
+                                           sin.to(**to), positions.to(**to), at.to(**to), heads, kv_heads)
+    got = decode_attention.attend_new(parts.to(**to), got_layer, bias.to(**to), length, cos.to(**to), sin.to(**to),
+                                      positions.to(**to), at.to(**to), heads, kv_heads,
+                                      row_scale=scale.to(**to) if scaled else None, proj_bias=proj_bias.to(**to))
+    assert torch.allclose(got, expected, atol=1e-5) and torch.allclose(got_layer, expected_layer, atol=1e-5)
+    with pytest.raises(ValueError, match="proj_bias"):
+        decode_attention.attend_new(parts.to(**to), got_layer, bias.to(**to), length, cos.to(**to), sin.to(**to),
+                                    positions.to(**to), at.to(**to), heads, kv_heads, proj_bias=proj_bias[:5].to(**to))
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("split_k", [{"qkv": 2}, {"qkv": 2, "o": 2, "down": 4}])
+def test_engine_qkv_slices_and_transposed_mlp_match_sdpa(qwen2, split_k):
+    """The q/k/v product in slices summed by the attention kernel (Qwen2: with its bias added there)
+    and the transposed gate/up product give the unsplit engine's greedy tokens and log-probs."""
+    kwargs = dict(max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0, device=DEVICE)
+    expected = RolloutEngine(qwen2, attention="sdpa", **kwargs).generate(PROMPTS, GREEDY)
+    engine = RolloutEngine(qwen2, attention="triton", split_k=split_k, mlp_transposed=True, **kwargs)
+    assert engine._fns.qkv_parts and engine.mlp_transposed
+    got = engine.generate(PROMPTS, GREEDY)
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
+
+
+@needs_kernel
 @pytest.mark.slow
 def test_engine_rope_in_attention_matches_the_separate_steps(qwen2):
     kwargs = dict(max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
