@@ -3,7 +3,6 @@
 * ``sampler``: :func:`rlcore.rollout.fused_sampling.sample_rows` with the exact and the
   approximate logarithm, several warp counts and row splits;
 * ``gemm``: the decode projections as one GEMM or as split-K batched products;
-* ``narrow``: the narrow projections (q/k/v, o, down) as Triton split-K partial products, swept;
 * ``attention``: the decode-attention kernel's tuning knobs, one call per layer, each on its own
   cache (so keys and values come from memory, not L2, as in a real step);
 * ``--loop``: device time by kernel over a whole ``generate`` call of the engine, per decode step,
@@ -162,42 +161,6 @@ def bench_gemm(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_narrow(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
-    """The narrow decode products (q/k/v, o, down) as Triton split-K partial products
-    (:func:`rlcore.rollout.narrow_mm.partial_products`) over a sweep of tiles, slices, warps and
-    stages, against the library's batched split-K product (:func:`rlcore.rollout.decode._partials`)."""
-    from rlcore.rollout import narrow_mm
-    from rlcore.rollout.decode import _partials
-
-    spec = SHAPES[shape]
-    hidden, inter, heads, kv_heads = (spec["hidden_size"], spec["intermediate_size"], spec["num_attention_heads"],
-                                      spec["num_key_value_heads"])
-    qkv = hidden + 2 * kv_heads * (hidden // heads)
-    rows = []
-    for name, (out_f, in_f) in {"qkv": (qkv, hidden), "o": (hidden, hidden), "down": (hidden, inter)}.items():
-        weights = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
-        x = torch.randn(batch, in_f, device="cuda", dtype=torch.bfloat16)
-        library = min(graph_ms(lambda: [_partials(x, w, None, s) for w in weights], repeats=10) * 1e3 / layers
-                      for s in (1, 2, 4))
-        splits_set = (1, 2, 4, 7) if in_f < 4096 else (2, 4, 8, 16)
-        found = []
-        for bm, bn, bk, parts, stages in itertools.product((64, 128), (32, 64, 128), (64, 128), splits_set, (3,)):
-            config = (bm, bn, bk, parts, 4, stages)
-            try:
-                us = graph_ms(lambda: [narrow_mm.partial_products(x, w, config=config) for w in weights],
-                              repeats=10) * 1e3 / layers
-            except Exception as error:  # noqa: BLE001 - a setting that does not compile is skipped
-                print(f"    narrow {shape} {name} {config}: {type(error).__name__}", flush=True)
-                continue
-            found.append({"shape": shape, "gemm": name, "config": config, "us": us, "library_best_us": library})
-        found.sort(key=lambda r: r["us"])
-        print(f"    narrow {shape} {name} [{batch}x{in_f}]x[{in_f}x{out_f}]: library best {library:6.2f} us", flush=True)
-        for r in found[:5]:
-            print(f"      {r['us']:6.2f} us  {r['config']}", flush=True)
-        rows += found
-    return rows
-
-
 def loop_profile(shape: str, batch: int, prompt: int, new: int, engine_kwargs: dict) -> dict[str, Any]:
     """Device time by kernel over one ``generate`` call of the engine, per decode step."""
     from rlcore.rollout.base import SamplingParams
@@ -234,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: " + ",".join(SHAPES))
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm,narrow (any, or none)")
+    parser.add_argument("--parts", default="sampler,attention", help="sampler,attention,gemm (any, or none)")
     parser.add_argument("--loop", action="store_true", help="profile a whole generate call per shape")
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
@@ -249,14 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parts = set(args.parts.split(","))
     results: dict[str, Any] = {"env": environment(), "command": " ".join(sys.argv), "sampler": [],
-                               "attention": [], "gemm": [], "narrow": [], "loop": []}
+                               "attention": [], "gemm": [], "loop": []}
     for shape in args.shapes.split(","):
         layers = SHAPES[shape]["num_hidden_layers"]
         if "gemm" in parts:
             results["gemm"] += bench_gemm(shape, args.batch, layers)
-            write_json(args.out, results)
-        if "narrow" in parts:
-            results["narrow"] += bench_narrow(shape, args.batch, layers)
             write_json(args.out, results)
         if "attention" in parts:
             results["attention"] += bench_attention(shape, args.batch, layers, sweep=args.attention_sweep)
