@@ -143,6 +143,8 @@ VARIANTS = {
     "engine_products_before": {"split_k": {"o": 2, "down": 4}, "mlp_transposed": False},
     "engine_no_qkv_split": {"split_k": {"o": 2, "down": 4}},
     "engine_mlp_rows": {"mlp_transposed": False},
+    # the step's bookkeeping as PyTorch kernels (before rollout run 15), not an engine option
+    "engine_torch_bookkeeping": {"_torch_bookkeeping": True},
     "engine_split2_stages1": {"attention_tuning": {"splits": 2, "num_stages": 1}},
     "engine_split2_stages2": {"attention_tuning": {"splits": 2, "num_stages": 2}},
     "engine_stages1": {"attention_tuning": {"num_stages": 1}},
@@ -156,7 +158,17 @@ def engine_run(name: str, model, prompts, batch: int, args, kwargs: dict, profil
     """Time one engine configuration: capture its graphs first, then 1 token and ``new`` tokens."""
     from rlcore.rollout import sampling
 
+    from rlcore.rollout import step_kernels
+
     new, prompt = args.new_tokens, args.prompt_len
+    kwargs = dict(kwargs)
+    if kwargs.pop("_torch_bookkeeping", False):
+        available = step_kernels.available
+        step_kernels.available = lambda device: False
+        try:
+            return engine_run(name, model, prompts, batch, args, kwargs, profile)
+        finally:
+            step_kernels.available = available
     engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=prompt + new, **kwargs)
     warm_s, _ = timed(lambda: (engine.warmup([batch]),
                                engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))))

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rlcore.rollout import decode_attention
+from rlcore.rollout import decode_attention, step_kernels
 from rlcore.rollout.llama import DecoderSpec, DecoderWeights, LayerWeights, linear_group, rms_norm, rotate
 
 log = logging.getLogger(__name__)
@@ -371,9 +371,16 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     last_column = cache.shape[4] - 1
     positions, cache_index = state.positions[:n], state.cache_index[:n]
     bias = state.bias[:n]
-    bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
     tuning = dict(attention_tuning or {})
     rope_rows = tuning.pop("rope_rows", True)
+    # one kernel marks the new columns valid, gathers the RoPE rows and advances the slots
+    one_kernel = fns.rope_in_attention and rope_rows and step_kernels.available(cache.device)
+    if one_kernel:
+        cos_rows, sin_rows, columns = step_kernels.begin_step(cos_table, sin_table, positions, cache_index,
+                                                              state.bias, last_column)
+    else:
+        bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
+        columns = cache_index
     if attention == "triton" and state.attention_counters is not None:
         tuning["counters"] = state.attention_counters
     if attention == "triton" and state.share_active:
@@ -381,13 +388,15 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     if fns.rope_in_attention:
         spec = fns.spec
         rotary = (cos_table, sin_table, positions)
-        if rope_rows:  # the same rows serve every layer: gather them once
+        if one_kernel:
+            rotary = (cos_rows, sin_rows, None)
+        elif rope_rows:  # the same rows serve every layer: gather them once
             rotary = (cos_table.index_select(0, positions), sin_table.index_select(0, positions), None)
 
         def attend_layer(layer, head, lw):
             if fns.qkv_parts and len(lw.qkv) == 1:  # slices without the bias: the kernel adds both
                 tuning["proj_bias"] = lw.qkv_bias[0]
-            return decode_attention.attend_new(head[0], layer, bias, length, *rotary, cache_index, spec.num_heads,
+            return decode_attention.attend_new(head[0], layer, bias, length, *rotary, columns, spec.num_heads,
                                                spec.num_kv_heads, **tuning)
     else:
         dim = cache.shape[-1]
@@ -407,7 +416,8 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
             x, head = fns.middle(x, attn, rope, *tail_args(lw), *head_args(layers[index + 1]))
         else:
             logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
-    positions.add_(1).clamp_(max=last_column)
-    cache_index.add_(1).clamp_(max=last_column)
+    if not one_kernel:
+        positions.add_(1).clamp_(max=last_column)
+        cache_index.add_(1).clamp_(max=last_column)
     return logits
 

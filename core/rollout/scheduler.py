@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from rlcore.rollout import step_kernels
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad, mask_after_eos
 from rlcore.rollout.sampling import Sampler
 
@@ -51,7 +52,7 @@ class Scheduler:
         self.eos = torch.tensor(sorted(set(params.eos_token_ids)), dtype=torch.long, device=dev)
         self.res_tokens = torch.full((len(prompts), width), params.pad_token_id, dtype=torch.long, device=dev)
         self.res_logprobs = torch.zeros(len(prompts), width, dtype=torch.float32, device=dev)
-        self.ar = torch.arange(cap, device=dev)
+        self.one_kernel = step_kernels.available(dev)
         self.steps = 0
         self.prefills = 0
         self.bucket_steps: dict[int, int] = {}
@@ -69,15 +70,11 @@ class Scheduler:
 
     # -- device bookkeeping
     def _record(self, n: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Write the step's tokens of slots ``0..n-1`` at their output columns."""
-        width = self.params.max_new_tokens
-        col = self.out_col[:n].clamp(max=width - 1)
-        flat = self.ar[:n] * width + col
-        self.out_tokens.view(-1).index_copy_(0, flat, tokens)
-        self.out_logprobs.view(-1).index_copy_(0, flat, logprobs)
-        self.out_col[:n] += 1
-        if self.eos.numel():
-            self.done[:n] |= torch.isin(tokens, self.eos)
+        """The step's tokens of slots ``0..n-1`` become their next inputs and are written, with their
+        log-probs, at the slots' output columns (one kernel where Triton runs)."""
+        record = step_kernels.record if self.one_kernel else step_kernels.record_reference
+        record(tokens, logprobs, self.eng.state.tokens, self.out_tokens, self.out_logprobs, self.out_col, self.done,
+               self.eos)
 
     def _finish(self, slots: list[int]) -> None:
         if not slots:
@@ -157,7 +154,6 @@ class Scheduler:
             length = self.eng._length_bucket(self.max_col0 + self.steps + 1)
             logits = self.eng._decode(n, length)
             tokens, logprobs = self.sample(logits)
-            self.eng.state.tokens[:n].copy_(tokens)
             self._record(n, tokens, logprobs)
             self.steps += 1
             self.bucket_steps[n] = self.bucket_steps.get(n, 0) + 1
