@@ -19,7 +19,9 @@ from rlcore.triton_support import kernels_run_on, tl, triton
 
 if triton is not None:
 
-    @triton.jit
+    # sizes are not specialised on (Triton compiles a kernel per value class of 1 / multiple of 16):
+    # one compiled kernel serves every batch, cache length and response width
+    @triton.jit(do_not_specialize=["s_table", "sb_n", "n", "last"])
     def _begin_step(cos_ptr, sin_ptr, s_table, pos_ptr, col_ptr, bias_ptr, sb_n, cos_out, sin_out, col_out, n,
                     last, dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         slots = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -38,7 +40,7 @@ if triton is not None:
         tl.store(pos_ptr + slots, tl.minimum(position + 1, last), mask=ok)
         tl.store(col_ptr + slots, tl.minimum(column + 1, last), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "width", "n_eos"])
     def _record(tok_ptr, lp_ptr, next_ptr, out_tok_ptr, out_lp_ptr, col_ptr, done_ptr, eos_ptr, n, width, n_eos,
                 BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
         slots = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
