@@ -143,6 +143,8 @@ VARIANTS = {
     "engine_products_before": {"split_k": {"o": 2, "down": 4}, "mlp_transposed": False},
     "engine_no_qkv_split": {"split_k": {"o": 2, "down": 4}},
     "engine_mlp_rows": {"mlp_transposed": False},
+    "engine_down2": {"split_k": {"o": 2, "down": 2, "qkv": 2}},
+    "engine_down8": {"split_k": {"o": 2, "down": 8, "qkv": 2}},
     # the step's bookkeeping as PyTorch kernels (before rollout run 15), not an engine option
     "engine_torch_bookkeeping": {"_torch_bookkeeping": True},
     "engine_split2_stages1": {"attention_tuning": {"splits": 2, "num_stages": 1}},
