@@ -394,10 +394,10 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
             rotary = (cos_table.index_select(0, positions), sin_table.index_select(0, positions), None)
 
         def attend_layer(layer, head, lw):
-            if fns.qkv_parts and len(lw.qkv) == 1:  # slices without the bias: the kernel adds both
-                tuning["proj_bias"] = lw.qkv_bias[0]
+            # q/k/v slices come without the bias: the kernel adds both
+            proj_bias = lw.qkv_bias[0] if fns.qkv_parts and len(lw.qkv) == 1 else None
             return decode_attention.attend_new(head[0], layer, bias, length, *rotary, columns, spec.num_heads,
-                                               spec.num_kv_heads, **tuning)
+                                               spec.num_kv_heads, proj_bias=proj_bias, **tuning)
     else:
         dim = cache.shape[-1]
         flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]

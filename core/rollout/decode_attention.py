@@ -42,23 +42,20 @@ if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite start of the running maximum: no inf - inf on empty blocks
 
     @triton.jit
-    def _proj(ptrs, bias_ptrs, ok, part_stride, scale, PARTS: tl.constexpr, SCALED: tl.constexpr,
-              PBIAS: tl.constexpr):
+    def _proj(ptrs, bias_ptrs, ok, part_stride, PARTS: tl.constexpr, PBIAS: tl.constexpr):
         """float32 projection values at ``ptrs``: the sum of ``PARTS`` partial products (``part_stride``
-        elements apart), times the slot's norm scale (``SCALED``), plus the bias at ``bias_ptrs`` (``PBIAS``)."""
+        elements apart), plus the bias at ``bias_ptrs`` (``PBIAS``)."""
         value = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
         for p in tl.static_range(1, PARTS):
             value += tl.load(ptrs + p * part_stride, mask=ok, other=0.0).to(tl.float32)
-        if SCALED:
-            value = value * scale
         if PBIAS:
             value += tl.load(bias_ptrs, mask=ok, other=0.0).to(tl.float32)
         return value
 
     @triton.jit
     def _rotate_new(q_rows, q_cols, sq_d, row_ok, row_new, new_cols, k_off, v_off, cos_ptr, sin_ptr, rope_at,
-                    feats, feat_ok, part_stride, scale, pbias_ptr, out_dtype: tl.constexpr, dim: tl.constexpr,
-                    PARTS: tl.constexpr, SCALED: tl.constexpr, PBIAS: tl.constexpr):
+                    feats, feat_ok, part_stride, pbias_ptr, out_dtype: tl.constexpr, dim: tl.constexpr,
+                    PARTS: tl.constexpr, PBIAS: tl.constexpr):
         """RoPE (half-split layout: ``x * cos + roll(x, D/2) * signed sin``, in float32) of the query
         rows (pointers ``q_rows``, projection columns ``q_cols``) and of the new key in the projection
         row ``row_new`` (its head's columns start at ``new_cols``); returns ``(rotated q in
@@ -68,17 +65,17 @@ if triton is not None:
         cos = tl.load(cos_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32)
         q_ok = row_ok[:, None] & feat_ok[None, :]
-        q = _proj(q_rows + feats[None, :] * sq_d, pbias_ptr + q_cols + feats[None, :], q_ok, part_stride, scale,
-                  PARTS, SCALED, PBIAS)
+        q = _proj(q_rows + feats[None, :] * sq_d, pbias_ptr + q_cols + feats[None, :], q_ok, part_stride,
+                  PARTS, PBIAS)
         q_turned = _proj(q_rows + turned[None, :] * sq_d, pbias_ptr + q_cols + turned[None, :], q_ok, part_stride,
-                         scale, PARTS, SCALED, PBIAS)
+                         PARTS, PBIAS)
         q = (q * cos[None, :] + q_turned * sin[None, :]).to(out_dtype)
-        key = _proj(row_new + k_off + feats, pbias_ptr + new_cols + k_off + feats, feat_ok, part_stride, scale,
-                    PARTS, SCALED, PBIAS)
+        key = _proj(row_new + k_off + feats, pbias_ptr + new_cols + k_off + feats, feat_ok, part_stride,
+                    PARTS, PBIAS)
         key_turned = _proj(row_new + k_off + turned, pbias_ptr + new_cols + k_off + turned, feat_ok, part_stride,
-                           scale, PARTS, SCALED, PBIAS)
-        value = _proj(row_new + v_off + feats, pbias_ptr + new_cols + v_off + feats, feat_ok, part_stride, scale,
-                      PARTS, SCALED, PBIAS)
+                           PARTS, PBIAS)
+        value = _proj(row_new + v_off + feats, pbias_ptr + new_cols + v_off + feats, feat_ok, part_stride,
+                      PARTS, PBIAS)
         return q, key * cos + key_turned * sin, value
 
     @triton.jit
@@ -126,7 +123,7 @@ if triton is not None:
                      final_ptr, sf_n, sf_h, sf_g, sf_d, count_ptr,
                      length, chunk, scale,
                      new_ptr, sn_n, k_off, v_off, cos_ptr, sin_ptr, s_rope, pos_ptr, col_ptr,
-                     src_ptr, end_ptr, part_stride, scale_ptr, pbias_ptr,
+                     src_ptr, end_ptr, part_stride, pbias_ptr,
                      group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
                      FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
@@ -134,8 +131,7 @@ if triton is not None:
                      ROWS: tl.constexpr,  # NEW with RoPE rows per slot (cos_ptr, sin_ptr [n, D]), not tables
                      SHARED: tl.constexpr,  # columns < end_ptr[slot] are read from cache row src_ptr[slot]
                      PARTS: tl.constexpr,  # NEW: the projection is the sum of PARTS partial products
-                     SCALED: tl.constexpr,  # NEW: times scale_ptr[slot] (a folded RMSNorm's row scale)
-                     PBIAS: tl.constexpr,  # NEW: plus the projection bias pbias_ptr (after the scale)
+                     PBIAS: tl.constexpr,  # NEW: plus the projection bias pbias_ptr
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
@@ -167,15 +163,11 @@ if triton is not None:
                 rope_at = slot * s_rope
             else:
                 rope_at = tl.load(pos_ptr + slot) * s_rope
-            if SCALED:
-                row_scale = tl.load(scale_ptr + slot)
-            else:
-                row_scale = 1.0
             q_cols = head * sq_h + rows[:, None] * sq_g
             q, key, value = _rotate_new(q_ptr + slot * sq_n + q_cols, q_cols, sq_d, row_ok,
                                         new_ptr + slot * sn_n + head * dim, head * dim, k_off, v_off,
-                                        cos_ptr, sin_ptr, rope_at, feats, feat_ok, part_stride, row_scale, pbias_ptr,
-                                        q_ptr.dtype.element_ty, dim, PARTS, SCALED, PBIAS)
+                                        cos_ptr, sin_ptr, rope_at, feats, feat_ok, part_stride, pbias_ptr,
+                                        q_ptr.dtype.element_ty, dim, PARTS, PBIAS)
             key = key.to(k_ptr.dtype.element_ty)
             if part == 0:
                 at = new_col.to(tl.int64) * sc_s + feats * sc_d
@@ -336,7 +328,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None,
-               shared: tuple[torch.Tensor, torch.Tensor] | None = None, row_scale: torch.Tensor | None = None,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                proj_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
@@ -355,9 +347,8 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             each slot's new token.
         splits, block_n, num_warps, num_stages, fold, counters, shared: as for :func:`attend` (the
             new key/value always goes to the slot's own row, at a column at or after its shared end).
-        row_scale: ``[n]`` float32, each slot's projection is multiplied by it (the row scale of an
-            RMSNorm whose weight was folded into the projection matrix; see
-            :mod:`rlcore.rollout.decode_folded`), before ``proj_bias`` ``[(heads + 2·kv_heads)·D]`` is added.
+        proj_bias: ``[(heads + 2·kv_heads)·D]`` added to the (summed) projection, for a ``proj``
+            given without its bias.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
     """
@@ -368,16 +359,15 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or sin.stride() != cos.stride():
         raise ValueError(f"decode attention: projection {tuple(proj.shape)} does not hold {heads} + 2 x {kv_heads} "
                          f"heads of {dim}, or RoPE tables not row-major")
-    if (row_scale is not None and (row_scale.shape[0] < n or row_scale.dtype != torch.float32)) or \
-            (proj_bias is not None and (proj_bias.shape != (width,) or proj_bias.stride(0) != 1)):
-        raise ValueError(f"decode attention: row_scale must be >= {n} float32 and proj_bias [{width}] contiguous")
+    if proj_bias is not None and (proj_bias.shape != (width,) or proj_bias.stride(0) != 1):
+        raise ValueError(f"decode attention: proj_bias must be [{width}] and contiguous, got {tuple(proj_bias.shape)}")
     first = parts[0]
     q = first[:, :heads * dim].view(n, kv_heads, heads // kv_heads, dim)
     new = (first, first.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
            columns if positions is None else positions, columns)
-    folded = (parts.stride(0) if parts.shape[0] > 1 else 0, row_scale, proj_bias, parts.shape[0])
+    summed = (parts.stride(0) if parts.shape[0] > 1 else 0, proj_bias, parts.shape[0])
     return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-                   rows=positions is None, shared=shared, folded=folded)
+                   rows=positions is None, shared=shared, summed=summed)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -397,7 +387,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-            rows: bool = False, shared=None, folded=(0, None, None, 1)) -> torch.Tensor:
+            rows: bool = False, shared=None, summed=(0, None, 1)) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -427,11 +417,11 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
         new_args = (*new_args, source, end)
     else:
         new_args = (*new_args, q, q)
-    part_stride, row_scale, proj_bias, proj_parts = folded
-    new_args = (*new_args, part_stride, q if row_scale is None else row_scale, q if proj_bias is None else proj_bias)
+    part_stride, proj_bias, proj_parts = summed
+    new_args = (*new_args, part_stride, q if proj_bias is None else proj_bias)
     ieee = q.dtype == torch.float32 or interpreting()
     constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows), PARTS=proj_parts,
-                     SCALED=row_scale is not None, PBIAS=proj_bias is not None,
+                     PBIAS=proj_bias is not None,
                      SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*common, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,

@@ -219,32 +219,28 @@ def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits, rope_
 
 
 @needs_kernel
-@pytest.mark.parametrize("scaled", [False, True])
-def test_projection_slices_scale_and_bias_are_applied_before_rope(scaled):
-    """``attend_new`` given the q/k/v projection as 2 partial products, a per-slot scale and the bias
-    equals ``attend_new`` of the finished projection ``sum · scale + bias`` (output and cache)."""
+def test_projection_slices_and_bias_are_added_before_rope():
+    """``attend_new`` given the q/k/v projection as 2 partial products and the bias equals
+    ``attend_new`` of the finished projection ``sum + bias`` (output and cache)."""
     gen = torch.Generator().manual_seed(3)
     n, heads, kv_heads, dim, columns, length = 3, 4, 2, 16, 40, 24
     parts = torch.randn(2, n, (heads + 2 * kv_heads) * dim, generator=gen)
     proj_bias = torch.randn(parts.shape[-1], generator=gen)
-    scale = torch.rand(n, generator=gen) + 0.5 if scaled else torch.ones(n)
     layer = torch.randn(2, 4, kv_heads, columns, dim, generator=gen)
     bias = torch.zeros(n, columns)
     bias[1, :3] = float("-inf")
     cos, sin = torch.randn(2, columns, dim, generator=gen)
     positions, at = torch.tensor([3, 11, 20]), torch.tensor([length - 1, 9, 15])
-    whole = parts.sum(0) * scale[:, None] + proj_bias
     to = dict(device=DEVICE)
+    args = (bias.to(**to), length, cos.to(**to), sin.to(**to), positions.to(**to), at.to(**to), heads, kv_heads)
     expected_layer, got_layer = layer.clone().to(**to), layer.clone().to(**to)
-    expected = decode_attention.attend_new(whole.to(**to), expected_layer, bias.to(**to), length, cos.to(**to),
-                                           sin.to(**to), positions.to(**to), at.to(**to), heads, kv_heads)
-    got = decode_attention.attend_new(parts.to(**to), got_layer, bias.to(**to), length, cos.to(**to), sin.to(**to),
-                                      positions.to(**to), at.to(**to), heads, kv_heads,
-                                      row_scale=scale.to(**to) if scaled else None, proj_bias=proj_bias.to(**to))
+    expected = decode_attention.attend_new((parts.sum(0) + proj_bias).to(**to), expected_layer, *args)
+    got = decode_attention.attend_new(parts.to(**to), got_layer, *args, proj_bias=proj_bias.to(**to))
     assert torch.allclose(got, expected, atol=1e-5) and torch.allclose(got_layer, expected_layer, atol=1e-5)
+    without = decode_attention.attend_new(parts.to(**to), layer.clone().to(**to), *args)
+    assert not torch.allclose(without, expected, atol=1e-3)  # the bias matters
     with pytest.raises(ValueError, match="proj_bias"):
-        decode_attention.attend_new(parts.to(**to), got_layer, bias.to(**to), length, cos.to(**to), sin.to(**to),
-                                    positions.to(**to), at.to(**to), heads, kv_heads, proj_bias=proj_bias[:5].to(**to))
+        decode_attention.attend_new(parts.to(**to), got_layer, *args, proj_bias=proj_bias[:5].to(**to))
 
 
 @needs_kernel
