@@ -241,7 +241,7 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_a
     The model constants are closed over, so each model shape gets its own compiled graphs.
     """
     eps, heads, kv_heads = spec.rms_eps, spec.num_heads, spec.num_kv_heads
-    split = tuple(split_k) + (1,) * (len(SPLIT_K_KEYS) - len(split_k))
+    split = tuple(split_k)
     qkv_split, turned = split[3], bool(mlp_transposed)
 
     # first: (tokens, positions, tables, embed, layer 0 head weights) -> (x, head, rope);
@@ -373,11 +373,12 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     bias = state.bias[:n]
     tuning = dict(attention_tuning or {})
     rope_rows = tuning.pop("rope_rows", True)
-    # one kernel marks the new columns valid, gathers the RoPE rows and advances the slots
-    one_kernel = fns.rope_in_attention and rope_rows and step_kernels.available(cache.device)
-    if one_kernel:
-        cos_rows, sin_rows, columns = step_kernels.begin_step(cos_table, sin_table, positions, cache_index,
-                                                              state.bias, last_column)
+    # with RoPE rows: mark the new columns valid, gather the rows and advance the slots at the start
+    # (one kernel where Triton runs)
+    rows_first = fns.rope_in_attention and rope_rows
+    if rows_first:
+        begin = step_kernels.begin_step if step_kernels.available(cache.device) else step_kernels.begin_step_reference
+        cos_rows, sin_rows, columns = begin(cos_table, sin_table, positions, cache_index, state.bias, last_column)
     else:
         bias.scatter_(1, cache_index[:, None], state.zero.expand(n, 1))
         columns = cache_index
@@ -387,11 +388,8 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
         tuning["shared"] = (state.share_source[:n], state.share_end[:n])
     if fns.rope_in_attention:
         spec = fns.spec
-        rotary = (cos_table, sin_table, positions)
-        if one_kernel:
-            rotary = (cos_rows, sin_rows, None)
-        elif rope_rows:  # the same rows serve every layer: gather them once
-            rotary = (cos_table.index_select(0, positions), sin_table.index_select(0, positions), None)
+        # the same RoPE rows serve every layer (gathered once), or each layer's kernel looks the position up
+        rotary = (cos_rows, sin_rows, None) if rows_first else (cos_table, sin_table, positions)
 
         def attend_layer(layer, head, lw):
             # q/k/v slices come without the bias: the kernel adds both
@@ -416,7 +414,7 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
             x, head = fns.middle(x, attn, rope, *tail_args(lw), *head_args(layers[index + 1]))
         else:
             logits = fns.last(x, attn, *tail_args(lw), weights.norm, weights.lm_head)
-    if not one_kernel:
+    if not rows_first:
         positions.add_(1).clamp_(max=last_column)
         cache_index.add_(1).clamp_(max=last_column)
     return logits

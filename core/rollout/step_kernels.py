@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.triton_support import kernels_run_on, tl, triton
+from rlcore.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
+from rlcore.triton_support import tl, triton
 
 if triton is not None:
 
@@ -60,10 +61,6 @@ if triton is not None:
             tl.store(done_ptr + slots, (done | hit).to(done_ptr.dtype.element_ty), mask=ok)
 
 
-def available(device: torch.device | str) -> bool:
-    return kernels_run_on(device)
-
-
 def begin_step(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
                bias: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(cos rows [n, D], sin rows [n, D], this step's columns [n])`` for slots ``0..n-1``
@@ -84,7 +81,7 @@ def begin_step(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torc
 
 
 def begin_step_reference(cos_table, sin_table, positions, columns, bias, last):
-    """:func:`begin_step` in PyTorch."""
+    """:func:`begin_step` in PyTorch (where Triton does not run)."""
     n = positions.shape[0]
     bias[:n].scatter_(1, columns[:, None], torch.zeros(n, 1, dtype=bias.dtype, device=bias.device))
     now = columns.clone()
@@ -111,7 +108,7 @@ def record(tokens: torch.Tensor, logprobs: torch.Tensor, next_tokens: torch.Tens
 
 
 def record_reference(tokens, logprobs, next_tokens, out_tokens, out_logprobs, out_col, done, eos) -> None:
-    """:func:`record` in PyTorch."""
+    """:func:`record` in PyTorch (where Triton does not run)."""
     n, width = tokens.shape[0], out_tokens.shape[1]
     next_tokens[:n].copy_(tokens)
     col = out_col[:n].clamp(max=width - 1)
