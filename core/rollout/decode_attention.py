@@ -79,15 +79,14 @@ if triton is not None:
         return q, key * cos + key_turned * sin, value
 
     @triton.jit
-    def _fold_block(q, k, v, bias, col_ok, run_max, run_sum, acc, scale, IEEE: tl.constexpr):
-        """Fold one block of keys/values (columns where ``col_ok``, additive ``bias``) into the
-        online softmax: returns the new running maximum, sum and output accumulator."""
+    def _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE: tl.constexpr):
+        """Fold one block of keys/values (additive ``bias``, ``-inf`` on the columns outside the
+        range) into the online softmax: returns the new running maximum, sum and output accumulator."""
         if IEEE:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale + bias[None, :]
-        scores = tl.where(col_ok[None, :], scores, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(scores, axis=1))
         p = tl.exp(scores - new_max[:, None])
         alpha = tl.exp(run_max - new_max)
@@ -100,18 +99,19 @@ if triton is not None:
 
     @triton.jit
     def _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, cols, feat_ok, run_max, run_sum, acc, scale,
-                      IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+                      shared_end, shared_shift, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
         """Fold cache columns ``lo..hi-1`` (keys/values at ``k_base``/``v_base`` + column x
-        ``sc_s``) into the online softmax, ``BLOCK_N`` at a time."""
+        ``sc_s``, plus ``shared_shift`` for the columns below ``shared_end``) into the online
+        softmax, ``BLOCK_N`` at a time, in one pipelined loop."""
         for start in range(lo, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi
-            at = col.to(tl.int64)[:, None] * sc_s
+            at = col.to(tl.int64) * sc_s + tl.where(col < shared_end, shared_shift, 0)
             tile_ok = col_ok[:, None] & feat_ok[None, :]
-            k = tl.load(k_base + at, mask=tile_ok, other=0.0)
-            v = tl.load(v_base + at, mask=tile_ok, other=0.0)
-            bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=0.0).to(tl.float32)
-            run_max, run_sum, acc = _fold_block(q, k, v, bias, col_ok, run_max, run_sum, acc, scale, IEEE)
+            k = tl.load(k_base + at[:, None], mask=tile_ok, other=0.0)
+            v = tl.load(v_base + at[:, None], mask=tile_ok, other=0.0)
+            bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=float("-inf")).to(tl.float32)
+            run_max, run_sum, acc = _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE)
         return run_max, run_sum, acc
 
     @triton.jit
@@ -178,20 +178,16 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
             # columns after the new one hold no key of this slot yet: not read at all
             hi = tl.minimum(hi, new_col)
+        shared_end = 0
+        shared_shift = slot * 0
         if SHARED:
             # the columns before the slot's shared end are read from the slot that holds the
             # prompt's keys/values (the same addresses for every slot of a prompt: read from
-            # memory once, then from L2); the rest from the slot's own row
-            source = tl.load(src_ptr + slot).to(tl.int64)
+            # memory once, then from L2); the rest from the slot's own row; one loop for both
             shared_end = tl.load(end_ptr + slot)
-            mid = tl.maximum(tl.minimum(hi, shared_end), lo)
-            run_max, run_sum, acc = _fold_columns(
-                q, k_ptr + source * sc_b + head * sc_h + feats[None, :] * sc_d,
-                v_ptr + source * sc_b + head * sc_h + feats[None, :] * sc_d, bias_base, sb_s, sc_s,
-                lo, mid, cols, feat_ok, run_max, run_sum, acc, scale, IEEE, BLOCK_N)
-            lo = mid
+            shared_shift = (tl.load(src_ptr + slot).to(tl.int64) - slot) * sc_b
         run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, cols, feat_ok,
-                                              run_max, run_sum, acc, scale, IEEE, BLOCK_N)
+                                              run_max, run_sum, acc, scale, shared_end, shared_shift, IEEE, BLOCK_N)
         out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
         out_ok = row_ok[:, None] & feat_ok[None, :]
         if SPLIT:
