@@ -154,6 +154,15 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         lo = part * chunk
         hi = tl.minimum(lo + chunk, length)
+        shared_end = 0
+        shared_shift = slot * 0
+        if SHARED:
+            # the columns before the slot's shared end are read from the slot that holds the
+            # prompt's keys/values (the same addresses for every slot of a prompt: read from
+            # memory once, then from L2); the rest from the slot's own row; one loop for both (loaded
+            # first: the cache stores below would keep the compiler from issuing them earlier)
+            shared_end = tl.load(end_ptr + slot)
+            shared_shift = (tl.load(src_ptr + slot).to(tl.int64) - slot) * sc_b
         new_col = -1
         if NEW:
             # rotate the G query rows and the new key; the new key/value go to the cache at the
@@ -178,14 +187,6 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
             # columns after the new one hold no key of this slot yet: not read at all
             hi = tl.minimum(hi, new_col)
-        shared_end = 0
-        shared_shift = slot * 0
-        if SHARED:
-            # the columns before the slot's shared end are read from the slot that holds the
-            # prompt's keys/values (the same addresses for every slot of a prompt: read from
-            # memory once, then from L2); the rest from the slot's own row; one loop for both
-            shared_end = tl.load(end_ptr + slot)
-            shared_shift = (tl.load(src_ptr + slot).to(tl.int64) - slot) * sc_b
         run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, cols, feat_ok,
                                               run_max, run_sum, acc, scale, shared_end, shared_shift, IEEE, BLOCK_N)
         out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
