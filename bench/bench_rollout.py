@@ -152,7 +152,6 @@ VARIANTS = {
     "engine_stages1": {"attention_tuning": {"num_stages": 1}},
     "engine_stages2": {"attention_tuning": {"num_stages": 2}},
     "engine_warps1": {"attention_tuning": {"num_warps": 1}},
-    "engine_warps1_block32": {"attention_tuning": {"num_warps": 1, "block_n": 32}},
     # the attention kernel as before rollout run 10: 4 warps, RoPE position looked up in every layer
     "engine_attn_before": {"attention_tuning": {"num_warps": 4, "rope_rows": False}},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},

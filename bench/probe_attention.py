@@ -1,0 +1,95 @@
+"""Probe: the decode-attention kernel as the engine calls it in a GRPO step, against other versions.
+
+Setting: 256 slots, 8 samples a prompt reading the prompt's 128 columns from the first sample's
+cache row (prompt sharing), Qwen2-0.5B heads (14 query, 2 key/value, dim 64), one new token per slot
+at context ``c`` (its column), RoPE rows gathered beforehand, one call per layer on 24 layer caches
+(keys and values come from memory), CUDA-graph replays. Each version is loaded from a file, so a
+kernel from an earlier commit can be timed in the same process as the installed one:
+
+    git show 5b61e7c:core/rollout/decode_attention.py > /tmp/attention_before.py
+    python bench/probe_attention.py --versions /tmp/attention_before.py --contexts 129,256,383
+
+``unique MB`` counts each prompt's keys and values once and each slot's own columns once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E402
+
+import_rlcore()
+
+from rlcore.rollout import decode_attention  # noqa: E402
+
+SLOTS, SAMPLES, PROMPT, KV_HEADS, HEADS, DIM, LAYERS, COLUMNS = 256, 8, 128, 2, 14, 64, 24, 448
+
+
+def load_version(path: str):
+    """The module at ``path`` (a copy of ``rlcore/rollout/decode_attention.py``)."""
+    spec = importlib.util.spec_from_file_location(f"attention_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_version(module, context: int, tuning: dict) -> float:
+    """Microseconds a layer of ``module.attend_new`` at ``context`` (the new token's column)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = [torch.randn(2, SLOTS, KV_HEADS, COLUMNS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+              for _ in range(LAYERS)]
+    proj = torch.randn(SLOTS, (HEADS + 2 * KV_HEADS) * DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    bias = torch.zeros(SLOTS, COLUMNS, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, SLOTS, DIM, device="cuda", generator=gen)
+    columns = torch.full((SLOTS,), context, device="cuda", dtype=torch.int64)
+    source = torch.arange(SLOTS, device="cuda", dtype=torch.int32) // SAMPLES * SAMPLES
+    end = torch.full((SLOTS,), PROMPT, device="cuda", dtype=torch.int32)
+    length = -(-(context + 1) // 64) * 64
+
+    def step():
+        for layer in caches:
+            module.attend_new(proj, layer, bias, length, cos, sin, None, columns, HEADS, KV_HEADS,
+                              shared=(source, end), **tuning)
+    return graph_ms(step) * 1e3 / LAYERS
+
+
+def unique_mb(context: int) -> float:
+    per_column = KV_HEADS * DIM * 2 * 2  # key and value, bf16
+    return (SLOTS // SAMPLES * PROMPT + SLOTS * (context - PROMPT)) * per_column / 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--versions", default="", help="comma-separated files of other kernel versions")
+    parser.add_argument("--contexts", default="129,192,256,320,383")
+    parser.add_argument("--tuning", default="", help='kernel settings for every version, e.g. {"num_warps": 4} '
+                        "(as JSON)")
+    parser.add_argument("--rounds", type=int, default=2, help="times every version is timed, interleaved")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    tuning = __import__("json").loads(args.tuning) if args.tuning else {}
+    versions = {"installed": decode_attention}
+    versions.update({path: load_version(path) for path in args.versions.split(",") if path})
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for round_ in range(args.rounds):
+            for name, module in versions.items():
+                us = time_version(module, context, tuning)
+                rows.append({"version": name, "context": context, "round": round_, "us": us,
+                             "unique_mb": unique_mb(context)})
+                print(f"context {context:4d}  {name:<32} {us:6.2f} us/layer  "
+                      f"({unique_mb(context):5.1f} MB unique, {unique_mb(context) / us:5.2f} TB/s)", flush=True)
+    write_json(args.out, {"env": environment(), "command": " ".join(sys.argv), "tuning": tuning, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
