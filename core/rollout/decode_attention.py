@@ -189,17 +189,28 @@ if triton is not None:
             hi = tl.minimum(hi, new_col)
         run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, cols, feat_ok,
                                               run_max, run_sum, acc, scale, shared_end, shared_shift, IEEE, BLOCK_N)
-        out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
-        out_ok = row_ok[:, None] & feat_ok[None, :]
+        _store_result(acc, run_max, run_sum, out_ptr, slot * so_n + head * so_h, so_g, so_d, stat_ptr, stat_plane,
+                      final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, count_ptr, slot * tl.num_programs(1) + head,
+                      part, rows, feats, group, dim, SPLIT, FOLD, BLOCK_G, BLOCK_D)
+
+    @triton.jit
+    def _store_result(acc, run_max, run_sum, out_ptr, out_off, so_g, so_d, stat_ptr, stat_plane, final_ptr, sf_g, sf_d,
+                      count_ptr, pair, part, rows, feats, group: tl.constexpr, dim: tl.constexpr,
+                      SPLIT: tl.constexpr, FOLD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A program's result: the normalised output rows at ``out_ptr + out_off`` (the pair's rows), or with
+        ``SPLIT`` the chunk's unnormalised partial and its running maximum and sum (merged by the
+        pair's last program to finish with ``FOLD``, else by :func:`_merge_parts`)."""
+        row_ok = rows < group
+        out_ok = row_ok[:, None] & (feats < dim)[None, :]
+        out_at = out_ptr + out_off + rows[:, None] * so_g + feats[None, :] * so_d
         if SPLIT:
             out_at = out_at + part * group * dim  # partials are [n, KVH, splits, G, D] float32
-            stat_at = stat_ptr + ((slot * tl.num_programs(1) + head) * tl.num_programs(2) + part) * group + rows
+            stat_at = stat_ptr + (pair * tl.num_programs(2) + part) * group + rows
             tl.store(out_at, acc, mask=out_ok)
             tl.store(stat_at, run_max, mask=row_ok)
             tl.store(stat_at + stat_plane, run_sum, mask=row_ok)
             if FOLD:
-                _merge_if_last(count_ptr, slot * tl.num_programs(1) + head, out_ptr, stat_ptr, stat_plane,
-                               final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, rows, feats,
+                _merge_if_last(count_ptr, pair, out_ptr, stat_ptr, stat_plane, final_ptr, sf_g, sf_d, rows, feats,
                                group, dim, BLOCK_G, BLOCK_D)
         else:
             tl.store(out_at, (acc / run_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
