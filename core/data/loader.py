@@ -119,6 +119,7 @@ class PromptLoader:
         self._it: Optional[Iterator[Any]] = None
         self._buf: deque = deque()
         self._epoch_batches = 0
+        self._pending: Optional[tuple[list[dict], dict[str, Any]]] = None  # (first batch, state before it)
         if self.map_style:
             n = len(dataset)
             if n // dist.world_size < self.batch_size:
@@ -154,8 +155,20 @@ class PromptLoader:
         self._offset, self._positions, self._epoch_batches = 0, {}, 0
         self._it = None
 
+    def check_first_batch(self) -> None:
+        """Read the first batch now (iterable datasets, whose length is unknown), so a set too small
+        for one batch fails before anything expensive starts. The batch is handed out first, and
+        :meth:`state_dict` reports the position before it until then. Map-style sets are checked
+        by their length on construction."""
+        if not self.map_style and self._pending is None and self._it is None:
+            before = self.state_dict()
+            self._pending = (self.next_batch(), before)
+
     def next_batch(self) -> list[dict]:
         """The next ``batch_size`` rows; a new (reshuffled) epoch starts when one ends."""
+        if self._pending is not None:
+            batch, self._pending = self._pending[0], None
+            return batch
         for _ in range(3):
             if self._it is None:
                 self._start_epoch()
@@ -192,6 +205,8 @@ class PromptLoader:
     # -- position ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where this rank stands: epoch, and rows taken (map-style) or per-worker positions (iterable)."""
+        if self._pending is not None:
+            return dict(self._pending[1])
         state: dict[str, Any] = {"kind": "map" if self.map_style else "iterable", "epoch": self.epoch,
                                  "seed": self.seed, "world_size": self.dist.world_size,
                                  "num_workers": int(self.config.num_workers)}
@@ -207,7 +222,7 @@ class PromptLoader:
             raise DataError(f"cannot resume the data position: it was saved for a {state.get('kind')} dataset, "
                             f"this run has a {kind} one")
         self.epoch, self.seed = int(state["epoch"]), int(state.get("seed", self.seed))
-        self._offset, self._positions, self._epoch_batches, self._it = 0, {}, 0, None
+        self._offset, self._positions, self._epoch_batches, self._it, self._pending = 0, {}, 0, None, None
         if self.map_style:
             if int(state.get("num_rows", -1)) != len(self.dataset) or state.get("world_size") != self.dist.world_size:
                 log.warning("the training set or world size changed since the checkpoint (%s rows, %s ranks -> "

@@ -244,6 +244,7 @@ def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, dev
         ppo.rollout_batch_size = auto_rollout_batch_size(device=device, n=ppo.generation.n, model_path=model_path,
                                                          max_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
     loader = PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist)
+    loader.check_first_batch()  # an iterable set too small for one batch fails before the models load
     return loader, val_rows, BatchFiller(loader, tokenizer, data_cfg, int(ppo.rollout_batch_size))
 
 

@@ -138,3 +138,30 @@ def test_overlong_rows_of_a_custom_dataset_are_dropped_and_the_batch_refilled(ti
     loader = PromptLoader(everything_long, config, 4, 0, DistInfo())
     with pytest.raises(DataError, match="fewer than 4 prompts within data.max_prompt_length=4"):
         BatchFiller(loader, tiny_tokenizer, config, 4)(loader.next_batch())
+
+
+def test_iterable_custom_dataset_too_small_fails_before_the_models_load(tmp_path, monkeypatch):
+    from rlcore.config.loader import load_config
+    from rlcore.plugin_manager import build_plugin_manager
+    from rlcore.trainer import models
+    from rlcore.trainer.components import build_components
+
+    mod = tmp_path / "few.py"
+    mod.write_text(textwrap.dedent('''
+        from torch.utils.data import IterableDataset
+
+        class Few(IterableDataset):
+            def __init__(self, data_files, prompt_key="prompt"):
+                self.key = prompt_key
+            def __iter__(self):
+                return iter([{self.key: "a b"} for _ in range(3)])
+    '''))
+
+    def forbidden(*a, **k):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    monkeypatch.setattr(models, "load_causal_lm", forbidden)
+    cfg = load_config(overrides=[f"data.custom_cls.path={mod}", "data.custom_cls.name=Few",
+                                 "ppo.rollout_batch_size=8", f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(DataError, match="no full batch of 8 prompts"):
+        build_components(cfg, build_plugin_manager([]), DistInfo())

@@ -162,3 +162,23 @@ def test_workers_prefetch_and_pinning_reach_the_dataloader(monkeypatch, cuda):
     assert kw["pin_memory"] is cuda  # pinned host memory only helps copies to a GPU
     off = PromptLoader(ROWS, DataConfig(num_workers=0, pin_memory=False), batch_size=8, seed=0, dist=DistInfo())
     assert off._loader_kwargs() == {"num_workers": 0, "collate_fn": kw["collate_fn"], "pin_memory": False}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_first_batch_is_read_early_and_handed_out_first(workers):
+    cfg = DataConfig(num_workers=workers, prefetch_factor=2, shuffle=False)
+    with pytest.raises(DataError, match="no full batch of 8 prompts"):
+        PromptLoader(Unsharded(5), cfg, 8, 0, DistInfo()).check_first_batch()
+    loader = PromptLoader(Unsharded(30), cfg, 4, 0, DistInfo())
+    fresh = loader.state_dict()
+    loader.check_first_batch()
+    assert loader.state_dict() == fresh  # the pending batch is not counted as taken
+    plain = PromptLoader(Unsharded(30), cfg, 4, 0, DistInfo())
+    expected = take(plain, 9)  # into the second epoch
+    resumed = PromptLoader(Unsharded(30), cfg, 4, 0, DistInfo())
+    resumed.check_first_batch()
+    resumed.load_state_dict(loader.state_dict())  # a resume drops the pending batch and starts where saved
+    assert take(loader, 9) == expected and take(resumed, 9) == expected
+    sized = PromptLoader(ROWS, DataConfig(), 4, 0, DistInfo())
+    sized.check_first_batch()  # map-style sets were checked by length: nothing is read
+    assert sized._pending is None and sized._it is None
