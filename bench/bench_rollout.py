@@ -9,7 +9,8 @@ FLOPs over the measured bf16 matmul rate.
 
 The engine is timed in several configurations (``--variants``: the defaults, without
 ``torch.compile``, with matmul attention, with the PyTorch sampler, with the Triton decode
-attention), each after capturing its graphs; for each the device time of one replayed decode
+attention), each after capturing its graphs; its 1-token and full calls are each the median of
+``--repeats`` calls (HF's are timed once); for each the device time of one replayed decode
 graph (at the mean context's attention length) and of one sampling call are reported too, and
 ``--profile`` lists the kernels of one un-graphed step. ``--skip-dynamic`` and
 ``--static-batches`` leave out the slow HF runs.
@@ -119,9 +120,15 @@ def guarded(case: dict[str, Any], name: str, body) -> None:
             torch.cuda.empty_cache()
 
 
-def run_system(name: str, call, batch: int, new: int, prefill_s: float | None) -> dict[str, Any]:
-    seconds, _ = timed(call)
-    row = {"system": name, "seconds": seconds, "new_tokens_per_s": batch * new / seconds}
+def median_seconds(call, repeats: int) -> float:
+    """Median wall seconds of ``repeats`` timed calls."""
+    times = sorted(timed(call)[0] for _ in range(max(1, repeats)))
+    return times[len(times) // 2]
+
+
+def run_system(name: str, call, batch: int, new: int, prefill_s: float | None, repeats: int = 1) -> dict[str, Any]:
+    seconds = median_seconds(call, repeats)
+    row = {"system": name, "seconds": seconds, "new_tokens_per_s": batch * new / seconds, "repeats": repeats}
     if prefill_s is not None:
         row["decode_step_ms"] = max(seconds - prefill_s, 0.0) / (new - 1) * 1e3
     print(f"    {name:<16} {seconds:7.2f} s  {row['new_tokens_per_s']:9.0f} tok/s  "
@@ -176,9 +183,10 @@ def engine_run(name: str, model, prompts, batch: int, args, kwargs: dict, profil
     engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=prompt + new, **kwargs)
     warm_s, _ = timed(lambda: (engine.warmup([batch]),
                                engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))))
-    prefill_s, _ = timed(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=1, seed=0)))
+    prefill_s = median_seconds(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=1, seed=0)),
+                               args.repeats)
     sample = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
-    row = run_system(name, lambda: engine.generate(prompts, sample), batch, new, prefill_s)
+    row = run_system(name, lambda: engine.generate(prompts, sample), batch, new, prefill_s, args.repeats)
     row.update(prefill_s=prefill_s, warmup_s=warm_s, cuda_graphs=engine.use_cuda_graphs, compiled=engine.compile,
                attention=engine.attention,
                fused_sampler=bool(engine.fused_sampling and sampling._FUSED_OK.get(str(engine.device))))
@@ -377,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="qwen2-0.5b,qwen2-1.5b")
     parser.add_argument("--batches", default="256,64")
     parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="engine: the 1-token and the full call are each the median of this many calls")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--budget-s", type=float, default=300.0,
