@@ -207,3 +207,23 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * tdist.get_world_size()
     tdist.all_gather_object(out, obj)
     return out
+
+
+def gather_object(obj: Any, dst: int) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on rank ``dst``; ``None`` on the others (``[obj]`` in a
+    single process). Each object travels once, to ``dst`` only."""
+    if not is_initialized() or tdist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * tdist.get_world_size() if tdist.get_rank() == dst else None
+    tdist.gather_object(obj, out, dst=dst)
+    return out
+
+
+def scatter_object(objs: list[Any] | None, src: int) -> Any:
+    """Rank ``src``'s ``objs[r]`` on each rank ``r`` (``objs`` is read on ``src`` only; ``objs[0]``
+    in a single process)."""
+    if not is_initialized() or tdist.get_world_size() == 1:
+        return objs[0]
+    box: list[Any] = [None]
+    tdist.scatter_object_list(box, objs if tdist.get_rank() == src else None, src=src)
+    return box[0]

@@ -4,16 +4,18 @@ Only the reward ranks build the reward backend, so only they load the reward mod
 still calls :meth:`RoutedReward.score` with its own samples at the same point of the step; the call
 is collective over the default process group (gloo or NCCL) and goes:
 
-1. every rank's batch is gathered with ``all_gather_object``;
-2. each reward rank scores the batches assigned to it (:func:`assign_scorers`), one owner rank's
-   batch at a time, so scores and metrics are those the owner would have computed itself;
-3. the results are gathered the same way and each rank keeps its own scores and metrics.
+1. each rank's batch goes to the reward rank assigned to it (:func:`assign_scorers`), one gather
+   per reward rank, so a batch travels once, not to every rank;
+2. each reward rank scores its batches one owner rank's batch at a time, so scores and metrics are
+   those the owner would have computed itself;
+3. every rank learns which owners' scoring failed (one small all-gather), then each reward rank
+   scatters the results, and each rank keeps its own scores and metrics.
 
 Function rewards travel the same way: with a reward rank group, *every* reward (functions and
 model) is computed on the reward ranks, and the other ranks build no reward backend at all.
 
-A reward that raises, or a score that is NaN or infinite, on a reward rank is sent back as an error
-instead of scores; after the second gather every rank raises the same :class:`RewardError` (the
+A reward that raises, or a score that is NaN or infinite, on a reward rank is reported as an error
+instead of scores; after step 3's all-gather every rank raises the same :class:`RewardError` (the
 first failing owner rank's message, naming the reward rank that scored it), so no rank is left
 waiting in a collective.
 """
@@ -68,44 +70,68 @@ def _check_scores(out: RewardOutput, batch: RewardInput) -> list[float]:
     return scores.tolist()
 
 
+class TorchComm:
+    """The three collectives :class:`RoutedReward` uses, over the default process group."""
+
+    @staticmethod
+    def gather(obj: Any, dst: int) -> Optional[list]:
+        from rlcore.distributed.init import gather_object
+
+        return gather_object(obj, dst)
+
+    @staticmethod
+    def scatter(objs: Optional[list], src: int) -> Any:
+        from rlcore.distributed.init import scatter_object
+
+        return scatter_object(objs, src)
+
+    @staticmethod
+    def all_gather(obj: Any) -> list:
+        from rlcore.distributed.init import all_gather_object
+
+        return all_gather_object(obj)
+
+
 class RoutedReward:
     """A :class:`~rlcore.protocols.RewardBackend` whose scoring happens on the reward ranks.
 
     :param backend: the reward backend on a reward rank; None on the other ranks.
     :param reward_ranks: the global ranks of the reward role.
     :param dist: this rank and the world size.
-    :param all_gather: ``obj -> [obj of rank 0, obj of rank 1, ...]`` (default: ``all_gather_object``
-        over the default group); every rank must call ``score`` the same number of times.
+    :param comm: ``gather(obj, dst)``, ``scatter(objs, src)`` and ``all_gather(obj)`` (default:
+        :class:`TorchComm`, the default group); every rank must call ``score`` the same number of times.
     """
 
-    def __init__(self, backend: Any, reward_ranks: Sequence[int], dist: DistInfo,
-                 all_gather: Optional[Callable[[Any], list]] = None):
+    def __init__(self, backend: Any, reward_ranks: Sequence[int], dist: DistInfo, comm: Any = None):
         self.reward_ranks = sorted(reward_ranks)
         if (backend is not None) != (dist.rank in self.reward_ranks):
             raise PlacementError(f"rank {dist.rank}: a reward backend is built exactly on the reward ranks "
                                  f"{self.reward_ranks}")
-        self.backend, self.rank = backend, dist.rank
+        self.backend, self.rank, self.world_size = backend, dist.rank, dist.world_size
         self.scorers = assign_scorers(dist.world_size, self.reward_ranks)
-        if all_gather is None:
-            from rlcore.distributed.init import all_gather_object as all_gather
-        self._gather = all_gather
+        self._comm = comm if comm is not None else TorchComm()
 
     def score(self, batch: RewardInput) -> RewardOutput:
         """This rank's scores and metrics, computed on its reward rank (collective: every rank calls it)."""
-        batches = self._gather(batch)
-        mine: dict[int, Result] = {}
-        if self.backend is not None:
-            for owner, scorer in enumerate(self.scorers):
-                if scorer == self.rank:
-                    mine[owner] = self._score_for(owner, batches[owner])
-        del batches
-        results: dict[int, Result] = {}
-        for part in self._gather(mine):
-            results.update(part)
-        failed = sorted(o for o, r in results.items() if r[0] == "error")
-        if failed:
-            raise RewardError(results[failed[0]][1])
-        _, scores, metrics = results[self.rank]
+        mine: dict[int, Result] = {}  # owner rank -> result, on a reward rank
+        for scorer in self.reward_ranks:
+            batches = self._comm.gather(batch if self.scorers[self.rank] == scorer else None, scorer)
+            if self.rank == scorer:
+                for owner, owned in enumerate(batches):
+                    if self.scorers[owner] == scorer:
+                        mine[owner] = self._score_for(owner, owned)
+        failures: dict[int, str] = {}
+        for part in self._comm.all_gather({o: r[1] for o, r in mine.items() if r[0] == "error"}):
+            failures.update(part)
+        if failures:
+            raise RewardError(failures[min(failures)])
+        result: Optional[Result] = None
+        for scorer in self.reward_ranks:
+            out = [mine.get(owner) for owner in range(self.world_size)] if self.rank == scorer else None
+            got = self._comm.scatter(out, scorer)
+            if self.scorers[self.rank] == scorer:
+                result = got
+        _, scores, metrics = result
         return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32), metrics=dict(metrics or {}))
 
     def _score_for(self, owner: int, batch: RewardInput) -> Result:

@@ -1,4 +1,4 @@
-"""Scoring on the reward ranks (``RoutedReward``), with ranks simulated by threads sharing an all-gather."""
+"""Scoring on the reward ranks (``RoutedReward``), with ranks simulated by threads sharing collectives."""
 
 from __future__ import annotations
 
@@ -14,21 +14,42 @@ from rlcore.rewards.routed import RoutedReward, assign_scorers, build_routed_rew
 
 
 class ThreadGroup:
-    """``all_gather`` for ``n`` threads standing for ranks (a barrier timeout turns a hang into an error)."""
+    """The collectives of ``n`` threads standing for ranks (a barrier timeout turns a hang into an
+    error); counts what each rank receives, to check that a batch travels to its reward rank only."""
 
     def __init__(self, n: int):
         self.slots = [None] * n
         self.barrier = threading.Barrier(n, timeout=20)
+        self.received = [0] * n  # objects other than None that reached each rank
 
-    def gather_for(self, rank: int):
-        def gather(obj):
-            self.barrier.wait()
-            self.slots[rank] = obj
-            self.barrier.wait()
-            out = list(self.slots)
-            self.barrier.wait()
-            return out
-        return gather
+    def _exchange(self, rank, obj, read):
+        self.barrier.wait()
+        self.slots[rank] = obj
+        self.barrier.wait()
+        out = read()
+        self.barrier.wait()
+        return out
+
+    def comm_for(self, rank: int):
+        group = self
+
+        class Comm:
+            @staticmethod
+            def all_gather(obj):
+                return group._exchange(rank, obj, lambda: list(group.slots))
+
+            @staticmethod
+            def gather(obj, dst):
+                out = group._exchange(rank, obj, lambda: list(group.slots) if rank == dst else None)
+                if out is not None:
+                    group.received[rank] += sum(o is not None for i, o in enumerate(out) if i != rank)
+                return out
+
+            @staticmethod
+            def scatter(objs, src):
+                return group._exchange(rank, objs, lambda: group.slots[src][rank])
+
+        return Comm()
 
 
 class LengthReward:
@@ -54,15 +75,15 @@ def batch_of(rank: int, n: int = 2, extra=None) -> RewardInput:
                        response_ids=[[2]] * len(responses))
 
 
-def run_ranks(world, reward_ranks, backends, batches):
+def run_ranks(world, reward_ranks, backends, batches, group=None):
     """Every rank's ``score`` in its own thread; ``(outputs, errors)`` by rank."""
-    group = ThreadGroup(world)
+    group = group or ThreadGroup(world)
     outs, errs = [None] * world, [None] * world
 
     def one(rank):
         try:
             routed = RoutedReward(backends.get(rank), reward_ranks, DistInfo(rank=rank, world_size=world),
-                                  all_gather=group.gather_for(rank))
+                                  comm=group.comm_for(rank))
             outs[rank] = routed.score(batches[rank])
         except Exception as e:  # noqa: BLE001 - collected for the assertions
             errs[rank] = e
@@ -95,6 +116,17 @@ def test_scores_match_local_scoring_and_go_back_to_their_owner():
     assert sorted(map(tuple, backend.seen)) == sorted(tuple(b.responses) for b in batches)  # one call per owner
 
 
+def test_each_batch_travels_to_its_reward_rank_only():
+    world, group = 6, ThreadGroup(6)
+    backends = {4: LengthReward(), 5: LengthReward()}
+    batches = [batch_of(r, n=2) for r in range(world)]
+    outs, errs = run_ranks(world, [4, 5], backends, batches, group)
+    assert errs == [None] * world
+    assert all(torch.equal(outs[r].scores, LengthReward().score(batches[r]).scores.float()) for r in range(world))
+    assert group.received == [0, 0, 0, 0, 2, 2]  # ranks 0 and 2 to rank 4, ranks 1 and 3 to rank 5
+    assert sorted(map(tuple, backends[4].seen)) == sorted(tuple(batches[r].responses) for r in (0, 2, 4))
+
+
 @pytest.mark.parametrize("bad, message", [("raise", "ValueError: cannot score 'boom'"),
                                           ("nan", "returned nan for sample 2")])
 def test_a_failure_on_the_reward_rank_fails_every_rank(bad, message):
@@ -110,9 +142,9 @@ def test_a_failure_on_the_reward_rank_fails_every_rank(bad, message):
 
 def test_backend_only_on_reward_ranks():
     with pytest.raises(PlacementError):
-        RoutedReward(None, [0], DistInfo(rank=0, world_size=2), all_gather=lambda o: [o, o])
+        RoutedReward(None, [0], DistInfo(rank=0, world_size=2), comm=ThreadGroup(2).comm_for(0))
     with pytest.raises(PlacementError):
-        RoutedReward(LengthReward(), [0], DistInfo(rank=1, world_size=2), all_gather=lambda o: [o, o])
+        RoutedReward(LengthReward(), [0], DistInfo(rank=1, world_size=2), comm=ThreadGroup(2).comm_for(1))
 
 
 class Pool:
