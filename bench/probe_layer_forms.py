@@ -76,44 +76,49 @@ def _add_parts(x_ptr, parts_ptr, rstd_ptr, n, hidden, eps, PARTS: tl.constexpr, 
     tl.store(rstd_ptr + row, tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="qwen2-0.5b")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    from rlcore.rollout.engine import RolloutEngine
+def reset_state(engine, n: int, length: int) -> None:
+    """Every slot at column ``length - 1``, 8 samples a prompt sharing its first 128 columns."""
+    st, dev = engine.state, engine.device
+    st.positions.fill_(length - 1)
+    st.cache_index.fill_(length - 1)
+    st.bias.zero_()
+    st.share_active = True
+    st.share_source.copy_(torch.arange(n, device=dev, dtype=torch.int32) // 8 * 8)
+    st.share_end.fill_(128)
+    st.tokens.random_(10, engine.spec.vocab_size)
 
-    n, length = args.batch, args.length
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build(args.shape, dev).eval()
-    engine = RolloutEngine(model, max_batch_size=n, max_seq_len=384, attention="triton", share_weights=False)
-    spec, st, w = engine.spec, engine.state, engine.weights
-    heads, kv_heads, eps = spec.num_heads, spec.num_kv_heads, spec.rms_eps
-    hidden = spec.hidden_size
+
+def folded_steps(engine, n: int, length: int):
+    """``step(split_down, qkv_split, transposed=False)``: one decode step in the folded forms (see the
+    module docstring), on the engine's weights, cache and state."""
+    spec, st, w, dev = engine.spec, engine.state, engine.weights, engine.device
+    heads, kv_heads, eps, hidden = spec.num_heads, spec.num_kv_heads, spec.rms_eps, spec.hidden_size
     inter = w.layers[0].gate_up[0].shape[0] // 2
-
-    def reset():
-        st.positions.fill_(length - 1)
-        st.cache_index.fill_(length - 1)
-        st.bias.zero_()
-        st.share_active = True
-        st.share_source.copy_(torch.arange(n, device=dev, dtype=torch.int32) // 8 * 8)
-        st.share_end.fill_(128)
-        st.tokens.random_(10, spec.vocab_size)
-
     folded = [(lw.qkv[0] * lw.ln1[None], lw.qkv_bias[0], lw.o, lw.gate_up[0] * lw.ln2[None], lw.down)
               for lw in w.layers]
     x_buf = torch.empty(n, hidden, device=dev, dtype=torch.bfloat16)
     act = torch.empty(n, inter, device=dev, dtype=torch.bfloat16)
     parts = torch.empty(4, n, hidden, device=dev, dtype=torch.bfloat16)
-    rstd = torch.empty(n, device=dev, dtype=torch.float32)
+    rstd = torch.ones(n, device=dev, dtype=torch.float32)
     block_h = triton.next_power_of_2(hidden)
 
-    rstd.fill_(1.0)
+    def mlp(gate_up, down, split_down: bool, transposed: bool) -> None:
+        width = inter // 4
+        if transposed:  # act holds act^T [inter, n]; the down product reads it through strides
+            gu_t = torch.mm(gate_up, x_buf.t())
+            _silu_cols[(triton.cdiv(inter, 64), triton.cdiv(n, 64))](gu_t, rstd, act, inter, n, BF=64, BS=64,
+                                                                      num_warps=4)
+            torch.bmm(act.view(4, width, n).transpose(1, 2), down.view(-1, 4, width).permute(1, 2, 0), out=parts)
+        else:
+            gu = torch.mm(x_buf, gate_up.t())
+            _silu_rows[(n,)](gu, x_buf, act, inter, hidden, eps, BLOCK_H=block_h, BLOCK=1024, num_warps=4)
+            if not split_down:
+                x_buf.addmm_(act, down.t())
+                return
+            torch.bmm(act.view(n, 4, width).transpose(0, 1), down.view(-1, 4, width).permute(1, 2, 0), out=parts)
+        _add_parts[(n,)](x_buf, parts, rstd, n, hidden, eps, PARTS=4, BLOCK_H=block_h, num_warps=4)
 
-    def folded_step(split_down: bool, qkv_split: int, transposed: bool = False):
+    def step(split_down: bool, qkv_split: int, transposed: bool = False):
         positions, columns = st.positions[:n], st.cache_index[:n]
         cos, sin = engine.cos.index_select(0, positions), engine.sin.index_select(0, positions)
         torch.index_select(w.embed, 0, st.tokens[:n], out=x_buf)
@@ -128,25 +133,26 @@ def main(argv=None) -> int:
                                                heads, kv_heads, counters=st.attention_counters,
                                                shared=(st.share_source[:n], st.share_end[:n]))
             x_buf.addmm_(attn, o.t())
-            if transposed:  # act holds act^T [inter, n]; the down product reads it through strides
-                gu_t = torch.mm(gate_up, x_buf.t())
-                _silu_cols[(triton.cdiv(inter, 64), triton.cdiv(n, 64))](gu_t, rstd, act, inter, n, BF=64, BS=64,
-                                                                          num_warps=4)
-                width = inter // 4
-                act_t = act.view(4, width, n)
-                torch.bmm(act_t.transpose(1, 2), down.view(-1, 4, width).permute(1, 2, 0), out=parts)
-                _add_parts[(n,)](x_buf, parts, rstd, n, hidden, eps, PARTS=4, BLOCK_H=block_h, num_warps=4)
-                continue
-            gu = torch.mm(x_buf, gate_up.t())
-            _silu_rows[(n,)](gu, x_buf, act, inter, hidden, eps, BLOCK_H=block_h, BLOCK=1024, num_warps=4)
-            if split_down:
-                width = inter // 4
-                torch.bmm(act.view(n, 4, width).transpose(0, 1), down.view(-1, 4, width).permute(1, 2, 0), out=parts)
-                _add_parts[(n,)](x_buf, parts, rstd, n, hidden, eps, PARTS=4, BLOCK_H=block_h, num_warps=4)
-            else:
-                x_buf.addmm_(act, down.t())
+            mlp(gate_up, down, split_down, transposed)
         return torch.nn.functional.linear(torch.nn.functional.rms_norm(x_buf, (hidden,), w.norm, eps), w.lm_head)
 
+    return step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2-0.5b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    from rlcore.rollout.engine import RolloutEngine
+
+    n, length = args.batch, args.length
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build(args.shape, dev).eval()
+    engine = RolloutEngine(model, max_batch_size=n, max_seq_len=384, attention="triton", share_weights=False)
+    folded_step = folded_steps(engine, n, length)
     results = {"env": environment(), "command": " ".join(sys.argv), "shape": args.shape, "batch": n,
                "length": length, "forms": {}}
     forms = {
@@ -161,7 +167,7 @@ def main(argv=None) -> int:
     results["default_blas"] = str(default_blas)
     for rounds in range(2):
         for name, fn in forms.items():
-            reset()
+            reset_state(engine, n, length)
             if dev == "cuda":
                 torch.backends.cuda.preferred_blas_library("cublaslt" if name == "engine_cublaslt" else default_blas)
             ms = graph_ms(fn, repeats=30) if dev == "cuda" else (fn(), 0.0)[1]
@@ -169,7 +175,6 @@ def main(argv=None) -> int:
             print(f"  {args.shape} batch {n} length {length} {name:24s} {ms:.4f} ms", flush=True)
     write_json(args.out, results)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

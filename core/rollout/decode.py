@@ -107,20 +107,18 @@ def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: tor
     few hundred rows), SiLU·mul runs on that layout and the down product reads it through strides."""
     x = _add(x, _partials(attn, o, o_bias, split[0]))
     h = rms_norm(x, ln2, eps)
-    if transposed and len(gate_up) == 1:
-        gate_up_t = torch.mm(gate_up[0], h.t())
+    turned = transposed and len(gate_up) == 1
+    if turned:
+        gate_up_out = torch.mm(gate_up[0], h.t())  # [2·I, n]
         if gate_up_bias[0] is not None:
-            gate_up_t = gate_up_t + gate_up_bias[0][:, None]
-        gate, up = gate_up_t.chunk(2, dim=0)
-        act = (F.silu(gate) * up).to(x.dtype).t()  # [n, I], stored as [I, n]
+            gate_up_out = gate_up_out + gate_up_bias[0][:, None]
+    elif len(gate_up) == 1 and split[1] > 1:
+        gate_up_out = _sum(_partials(h, gate_up[0], gate_up_bias[0], split[1]))
     else:
-        if len(gate_up) == 1 and split[1] > 1:
-            gate_up_out = _sum(_partials(h, gate_up[0], gate_up_bias[0], split[1]))
-        else:
-            gate_up_out = linear_group(h, gate_up, gate_up_bias)
-        gate, up = gate_up_out.chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(x.dtype)
-    return _add(x, _partials(act, down, down_bias, split[2]))
+        gate_up_out = linear_group(h, gate_up, gate_up_bias)
+    gate, up = gate_up_out.chunk(2, dim=0 if turned else -1)
+    act = (F.silu(gate) * up).to(x.dtype)
+    return _add(x, _partials(act.t() if turned else act, down, down_bias, split[2]))  # [n, I], maybe stored [I, n]
 
 
 def _partials(x: torch.Tensor, weight: torch.Tensor, bias, splits: int) -> torch.Tensor:

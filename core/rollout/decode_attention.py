@@ -155,7 +155,7 @@ if triton is not None:
         lo = part * chunk
         hi = tl.minimum(lo + chunk, length)
         shared_end = 0
-        shared_shift = slot * 0
+        shared_shift = tl.zeros_like(slot)
         if SHARED:
             # the columns before the slot's shared end are read from the slot that holds the
             # prompt's keys/values (the same addresses for every slot of a prompt: read from
