@@ -159,6 +159,10 @@ VARIANTS = {
     "engine_stages1": {"attention_tuning": {"num_stages": 1}},
     "engine_stages2": {"attention_tuning": {"num_stages": 2}},
     "engine_warps1": {"attention_tuning": {"num_warps": 1}},
+    # each warp of the attention kernel on its own sub-block of columns, with its own softmax state
+    "engine_sub2": {"attention_tuning": {"subblocks": 2}},
+    "engine_sub4_warps4": {"attention_tuning": {"subblocks": 4, "num_warps": 4}},
+    "engine_sub4_warps4_block128": {"attention_tuning": {"subblocks": 4, "num_warps": 4, "block_n": 128}},
     # the attention kernel as before rollout run 10: 4 warps, RoPE position looked up in every layer
     "engine_attn_before": {"attention_tuning": {"num_warps": 4, "rope_rows": False}},
     "engine_autotune": {"compile_mode": "max-autotune-no-cudagraphs"},

@@ -9,6 +9,10 @@ kernel from an earlier commit can be timed in the same process as the installed 
     git show 5b61e7c:core/rollout/decode_attention.py > /tmp/attention_before.py
     python bench/probe_attention.py --versions /tmp/attention_before.py --contexts 129,256,383
 
+``--settings`` times the installed version under several kernel settings in the same process:
+
+    python bench/probe_attention.py --settings '[{}, {"subblocks": 4, "num_warps": 4}]'
+
 ``unique MB`` counts each prompt's keys and values once and each slot's own columns once.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 
@@ -68,21 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--versions", default="", help="comma-separated files of other kernel versions")
     parser.add_argument("--contexts", default="129,192,256,320,383")
-    parser.add_argument("--tuning", default="", help='kernel settings for every version, e.g. {"num_warps": 4} '
-                        "(as JSON)")
+    parser.add_argument("--tuning", default="", help='kernel settings for the --versions files, e.g. '
+                        '{"num_warps": 4} (as JSON)')
+    parser.add_argument("--settings", default="[{}]", help="a JSON list of kernel settings, each timed for the "
+                        'installed version, e.g. \'[{}, {"subblocks": 2}]\'')
     parser.add_argument("--rounds", type=int, default=2, help="times every version is timed, interleaved")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    tuning = __import__("json").loads(args.tuning) if args.tuning else {}
-    versions = {"installed": decode_attention}
-    versions.update({path: load_version(path) for path in args.versions.split(",") if path})
+    tuning = json.loads(args.tuning) if args.tuning else {}
+    versions = {("installed" if setting == {} else f"installed {json.dumps(setting)}"): (decode_attention, setting)
+                for setting in json.loads(args.settings)}
+    versions.update({path: (load_version(path), tuning) for path in args.versions.split(",") if path})
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for round_ in range(args.rounds):
-            for name, module in versions.items():
-                us = time_version(module, context, tuning)
+            for name, (module, setting) in versions.items():
+                us = time_version(module, context, setting)
                 rows.append({"version": name, "context": context, "round": round_, "us": us,
                              "unique_mb": unique_mb(context)})
                 print(f"context {context:4d}  {name:<32} {us:6.2f} us/layer  "

@@ -304,6 +304,7 @@ _ATTENTION_TUNING_RULES = {
     "num_stages": ("a positive integer", _positive_int),
     "rope_rows": ("True or False", lambda value: isinstance(value, bool)),
     "splits": ("a positive integer", _positive_int),
+    "subblocks": ("a power of two", _power_of_two),
 }
 #: settings of the Triton attention kernel a caller may tune (see :func:`check_attention_tuning`)
 ATTENTION_TUNING_KEYS = tuple(_ATTENTION_TUNING_RULES)
@@ -311,8 +312,9 @@ ATTENTION_TUNING_KEYS = tuple(_ATTENTION_TUNING_RULES)
 
 def check_attention_tuning(tuning) -> dict:
     """``tuning`` as a dict after checking it (:data:`ATTENTION_TUNING_KEYS`): the Triton kernel's
-    ``block_n``, ``num_warps``, ``num_stages`` and ``splits`` (chunks per slot and key/value head; default:
-    :func:`rlcore.rollout.decode_attention.plan`'s rule; see :func:`rlcore.rollout.decode_attention.attend`), and
+    ``block_n``, ``num_warps``, ``num_stages``, ``splits`` (chunks per slot and key/value head; default:
+    :func:`rlcore.rollout.decode_attention.plan`'s rule) and ``subblocks`` (softmax states per block, default 1;
+    see :func:`rlcore.rollout.decode_attention.attend`), and
     ``rope_rows`` (default ``True``): with RoPE in the attention kernel, gather each slot's RoPE rows once a
     step instead of looking up its position in every layer's kernel (one dependent load less a layer)."""
     return check_options("attention_tuning", tuning, _ATTENTION_TUNING_RULES)

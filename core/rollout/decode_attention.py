@@ -79,39 +79,64 @@ if triton is not None:
         return q, key * cos + key_turned * sin, value
 
     @triton.jit
-    def _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE: tl.constexpr):
+    def _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE: tl.constexpr, SUB: tl.constexpr):
         """Fold one block of keys/values (additive ``bias``, ``-inf`` on the columns outside the
-        range) into the online softmax: returns the new running maximum, sum and output accumulator."""
-        if IEEE:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        range) into the online softmax: returns the new running maximum, sum and output accumulator.
+        With ``SUB`` > 1 every tensor has a leading sub-block dimension (a batch of products)."""
+        if SUB == 1:
+            k = tl.trans(k)
         else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale + bias[None, :]
-        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
-        p = tl.exp(scores - new_max[:, None])
+            k = tl.permute(k, (0, 2, 1))
+        if IEEE:
+            scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k)
+        scores = scores * scale + tl.expand_dims(bias, -2)
+        new_max = tl.maximum(run_max, tl.max(scores, axis=-1))
+        p = tl.exp(scores - tl.expand_dims(new_max, -1))
         alpha = tl.exp(run_max - new_max)
-        run_sum = run_sum * alpha + tl.sum(p, axis=1)
+        run_sum = run_sum * alpha + tl.sum(p, axis=-1)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            acc = acc * tl.expand_dims(alpha, -1) + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * tl.expand_dims(alpha, -1) + tl.dot(p.to(v.dtype), v)
         return new_max, run_sum, acc
 
     @triton.jit
-    def _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, cols, feat_ok, run_max, run_sum, acc, scale,
-                      shared_end, shared_shift, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok, run_max, run_sum, acc, scale,
+                      shared_end, shared_shift, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
         """Fold cache columns ``lo..hi-1`` (keys/values at ``k_base``/``v_base`` + column x
         ``sc_s``, plus ``shared_shift`` for the columns below ``shared_end``) into the online
-        softmax, ``BLOCK_N`` at a time, in one pipelined loop."""
+        softmax, ``BLOCK_N`` at a time, in one pipelined loop.
+
+        ``SUB`` > 1 cuts each block into ``SUB`` sub-blocks of contiguous columns, each with a
+        softmax state of its own (a leading batch dimension: with as many warps, each warp owns a
+        sub-block, so the loop's row reductions and the probabilities' trip to the second product
+        stay within a warp); the states are merged after the loop."""
+        if SUB == 1:
+            cols = tl.arange(0, BLOCK_N)
+        else:
+            cols = tl.arange(0, SUB)[:, None] * (BLOCK_N // SUB) + tl.arange(0, BLOCK_N // SUB)[None, :]
+            first = tl.arange(0, SUB) == 0  # the state so far (the new column's) enters in sub-block 0
+            q = tl.broadcast_to(q[None, :, :], (SUB, q.shape[0], q.shape[1]))
+            run_max = tl.where(first[:, None], run_max[None, :], _NEG)
+            run_sum = tl.where(first[:, None], run_sum[None, :], 0.0)
+            acc = tl.where(first[:, None, None], acc[None, :, :], 0.0)
         for start in range(lo, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi
-            at = col.to(tl.int64) * sc_s + tl.where(col < shared_end, shared_shift, 0)
-            tile_ok = col_ok[:, None] & feat_ok[None, :]
-            k = tl.load(k_base + at[:, None], mask=tile_ok, other=0.0)
-            v = tl.load(v_base + at[:, None], mask=tile_ok, other=0.0)
+            at = tl.expand_dims(col.to(tl.int64) * sc_s + tl.where(col < shared_end, shared_shift, 0), -1)
+            tile_ok = tl.expand_dims(col_ok, -1) & feat_ok
+            k = tl.load(k_base + at, mask=tile_ok, other=0.0)
+            v = tl.load(v_base + at, mask=tile_ok, other=0.0)
             bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=float("-inf")).to(tl.float32)
-            run_max, run_sum, acc = _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE)
+            run_max, run_sum, acc = _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE, SUB)
+        if SUB > 1:
+            top = tl.max(run_max, axis=0)
+            weight = tl.exp(run_max - top[None, :])
+            run_sum = tl.sum(run_sum * weight, axis=0)
+            acc = tl.sum(acc * weight[:, :, None], axis=0)
+            run_max = top
         return run_max, run_sum, acc
 
     @triton.jit
@@ -132,7 +157,8 @@ if triton is not None:
                      SHARED: tl.constexpr,  # columns < end_ptr[slot] are read from cache row src_ptr[slot]
                      PARTS: tl.constexpr,  # NEW: the projection is the sum of PARTS partial products
                      PBIAS: tl.constexpr,  # NEW: plus the projection bias pbias_ptr
-                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SUB: tl.constexpr):  # sub-blocks of a block with softmax states of their own
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
         slot = tl.program_id(0).to(tl.int64)
@@ -140,7 +166,6 @@ if triton is not None:
         part = tl.program_id(2)
         rows = tl.arange(0, BLOCK_G)
         feats = tl.arange(0, BLOCK_D)
-        cols = tl.arange(0, BLOCK_N)
         row_ok = rows < group
         feat_ok = feats < dim
         if not NEW:
@@ -187,8 +212,9 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
             # columns after the new one hold no key of this slot yet: not read at all
             hi = tl.minimum(hi, new_col)
-        run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, cols, feat_ok,
-                                              run_max, run_sum, acc, scale, shared_end, shared_shift, IEEE, BLOCK_N)
+        run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok,
+                                              run_max, run_sum, acc, scale, shared_end, shared_shift, IEEE, BLOCK_N,
+                                              SUB)
         _store_result(acc, run_max, run_sum, out_ptr, slot * so_n + head * so_h, so_g, so_d, stat_ptr, stat_plane,
                       final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, count_ptr, slot * tl.num_programs(1) + head,
                       part, rows, feats, group, dim, SPLIT, FOLD, BLOCK_G, BLOCK_D)
@@ -304,7 +330,8 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, fold: bool = True,
-           counters: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           counters: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+           subblocks: int = 1) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.decode.attend` for the shapes).
 
@@ -325,11 +352,15 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             prompt then read the prompt's keys and values at the same addresses, so memory serves
             them once and L2 the rest; the slot's own row need not hold them). ``None``: every slot
             reads its own row.
+        subblocks: cut each block of ``block_n`` columns into this many sub-blocks with softmax
+            states of their own, merged at the end (a power of two, sub-blocks of at least 16
+            columns). With as many warps (``num_warps``), each warp works on its own sub-block and
+            the loop needs no exchange between warps; 1 (default): one state for the block.
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
     return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, counters,
-                   shared=shared)
+                   shared=shared, subblocks=subblocks)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
@@ -337,7 +368,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None,
                shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-               proj_bias: torch.Tensor | None = None) -> torch.Tensor:
+               proj_bias: torch.Tensor | None = None, subblocks: int = 1) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -353,7 +384,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, counters, shared: as for :func:`attend` (the
+        splits, block_n, num_warps, num_stages, fold, counters, shared, subblocks: as for :func:`attend` (the
             new key/value always goes to the slot's own row, at a column at or after its shared end).
         proj_bias: ``[(heads + 2·kv_heads)·D]`` added to the (summed) projection, for a ``proj``
             given without its bias.
@@ -375,7 +406,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
            columns if positions is None else positions, columns)
     summed = (parts.stride(0) if parts.shape[0] > 1 else 0, proj_bias, parts.shape[0])
     return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-                   rows=positions is None, shared=shared, summed=summed)
+                   rows=positions is None, shared=shared, summed=summed, subblocks=subblocks)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -395,7 +426,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-            rows: bool = False, shared=None, summed=(0, None, 1)) -> torch.Tensor:
+            rows: bool = False, shared=None, summed=(0, None, 1), subblocks: int = 1) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
@@ -406,6 +437,9 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
         return out.view(n, -1)
     block_n = block_n or default_block(dim)
     num_warps = num_warps or default_warps(dim)
+    if subblocks < 1 or subblocks & (subblocks - 1) or block_n // subblocks < 16:
+        raise ValueError(f"decode attention: subblocks must be a power of two that leaves >= 16 of the block's "
+                         f"{block_n} columns to each sub-block, got {subblocks}")
     splits, chunk = plan(n * kv_heads, length, _sm_count(device.type, device.index), splits, block_n)
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(dim))
@@ -430,7 +464,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     ieee = q.dtype == torch.float32 or interpreting()
     constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows), PARTS=proj_parts,
                      PBIAS=proj_bias is not None,
-                     SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n)
+                     SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SUB=subblocks)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*common, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
                                        SPLIT=False, FOLD=False, **constants, **options)

@@ -25,11 +25,14 @@ LOGPROB = {"logits_ptr": "*bf16", "labels_ptr": "*i64", "inv_temp": "fp32", "log
            "lse_ptr": "*fp32", "ent_ptr": "*fp32", "grad_out_ptr": "*fp32", "grad_ptr": "*bf16"}
 
 ATTEND_NEW = dict(group=7, dim=64, IEEE=False, NEW=True, ROWS=True, SHARED=True, PARTS=2, PBIAS=True,
-                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64)
+                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, SUB=1)
 CASES = {
     # the engine's decode step: RoPE, q/k/v slices and bias, shared prompt rows; one program per pair
     "attend_new": ("rlcore.rollout.decode_attention", "_attend_part", ATTENTION,
                    dict(ATTEND_NEW, SPLIT=False, FOLD=False), 2),
+    # each warp on a sub-block of 16 columns with a softmax state of its own (a batched product)
+    "attend_new_subblocks": ("rlcore.rollout.decode_attention", "_attend_part", ATTENTION,
+                             dict(ATTEND_NEW, SPLIT=False, FOLD=False, SUB=4), 4),
     # small batches: chunks merged by the pair's last program
     "attend_new_split": ("rlcore.rollout.decode_attention", "_attend_part",
                          dict(ATTENTION, out_ptr="*fp32"), dict(ATTEND_NEW, SPLIT=True, FOLD=True), 2),

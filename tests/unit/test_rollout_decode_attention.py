@@ -119,7 +119,8 @@ def qwen2():
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("tuning", [None, {"rope_rows": False, "num_warps": 4, "block_n": 16}])
+@pytest.mark.parametrize("tuning", [None, {"rope_rows": False, "num_warps": 4, "block_n": 16},
+                                    {"num_warps": 2, "block_n": 32, "subblocks": 2}])
 def test_engine_with_triton_attention_matches_sdpa(qwen2, tuning, monkeypatch):
     expected = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8,
                              admit_fraction=0.0, device=DEVICE, attention="sdpa").generate(PROMPTS, GREEDY)
@@ -128,7 +129,8 @@ def test_engine_with_triton_attention_matches_sdpa(qwen2, tuning, monkeypatch):
     assert engine.attention == "triton"
     # one slot: few (slot, head) programs, so the kernel cuts the columns into chunks merged in the kernel
     single = RolloutEngine(qwen2, max_batch_size=1, max_seq_len=40, attention_length_step=32, admit_fraction=0.0,
-                           attention="triton", device=DEVICE, attention_tuning={**(tuning or {}), "block_n": 16})
+                           attention="triton", device=DEVICE,
+                           attention_tuning={**(tuning or {}), "block_n": 16, "subblocks": 1})  # 16: no sub-blocks
     sms = decode_attention._sm_count(single.device.type, None)
     assert decode_attention.plan(single.spec.num_kv_heads, 32, sms, block_n=16)[0] > 1
     monkeypatch.setattr(decode_attention, "_counters", None)  # the engine brings its own buffer
@@ -173,7 +175,7 @@ def test_unknown_attention_tuning_key_is_refused(qwen2):
     with pytest.raises(ValueError, match="mapping"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning=[("num_warps", 2)])
     for key, value in (("block_n", 24), ("block_n", 8), ("num_warps", 3), ("num_warps", 64), ("num_stages", 0),
-                       ("rope_rows", 1), ("num_warps", True)):
+                       ("rope_rows", 1), ("num_warps", True), ("subblocks", 3)):
         with pytest.raises(ValueError, match=rf"attention_tuning\['{key}'\]"):
             RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning={key: value})
     engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16,
@@ -309,6 +311,43 @@ def test_shared_prompt_columns_are_read_from_the_source_row(splits, new):
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(got[[0, 3]], unshared[[0, 3]])  # rows that share nothing are untouched
     assert not torch.allclose(got[1:3], unshared[1:3], atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("subblocks", [2, 4])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_subblocks_give_the_same_attention(subblocks, splits):
+    """Each block's columns in sub-blocks with softmax states of their own, merged after the loop:
+    the same attention, also where a sub-block sees no valid column at all (row 2 has one visible key)
+    or a slot's columns end inside a sub-block."""
+    q, layer, bias, length = make_case(7, 16, n=4, slots=5, length=150)
+    expected = decode_attention.reference(q, layer, bias, length)
+    got = decode_attention.attend(q, layer, bias, length, splits=splits, subblocks=subblocks, block_n=64)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, columns = 6, 2, 16, 140
+    proj = torch.randn(4, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE)
+    cos, sin = torch.randn(2, columns, dim, generator=gen).to(DEVICE)
+    rows_layer = torch.randn(2, 4, kv_heads, columns, dim, generator=gen).to(DEVICE)
+    shared = (torch.tensor([0, 0, 0, 3], dtype=torch.int32, device=DEVICE),
+              torch.tensor([0, 70, 70, 0], dtype=torch.int32, device=DEVICE))
+    at = torch.tensor([120, 100, 71, 3], device=DEVICE)
+    new_bias = torch.zeros(4, columns, device=DEVICE)
+    new_bias[:3, :7] = float("-inf")
+    args = (new_bias, 130, cos, sin, at, at, heads, kv_heads)
+    expected_layer, got_layer = rows_layer.clone(), rows_layer.clone()
+    expected = decode_attention.reference_new(proj, expected_layer, *args, shared)
+    got = decode_attention.attend_new(proj, got_layer, *args, splits=splits, shared=shared, subblocks=subblocks)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got_layer, expected_layer, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_subblocks_are_checked():
+    q, layer, bias, length = make_case(2, 16)
+    for subblocks, block_n in ((3, 64), (0, 64), (4, 32)):  # 32 columns in 4: sub-blocks of 8 are too narrow
+        with pytest.raises(ValueError, match=f"subblocks must be a power of two .* got {subblocks}"):
+            decode_attention.attend(q, layer, bias, length, subblocks=subblocks, block_n=block_n)
 
 
 @needs_kernel
