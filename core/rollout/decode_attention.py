@@ -437,9 +437,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
         return out.view(n, -1)
     block_n = block_n or default_block(dim)
     num_warps = num_warps or default_warps(dim)
-    if subblocks < 1 or subblocks & (subblocks - 1) or block_n // subblocks < 16:
-        raise ValueError(f"decode attention: subblocks must be a power of two that leaves >= 16 of the block's "
-                         f"{block_n} columns to each sub-block, got {subblocks}")
+    check_subblocks(subblocks, block_n)
     splits, chunk = plan(n * kv_heads, length, _sm_count(device.type, device.index), splits, block_n)
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(dim))
@@ -525,23 +523,33 @@ def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, l
     return reference(qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim), layer, bias, length, shared)
 
 
+def check_subblocks(subblocks: int, block_n: int) -> None:
+    """Raise ``ValueError`` unless ``subblocks`` is a power of two leaving >= 16 of ``block_n`` columns
+    to each sub-block (the products' least width)."""
+    if subblocks < 1 or subblocks & (subblocks - 1) or block_n // subblocks < 16:
+        raise ValueError(f"decode attention: subblocks must be a power of two that leaves >= 16 of the block's "
+                         f"{block_n} columns to each sub-block, got {subblocks}")
+
+
 def usable(device: torch.device | str, dtype: torch.dtype, kv_heads: int, group: int,
-           head_dim: int) -> tuple[bool, str]:
+           head_dim: int, settings: dict | None = None) -> tuple[bool, str]:
     """``(ok, reason)``: whether the kernels run on ``device`` and agree with :func:`reference`
-    on a small random input of this head layout, whole and split (checked once per layout)."""
+    on a small random input of this head layout, whole and split, with the kernel ``settings``
+    (``block_n``, ``num_warps``, ``num_stages``, ``subblocks``; checked once per layout and settings)."""
     device = torch.device(device)
+    settings = dict(settings or {})
     if triton is None:
         return False, "triton is not installed"
     if not available(device):
         return False, f"device {device} is not CUDA"
-    key = (str(device), dtype, kv_heads, group, head_dim)
+    key = (str(device), dtype, kv_heads, group, head_dim, tuple(sorted(settings.items())))
     if key not in _CHECKED:
-        _CHECKED[key] = _self_check(device, dtype, kv_heads, group, head_dim)
+        _CHECKED[key] = _self_check(device, dtype, kv_heads, group, head_dim, settings)
     return _CHECKED[key]
 
 
 def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: int,
-                head_dim: int) -> tuple[bool, str]:
+                head_dim: int, settings: dict) -> tuple[bool, str]:
     gen = torch.Generator().manual_seed(0)
     n, slots, columns, length = 3, 4, 2 * BLOCK_N + 8, BLOCK_N + 24
     layer = torch.randn(2, slots, kv_heads, columns, head_dim, generator=gen).to(device, dtype)
@@ -559,7 +567,7 @@ def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
     try:
         expected = reference(q, layer, bias, length)
         for splits in (1, 2):
-            got = attend(q, layer, bias, length, splits=splits).float()
+            got = attend(q, layer, bias, length, splits=splits, **settings).float()
             if not torch.allclose(got, expected, atol=tolerance, rtol=tolerance):
                 error = float((got - expected).abs().max())
                 return False, f"disagrees with PyTorch attention (splits {splits}, max abs error {error:.3g})"
@@ -571,7 +579,7 @@ def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
                                      shared)
             got_layer = layer.clone()
             got = attend_new(proj, got_layer, bias, length, cos, sin, positions, at, heads, kv_heads,
-                             splits=splits, shared=shared).float()
+                             splits=splits, shared=shared, **settings).float()
             error = float((got - expected).abs().max())
             written = float((got_layer.float() - expected_layer.float()).abs().max())
             if error > tolerance * 3 or written > tolerance * 3:

@@ -210,10 +210,10 @@ class RolloutEngine:
         self.eos_check_interval = max(1, int(eos_check_interval))
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.fused_sampling = bool(fused_sampling)
+        self.attention_tuning = decode.check_attention_tuning(attention_tuning)
         self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
-        self.attention_tuning = decode.check_attention_tuning(attention_tuning)
         self.prompt_sharing = self.attention == "triton" and bool(prompt_sharing)
         if split_k == "auto":
             split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
@@ -305,9 +305,16 @@ class RolloutEngine:
             return attention
         if attention == "auto" and self.device.type != "cuda":
             return "sdpa"
-        spec = self.spec
+        spec, tuning = self.spec, self.attention_tuning
+        if "subblocks" in tuning:  # a setting that cannot work for this model is an error, not a fallback
+            try:
+                decode_attention.check_subblocks(tuning["subblocks"],
+                                                 tuning.get("block_n") or decode_attention.default_block(spec.head_dim))
+            except ValueError as error:
+                raise ValueError(f"RolloutEngine: attention_tuning['subblocks']: {error}") from None
+        settings = {key: tuning[key] for key in ("block_n", "num_warps", "num_stages", "subblocks") if key in tuning}
         ok, reason = decode_attention.usable(self.device, self.dtype, spec.num_kv_heads,
-                                             spec.num_heads // spec.num_kv_heads, spec.head_dim)
+                                             spec.num_heads // spec.num_kv_heads, spec.head_dim, settings)
         if ok:
             return "triton"
         log.warning("rollout engine: attention 'triton' unavailable (%s); using 'sdpa'", reason)

@@ -164,6 +164,18 @@ def test_engine_falls_back_when_the_self_check_disagrees(qwen2, monkeypatch, cap
     assert any("disagrees" in r.getMessage() for r in caplog.records)
 
 
+@needs_kernel
+def test_the_self_check_runs_with_the_engines_kernel_settings(qwen2, monkeypatch):
+    monkeypatch.setattr(decode_attention, "_CHECKED", {})
+    assert decode_attention.usable(DEVICE, torch.float32, 2, 3, 16, {"subblocks": 2, "block_n": 32}) == (True, "ok")
+    ok, reason = decode_attention.usable(DEVICE, torch.float32, 2, 3, 16, {"subblocks": 4, "block_n": 32})
+    assert not ok and "subblocks" in reason  # sub-blocks of 8 columns: this setting was what got checked
+    assert len(decode_attention._CHECKED) == 2
+    with pytest.raises(ValueError, match=r"attention_tuning\['subblocks'\].*block's 64 columns.*got 8"):
+        RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention="triton", device=DEVICE,
+                      attention_tuning={"subblocks": 8})
+
+
 def test_unknown_attention_kind_is_refused(qwen2):
     with pytest.raises(ValueError, match="attention"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention="flash")
