@@ -19,7 +19,7 @@ from rlcore.config.schema import RLCoreConfig, trains_critic
 from rlcore.errors import ConfigError
 
 # Dict-typed fields whose keys are free-form (not checked against the schema).
-_FREE_FORM = {"kwargs", "plugin_config", "weights", "rank_groups"}
+_FREE_FORM = {"kwargs", "plugin_config", "weights", "rank_groups", "rollout_engine"}
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.adv_estimator": ("gae", "grpo", "rloo"),
@@ -239,6 +239,11 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
     for key in ("generation_shard_size", "training_shard_size"):
         if rm[key] < 1:
             errors.append(f"'actor.remeshing.{key}' must be >= 1, got {rm[key]}")
+    engine = OmegaConf.to_container(cfg.actor.rollout_engine)
+    if engine:
+        from rlcore.rollout.engine import check_config_settings
+
+        errors.extend(f"'actor.rollout_engine.{key}': {problem}" for key, problem in check_config_settings(engine))
     if cfg.custom_reward_function.path is not None and not cfg.custom_reward_function.name:
         errors.append("'custom_reward_function.name' is required with 'custom_reward_function.path'")
     if (cfg.data.custom_cls.path is None) != (cfg.data.custom_cls.name is None):

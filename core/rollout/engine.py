@@ -35,6 +35,49 @@ from rlcore.rollout.sampling import validate_params
 
 log = logging.getLogger(__name__)
 
+#: the :class:`RolloutEngine` arguments a training config may set (``actor.rollout_engine``); the
+#: trainer gives the model, batch size, sequence length, device and dtype itself
+CONFIG_KEYS = ("use_cuda_graphs", "graph_batch_buckets", "admit_fraction", "eos_check_interval", "max_prefill_tokens",
+               "fused_sampling", "compile", "compile_mode", "attention", "attention_length_step", "rope_in_attention",
+               "split_k", "attention_tuning", "prompt_sharing", "mlp_transposed")
+
+
+def _check_choices(attention, compile_mode, mlp_transposed) -> None:
+    """``ValueError`` for an ``attention``, ``compile_mode`` or ``mlp_transposed`` the engine does not know."""
+    if attention != "auto" and attention not in decode.ATTENTION_KINDS:
+        raise ValueError(f"RolloutEngine: attention {attention!r} is not one of "
+                         f"{('auto',) + tuple(decode.ATTENTION_KINDS)}")
+    if compile_mode not in decode.COMPILE_MODES:
+        raise ValueError(f"RolloutEngine: compile_mode {compile_mode!r} is not one of {decode.COMPILE_MODES}")
+    if mlp_transposed != "auto" and not isinstance(mlp_transposed, bool):
+        raise ValueError(f"RolloutEngine: mlp_transposed must be 'auto', True or False, got {mlp_transposed!r}")
+
+
+def check_config_settings(settings: Mapping[str, object]) -> list[tuple[str, str]]:
+    """``(key, problem)`` for each setting of ``settings`` (``actor.rollout_engine``) that cannot work,
+    found without a model: keys outside :data:`CONFIG_KEYS` (with the nearest one), and the values of
+    ``attention``, ``compile_mode``, ``mlp_transposed``, ``split_k`` and ``attention_tuning``."""
+    import difflib
+
+    problems = []
+    for key in settings:
+        if key not in CONFIG_KEYS:
+            near = difflib.get_close_matches(str(key), CONFIG_KEYS, n=1, cutoff=0.6)
+            problems.append((key, "not a rollout engine setting" + (f" (did you mean '{near[0]}'?)" if near else
+                                                                    f"; settings: {', '.join(CONFIG_KEYS)}")))
+    checks = {"attention": lambda v: _check_choices(v, "default", "auto"),
+              "compile_mode": lambda v: _check_choices("auto", v, "auto"),
+              "mlp_transposed": lambda v: _check_choices("auto", "default", v),
+              "split_k": lambda v: v == "auto" or decode.split_k_tuple(v),
+              "attention_tuning": decode.check_attention_tuning}
+    for key, check in checks.items():
+        if key in settings:
+            try:
+                check(settings[key])
+            except ValueError as error:
+                problems.append((key, str(error)))
+    return problems
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -183,11 +226,7 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
             raise ValueError(f"RolloutEngine: max_seq_len must be >= 2, got {max_seq_len}")
-        if attention != "auto" and attention not in decode.ATTENTION_KINDS:
-            raise ValueError(f"RolloutEngine: attention {attention!r} is not one of "
-                             f"{('auto',) + tuple(decode.ATTENTION_KINDS)}")
-        if compile_mode not in decode.COMPILE_MODES:
-            raise ValueError(f"RolloutEngine: compile_mode {compile_mode!r} is not one of {decode.COMPILE_MODES}")
+        _check_choices(attention, compile_mode, mlp_transposed)
         self.spec = llama.decoder_spec(model)
         if self.spec.sliding_window is not None and self.spec.sliding_window < max_seq_len:
             raise ValueError(f"RolloutEngine: sliding_window {self.spec.sliding_window} < max_seq_len "
@@ -220,8 +259,6 @@ class RolloutEngine:
         self.split_k = decode.split_k_tuple(split_k)
         if mlp_transposed == "auto":
             mlp_transposed = self.compile and self.device.type == "cuda"
-        elif not isinstance(mlp_transposed, bool):
-            raise ValueError(f"RolloutEngine: mlp_transposed must be 'auto', True or False, got {mlp_transposed!r}")
         self.mlp_transposed = mlp_transposed
         self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
                                             split_k=self.split_k, mlp_transposed=mlp_transposed)
