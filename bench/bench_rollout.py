@@ -185,6 +185,8 @@ def engine_run(name: str, model, prompts, batch: int, args, kwargs: dict, profil
         finally:
             step_kernels.available = available
     engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=prompt + new, **kwargs)
+    if "attention_tuning" in kwargs and engine.attention != "triton":  # its self-check failed: say so
+        print(f"      {name}: the tuned Triton attention is unusable here, timing {engine.attention!r}", flush=True)
     warm_s, _ = timed(lambda: (engine.warmup([batch]),
                                engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))))
     prefill_s = median_seconds(lambda: engine.generate(prompts, SamplingParams(max_new_tokens=1, seed=0)),
