@@ -44,8 +44,9 @@ def load_version(path: str):
     return module
 
 
-def time_version(module, context: int, tuning: dict) -> float:
-    """Microseconds a layer of ``module.attend_new`` at ``context`` (the new token's column)."""
+def time_version(module, context: int, tuning: dict) -> tuple[float, float]:
+    """Microseconds a layer of ``module.attend_new`` at ``context`` (the new token's column), and the
+    largest absolute difference of its output from the PyTorch reference (one call, first layer)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     caches = [torch.randn(2, SLOTS, KV_HEADS, COLUMNS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
               for _ in range(LAYERS)]
@@ -56,12 +57,17 @@ def time_version(module, context: int, tuning: dict) -> float:
     source = torch.arange(SLOTS, device="cuda", dtype=torch.int32) // SAMPLES * SAMPLES
     end = torch.full((SLOTS,), PROMPT, device="cuda", dtype=torch.int32)
     length = -(-(context + 1) // 64) * 64
+    rotary = (cos, sin, None, columns, HEADS, KV_HEADS)
+    got = module.attend_new(proj, caches[0].clone(), bias, length, *rotary, shared=(source, end), **tuning)
+    expected = decode_attention.reference_new(proj, caches[0].clone(), bias, length, cos, sin,
+                                              torch.arange(SLOTS, device="cuda"), columns, HEADS, KV_HEADS,
+                                              (source, end))
+    error = float((got.float() - expected).abs().max())
 
     def step():
         for layer in caches:
-            module.attend_new(proj, layer, bias, length, cos, sin, None, columns, HEADS, KV_HEADS,
-                              shared=(source, end), **tuning)
-    return graph_ms(step) * 1e3 / LAYERS
+            module.attend_new(proj, layer, bias, length, *rotary, shared=(source, end), **tuning)
+    return graph_ms(step) * 1e3 / LAYERS, error
 
 
 def unique_mb(context: int) -> float:
@@ -90,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     for context in (int(c) for c in args.contexts.split(",")):
         for round_ in range(args.rounds):
             for name, (module, setting) in versions.items():
-                us = time_version(module, context, setting)
+                us, error = time_version(module, context, setting)
                 rows.append({"version": name, "context": context, "round": round_, "us": us,
-                             "unique_mb": unique_mb(context)})
+                             "unique_mb": unique_mb(context), "max_abs_error": error})
                 print(f"context {context:4d}  {name:<32} {us:6.2f} us/layer  "
-                      f"({unique_mb(context):5.1f} MB unique, {unique_mb(context) / us:5.2f} TB/s)", flush=True)
+                      f"({unique_mb(context):5.1f} MB unique, {unique_mb(context) / us:5.2f} TB/s; "
+                      f"max abs error {error:.3g})", flush=True)
     write_json(args.out, {"env": environment(), "command": " ".join(sys.argv), "tuning": tuning, "rows": rows})
     return 0
 
