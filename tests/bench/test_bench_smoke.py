@@ -41,6 +41,20 @@ def test_bench_script_runs(tmp_path, name):
     assert payload, f"{name}: empty results"
 
 
+def test_kernel_sass_counts_the_attention_loop(tmp_path):
+    """The static look at the attention kernel (no GPU needed): with a sub-block per warp the loop
+    body has fewer barriers than with one softmax state for the block, as docs/rollout.md says."""
+    pytest.importorskip("triton")
+    out = tmp_path / "sass.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernel_sass.py"), "--settings",
+                           '[{}, {"subblocks": 4, "num_warps": 4}]', "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    one, four = json.loads(out.read_text())["rows"]
+    assert one["loop_instructions"] > 0 and one["loop_mma"] > 0 and one["registers"] > 0
+    assert four["loop_barriers"] < one["loop_barriers"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 @pytest.mark.parametrize("script", ["check_decode_attention.py", "bench_decode_parts.py", "probe_attention.py"])
 def test_cuda_only_scripts_say_they_need_cuda(tmp_path, script):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlcore.triton_support import interpreting, triton
+from rlcore.triton_support import compile_for_hopper, interpreting, triton
 
 pytestmark = pytest.mark.skipif(triton is None or interpreting(),
                                 reason="needs Triton (not its interpreter)")
@@ -60,15 +60,9 @@ CASES = {
 def test_kernel_compiles_for_hopper(case):
     from importlib import import_module
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     module, name, types, constants, warps = CASES[case]
     kernel = getattr(import_module(module), name)
     unknown = set(constants) - set(kernel.arg_names)
     assert not unknown, f"{name} has no arguments {unknown}"  # the table above is out of date
-    signature = {arg: "constexpr" if arg in constants else types.get(arg, "i32") for arg in kernel.arg_names}
-    source = ASTSource(kernel, signature,
-                       constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    compiled = compile_for_hopper(kernel, types, constants, warps)
     assert len(compiled.asm["cubin"]) > 1000 and ".entry" in compiled.asm["ptx"]
