@@ -125,7 +125,9 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi
-            at = tl.expand_dims(col.to(tl.int64) * sc_s + tl.where(col < shared_end, shared_shift, 0), -1)
+            # the row shift times a 0/1 flag, not a select: through a select Triton 3.9 loses the
+            # addresses' alignment and neither vectorises nor pipelines these loads
+            at = tl.expand_dims(col.to(tl.int64) * sc_s + shared_shift * (col < shared_end).to(tl.int64), -1)
             tile_ok = tl.expand_dims(col_ok, -1) & feat_ok
             k = tl.load(k_base + at, mask=tile_ok, other=0.0)
             v = tl.load(v_base + at, mask=tile_ok, other=0.0)

@@ -53,6 +53,8 @@ def test_kernel_sass_counts_the_attention_loop(tmp_path):
     one, four = json.loads(out.read_text())["rows"]
     assert one["loop_instructions"] > 0 and one["loop_mma"] > 0 and one["registers"] > 0
     assert four["loop_barriers"] < one["loop_barriers"]
+    # the key/value loads of the next blocks are issued as asynchronous copies (a pipelined loop)
+    assert one["loop_async_copies"] > 0 and four["loop_async_copies"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
