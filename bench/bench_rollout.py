@@ -161,7 +161,7 @@ VARIANTS = {
     "engine_warps1": {"attention_tuning": {"num_warps": 1}},
     # each warp of the attention kernel on its own sub-block of columns, with its own softmax state
     "engine_sub2": {"attention_tuning": {"subblocks": 2}},
-    "engine_sub4_warps4": {"attention_tuning": {"subblocks": 4, "num_warps": 4}},
+    "engine_sub4_warps4": {"attention_tuning": {"subblocks": 4, "num_warps": 4, "block_n": 64}},
     "engine_sub4_warps4_block128": {"attention_tuning": {"subblocks": 4, "num_warps": 4, "block_n": 128}},
     # the attention kernel as before rollout run 10: 4 warps, RoPE position looked up in every layer
     "engine_attn_before": {"attention_tuning": {"num_warps": 4, "rope_rows": False}},
