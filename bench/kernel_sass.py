@@ -93,7 +93,7 @@ def compile_setting(shape: str, setting: dict, batch: int, columns: int) -> dict
     heads, kv_heads, dim = SHAPES[shape]
     block_n = setting.get("block_n") or decode_attention.default_block(dim)
     subblocks = setting.get("subblocks", 1)
-    decode_attention.check_subblocks(subblocks, block_n)
+    decode_attention.check_subblocks(subblocks, block_n, dim)
     group = heads // kv_heads
     constants = dict(group=group, dim=dim, IEEE=False, NEW=True, ROWS=True, SHARED=True, PARTS=2, PBIAS=True,
                      SPLIT=False, FOLD=False, BLOCK_G=max(16, triton.next_power_of_2(group)),

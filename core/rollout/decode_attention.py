@@ -439,7 +439,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
         return out.view(n, -1)
     block_n = block_n or default_block(dim)
     num_warps = num_warps or default_warps(dim)
-    check_subblocks(subblocks, block_n)
+    check_subblocks(subblocks, block_n, dim)
     splits, chunk = plan(n * kv_heads, length, _sm_count(device.type, device.index), splits, block_n)
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(dim))
@@ -525,9 +525,10 @@ def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, l
     return reference(qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim), layer, bias, length, shared)
 
 
-def check_subblocks(subblocks: int, block_n: int) -> None:
+def check_subblocks(subblocks: int, block_n: int | None, dim: int) -> None:
     """Raise ``ValueError`` unless ``subblocks`` is a power of two leaving >= 16 of ``block_n`` columns
-    to each sub-block (the products' least width)."""
+    (default: :func:`default_block` of head dim ``dim``) to each sub-block (the products' least width)."""
+    block_n = block_n or default_block(dim)
     if subblocks < 1 or subblocks & (subblocks - 1) or block_n // subblocks < 16:
         raise ValueError(f"decode attention: subblocks must be a power of two that leaves >= 16 of the block's "
                          f"{block_n} columns to each sub-block, got {subblocks}")

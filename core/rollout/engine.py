@@ -42,41 +42,47 @@ CONFIG_KEYS = ("use_cuda_graphs", "graph_batch_buckets", "admit_fraction", "eos_
                "split_k", "attention_tuning", "prompt_sharing", "mlp_transposed")
 
 
-def _check_choices(attention, compile_mode, mlp_transposed) -> None:
-    """``ValueError`` for an ``attention``, ``compile_mode`` or ``mlp_transposed`` the engine does not know."""
-    if attention != "auto" and attention not in decode.ATTENTION_KINDS:
-        raise ValueError(f"RolloutEngine: attention {attention!r} is not one of "
-                         f"{('auto',) + tuple(decode.ATTENTION_KINDS)}")
-    if compile_mode not in decode.COMPILE_MODES:
-        raise ValueError(f"RolloutEngine: compile_mode {compile_mode!r} is not one of {decode.COMPILE_MODES}")
-    if mlp_transposed != "auto" and not isinstance(mlp_transposed, bool):
-        raise ValueError(f"RolloutEngine: mlp_transposed must be 'auto', True or False, got {mlp_transposed!r}")
+def _check_attention(value) -> None:
+    if value != "auto" and value not in decode.ATTENTION_KINDS:
+        raise ValueError(f"RolloutEngine: attention {value!r} is not one of {('auto',) + tuple(decode.ATTENTION_KINDS)}")
+
+
+def _check_compile_mode(value) -> None:
+    if value not in decode.COMPILE_MODES:
+        raise ValueError(f"RolloutEngine: compile_mode {value!r} is not one of {decode.COMPILE_MODES}")
+
+
+def _check_mlp_transposed(value) -> None:
+    if value != "auto" and not isinstance(value, bool):
+        raise ValueError(f"RolloutEngine: mlp_transposed must be 'auto', True or False, got {value!r}")
+
+
+#: the settings whose values are checked without a model (each check raises ``ValueError``)
+_SETTING_CHECKS = {"attention": _check_attention, "compile_mode": _check_compile_mode,
+                   "mlp_transposed": _check_mlp_transposed,
+                   "split_k": lambda value: value == "auto" or decode.split_k_tuple(value),
+                   "attention_tuning": decode.check_attention_tuning}
 
 
 def check_config_settings(settings: Mapping[str, object]) -> list[tuple[str, str]]:
     """``(key, problem)`` for each setting of ``settings`` (``actor.rollout_engine``) that cannot work,
     found without a model: keys outside :data:`CONFIG_KEYS` (with the nearest one), and the values of
-    ``attention``, ``compile_mode``, ``mlp_transposed``, ``split_k`` and ``attention_tuning``."""
+    the settings in :data:`_SETTING_CHECKS`."""
     import difflib
 
     problems = []
-    for key in settings:
+    for key, value in settings.items():
         if key not in CONFIG_KEYS:
             near = difflib.get_close_matches(str(key), CONFIG_KEYS, n=1, cutoff=0.6)
             problems.append((key, "not a rollout engine setting" + (f" (did you mean '{near[0]}'?)" if near else
                                                                     f"; settings: {', '.join(CONFIG_KEYS)}")))
-    checks = {"attention": lambda v: _check_choices(v, "default", "auto"),
-              "compile_mode": lambda v: _check_choices("auto", v, "auto"),
-              "mlp_transposed": lambda v: _check_choices("auto", "default", v),
-              "split_k": lambda v: v == "auto" or decode.split_k_tuple(v),
-              "attention_tuning": decode.check_attention_tuning}
-    for key, check in checks.items():
-        if key in settings:
+        elif key in _SETTING_CHECKS:
             try:
-                check(settings[key])
+                _SETTING_CHECKS[key](value)
             except ValueError as error:
                 problems.append((key, str(error)))
     return problems
+
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -226,7 +232,9 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
             raise ValueError(f"RolloutEngine: max_seq_len must be >= 2, got {max_seq_len}")
-        _check_choices(attention, compile_mode, mlp_transposed)
+        _check_attention(attention)
+        _check_compile_mode(compile_mode)
+        _check_mlp_transposed(mlp_transposed)
         self.spec = llama.decoder_spec(model)
         if self.spec.sliding_window is not None and self.spec.sliding_window < max_seq_len:
             raise ValueError(f"RolloutEngine: sliding_window {self.spec.sliding_window} < max_seq_len "
@@ -345,8 +353,7 @@ class RolloutEngine:
         spec, tuning = self.spec, self.attention_tuning
         if "subblocks" in tuning:  # a setting that cannot work for this model is an error, not a fallback
             try:
-                decode_attention.check_subblocks(tuning["subblocks"],
-                                                 tuning.get("block_n") or decode_attention.default_block(spec.head_dim))
+                decode_attention.check_subblocks(tuning["subblocks"], tuning.get("block_n"), spec.head_dim)
             except ValueError as error:
                 raise ValueError(f"RolloutEngine: attention_tuning['subblocks']: {error}") from None
         settings = {key: tuning[key] for key in ("block_n", "num_warps", "num_stages", "subblocks") if key in tuning}
