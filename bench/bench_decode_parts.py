@@ -1,6 +1,6 @@
 """The decode step's parts, one at a time: the fused sampler, decode attention, and a whole loop.
 
-* ``sampler``: :func:`rlcore.rollout.fused_sampling.sample_rows` with the exact and the
+* ``sampler``: :func:`rlcore.kernels.fused_sampling.sample_rows` with the exact and the
   approximate logarithm, several warp counts and row splits;
 * ``gemm``: the decode projections as one GEMM or as split-K batched products;
 * ``attention``: the decode-attention kernel's tuning knobs, one call per layer, each on its own
@@ -29,7 +29,7 @@ from bench_rollout import SHAPES, build, kernel_times, make_prompts  # noqa: E40
 
 import_rlcore()
 
-from rlcore.rollout import decode_attention, fused_sampling  # noqa: E402
+from rlcore.kernels import decode_attention, fused_sampling  # noqa: E402
 
 
 def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
@@ -76,7 +76,7 @@ ATTENTION_SWEEPS = {
 def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320),
                     sweep: str = "rope") -> list[dict[str, Any]]:
     """The decode step's attention kernel as the engine calls it (RoPE, cache write and attention,
-    :func:`rlcore.rollout.decode_attention.attend_new`), one call per layer, each on its own cache
+    :func:`rlcore.kernels.decode_attention.attend_new`), one call per layer, each on its own cache
     (keys and values come from memory, not L2). Each slot's new column lies in the last 64 columns
     below the attended length, as in a step of a 64-column length bucket. The floor is the keys
     and values read at copy bandwidth. ``rope_rows``: the RoPE rows gathered once beforehand
@@ -134,8 +134,8 @@ def bench_attention(shape: str, batch: int, layers: int, lengths=(64, 192, 320),
 
 def bench_gemm(shape: str, batch: int, layers: int) -> list[dict[str, Any]]:
     """The decode projections at ``batch`` rows: one library GEMM against split-K batched products
-    (:func:`rlcore.rollout.decode._partials`), each over ``layers`` weight copies (from memory, not L2)."""
-    from rlcore.rollout.decode import _partials
+    (:func:`rlcore.rollout.engine.decode._partials`), each over ``layers`` weight copies (from memory, not L2)."""
+    from rlcore.rollout.engine.decode import _partials
 
     spec = SHAPES[shape]
     hidden, inter, heads, kv_heads = (spec["hidden_size"], spec["intermediate_size"], spec["num_attention_heads"],

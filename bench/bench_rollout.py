@@ -173,7 +173,7 @@ def engine_run(name: str, model, prompts, batch: int, args, kwargs: dict, profil
     """Time one engine configuration: capture its graphs first, then 1 token and ``new`` tokens."""
     from rlcore.rollout import sampling
 
-    from rlcore.rollout import step_kernels
+    from rlcore.kernels import step_kernels
 
     new, prompt = args.new_tokens, args.prompt_len
     kwargs = dict(kwargs)

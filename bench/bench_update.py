@@ -13,7 +13,7 @@ on a fresh copy of the same random-init model:
 Two more variants change how the defaults compute rather than what they cut:
 
 * ``chunked``  — the defaults with the log-probs in PyTorch chunks instead of the one-pass kernels
-  of ``rlcore.trainer.logprob_kernels`` (which run on CUDA only; on CPU the two are the same);
+  of ``rlcore.kernels.logprob`` (which run on CUDA only; on CPU the two are the same);
 * ``compiled`` — the defaults with each decoder layer compiled (``actor.compile=true``).
 
 It reports seconds per update (median of ``--repeats`` after one warm-up), the share of the

@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import copy_bandwidth, environment, graph_ms, import_rlcore, write_json  # noqa: E402
 
 import_rlcore()
-from rlcore.rollout import decode, decode_attention  # noqa: E402
+from rlcore.kernels import decode_attention  # noqa: E402
+from rlcore.rollout.engine import decode  # noqa: E402
 
 #: name -> (layers, kv heads, query heads per kv head, head dim)
 SHAPES = {"qwen2-0.5b": (24, 2, 7, 64), "qwen2-1.5b": (28, 2, 6, 128)}

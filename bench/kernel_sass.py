@@ -27,8 +27,8 @@ from _common import import_rlcore, write_json  # noqa: E402
 
 import_rlcore()
 
-from rlcore.rollout import decode_attention  # noqa: E402
-from rlcore.triton_support import compile_for_hopper, triton  # noqa: E402
+from rlcore.kernels import decode_attention  # noqa: E402
+from rlcore.kernels.triton_support import compile_for_hopper, triton  # noqa: E402
 
 #: (query heads, key/value heads, head dim)
 SHAPES = {"qwen2-0.5b": (14, 2, 64), "qwen2-1.5b": (12, 2, 128)}

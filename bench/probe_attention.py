@@ -31,13 +31,13 @@ from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E4
 
 import_rlcore()
 
-from rlcore.rollout import decode_attention  # noqa: E402
+from rlcore.kernels import decode_attention  # noqa: E402
 
 SLOTS, SAMPLES, PROMPT, KV_HEADS, HEADS, DIM, LAYERS, COLUMNS = 256, 8, 128, 2, 14, 64, 24, 448
 
 
 def load_version(path: str):
-    """The module at ``path`` (a copy of ``rlcore/rollout/decode_attention.py``)."""
+    """The module at ``path`` (a copy of ``rlcore/kernels/decode_attention.py``)."""
     spec = importlib.util.spec_from_file_location(f"attention_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

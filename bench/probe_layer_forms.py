@@ -30,8 +30,8 @@ from bench_rollout import SHAPES, build  # noqa: E402
 
 import_rlcore()
 
-from rlcore.rollout import decode_attention  # noqa: E402
-from rlcore.triton_support import tl, triton  # noqa: E402
+from rlcore.kernels import decode_attention  # noqa: E402
+from rlcore.kernels.triton_support import tl, triton  # noqa: E402
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from rlcore.rollout import fused_sampling
+from rlcore.kernels import fused_sampling
 from rlcore.rollout.base import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from torch import nn
 
 from rlcore import rlmath
 from rlcore.errors import ConfigError
-from rlcore.trainer import logprob_kernels
+from rlcore.kernels import logprob as logprob_kernels
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,10 @@ class ChunkedLogprobs(torch.autograd.Function):
     saves only the log-normalisers for the backward pass, which recomputes the softmax chunk-wise:
     ``d logp / d logits = (onehot(label) - softmax(z)) / T``. No float32 copy of the logits is kept
     alive, and the entropy costs one extra read per chunk instead of an autograd graph. On CUDA the
-    same math runs in the one-pass kernels of :mod:`rlcore.trainer.logprob_kernels`.
+    same math runs in the one-pass kernels of :mod:`rlcore.kernels.logprob`.
     """
 
-    #: use the one-pass kernels of :mod:`rlcore.trainer.logprob_kernels` where they run (CUDA)
+    #: use the one-pass kernels of :mod:`rlcore.kernels.logprob` where they run (CUDA)
     use_kernels = True
 
     @staticmethod
@@ -136,7 +136,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def _chunked_forward(logits, labels, temperature: float, with_entropy: bool):
-    """:func:`rlcore.trainer.logprob_kernels.forward` in PyTorch, chunk by chunk."""
+    """:func:`rlcore.kernels.logprob.forward` in PyTorch, chunk by chunk."""
     shape = logits.shape[:2]
     logp = torch.empty(shape, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(logp)
@@ -153,7 +153,7 @@ def _chunked_forward(logits, labels, temperature: float, with_entropy: bool):
 
 
 def _chunked_backward(logits, labels, temperature: float, lse, grad_logp):
-    """:func:`rlcore.trainer.logprob_kernels.backward` in PyTorch, chunk by chunk."""
+    """:func:`rlcore.kernels.logprob.backward` in PyTorch, chunk by chunk."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     for b, rows in _row_chunks(logits):
         g = grad_logp[b, rows].float()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlcore.triton_support import compile_for_hopper, interpreting, triton
+from rlcore.kernels.triton_support import compile_for_hopper, interpreting, triton
 
 pytestmark = pytest.mark.skipif(triton is None or interpreting(),
                                 reason="needs Triton (not its interpreter)")
@@ -28,31 +28,31 @@ ATTEND_NEW = dict(group=7, dim=64, IEEE=False, NEW=True, ROWS=True, SHARED=True,
                   BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, SUB=1)
 CASES = {
     # the engine's decode step: RoPE, q/k/v slices and bias, shared prompt rows; one program per pair
-    "attend_new": ("rlcore.rollout.decode_attention", "_attend_part", ATTENTION,
+    "attend_new": ("rlcore.kernels.decode_attention", "_attend_part", ATTENTION,
                    dict(ATTEND_NEW, SPLIT=False, FOLD=False), 2),
     # each warp on a sub-block of 16 columns with a softmax state of its own (a batched product)
-    "attend_new_subblocks": ("rlcore.rollout.decode_attention", "_attend_part", ATTENTION,
+    "attend_new_subblocks": ("rlcore.kernels.decode_attention", "_attend_part", ATTENTION,
                              dict(ATTEND_NEW, SPLIT=False, FOLD=False, SUB=4), 4),
     # small batches: chunks merged by the pair's last program
-    "attend_new_split": ("rlcore.rollout.decode_attention", "_attend_part",
+    "attend_new_split": ("rlcore.kernels.decode_attention", "_attend_part",
                          dict(ATTENTION, out_ptr="*fp32"), dict(ATTEND_NEW, SPLIT=True, FOLD=True), 2),
     # plain attention of given queries, float32 products, separate merge kernel
-    "attend_fp32": ("rlcore.rollout.decode_attention", "_attend_part",
+    "attend_fp32": ("rlcore.kernels.decode_attention", "_attend_part",
                     {k: v.replace("bf16", "fp32") for k, v in ATTENTION.items()} | {"out_ptr": "*fp32"},
                     dict(ATTEND_NEW, NEW=False, ROWS=False, SHARED=False, PARTS=1, PBIAS=False, IEEE=True,
                          SPLIT=True, FOLD=False, dim=128, BLOCK_D=128, BLOCK_N=32), 4),
-    "merge_parts": ("rlcore.rollout.decode_attention", "_merge_parts", ATTENTION,
+    "merge_parts": ("rlcore.kernels.decode_attention", "_merge_parts", ATTENTION,
                     dict(group=7, dim=64, BLOCK_G=16, BLOCK_D=64), 2),
-    "begin_step": ("rlcore.rollout.step_kernels", "_begin_step", STEP, dict(BLOCK_N=32, BLOCK_D=64), 4),
-    "record": ("rlcore.rollout.step_kernels", "_record", STEP, dict(BLOCK_N=128, BLOCK_E=2), 4),
-    "partial_rows": ("rlcore.rollout.fused_sampling", "_partial_rows", SAMPLING,
+    "begin_step": ("rlcore.kernels.step_kernels", "_begin_step", STEP, dict(BLOCK_N=32, BLOCK_D=64), 4),
+    "record": ("rlcore.kernels.step_kernels", "_record", STEP, dict(BLOCK_N=128, BLOCK_E=2), 4),
+    "partial_rows": ("rlcore.kernels.fused_sampling", "_partial_rows", SAMPLING,
                      dict(GREEDY=False, FAST=True, BLOCK=1024), 8),
-    "merge_rows": ("rlcore.rollout.fused_sampling", "_merge_rows", SAMPLING, dict(SPLITS=16), 1),
-    "chunk_stats": ("rlcore.rollout.fused_sampling", "_chunk_stats", SAMPLING, dict(CHUNK=2048), 4),
-    "draw_rows": ("rlcore.rollout.fused_sampling", "_draw_rows", SAMPLING, dict(SPLITS=128, CHUNK=2048), 4),
-    "logprob_forward": ("rlcore.trainer.logprob_kernels", "_forward_rows", LOGPROB,
+    "merge_rows": ("rlcore.kernels.fused_sampling", "_merge_rows", SAMPLING, dict(SPLITS=16), 1),
+    "chunk_stats": ("rlcore.kernels.fused_sampling", "_chunk_stats", SAMPLING, dict(CHUNK=2048), 4),
+    "draw_rows": ("rlcore.kernels.fused_sampling", "_draw_rows", SAMPLING, dict(SPLITS=128, CHUNK=2048), 4),
+    "logprob_forward": ("rlcore.kernels.logprob", "_forward_rows", LOGPROB,
                         dict(WITH_ENTROPY=True, BLOCK=4096), 8),
-    "logprob_backward": ("rlcore.trainer.logprob_kernels", "_backward_rows", LOGPROB, dict(BLOCK=4096), 8),
+    "logprob_backward": ("rlcore.kernels.logprob", "_backward_rows", LOGPROB, dict(BLOCK=4096), 8),
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore.trainer import logprob_kernels
+from rlcore.kernels import logprob as logprob_kernels
 from rlcore.trainer.models import ChunkedLogprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

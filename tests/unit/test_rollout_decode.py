@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from rlcore.rollout import decode
+from rlcore.rollout.engine import decode
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.engine import RolloutEngine, length_step
 from rlcore.rollout.hf import HFGenerateBackend

@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from rlcore.rollout import decode, decode_attention
+from rlcore.rollout.engine import decode
+from rlcore.kernels import decode_attention
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.engine import RolloutEngine
 from rlcore.rollout.tiny import tiny_causal_lm

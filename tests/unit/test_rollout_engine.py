@@ -136,7 +136,7 @@ def test_supports_and_input_errors(qwen2):
 def test_repeated_prompts_prefill_once_and_match_hf(qwen2, monkeypatch):
     """GRPO's n samples of a prompt: each distinct prompt is prefilled once and its keys/values
     copied; greedy outputs still equal HF generate for every copy, also with continuous batching."""
-    from rlcore.rollout import llama
+    from rlcore.rollout.engine import llama
 
     prompts = [p for p in PROMPTS[:4] for _ in range(3)]  # ragged, 3 copies each
     expected = hf_greedy(qwen2, prompts=prompts)

@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from rlcore.rollout.fused_sampling import DRAW_CHUNK, plan, sample_rows  # noqa: E402
+from rlcore.kernels.fused_sampling import DRAW_CHUNK, plan, sample_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

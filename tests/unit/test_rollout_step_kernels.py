@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore.rollout import step_kernels
+from rlcore.kernels import step_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not step_kernels.available(DEVICE),

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
-from rlcore.triton_support import tl, triton
+from rlcore.kernels.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
+from rlcore.kernels.triton_support import tl, triton
 
 if triton is not None:
 

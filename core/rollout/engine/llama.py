@@ -5,7 +5,7 @@ tables, GQA attention, SiLU-gated MLP, Qwen2's q/k/v biases, tied embeddings) an
 passes over a pre-allocated KV cache:
 
 * :func:`prefill` (here) — left-padded prompts of some slots, positions taken from the attention mask;
-* :func:`rlcore.rollout.decode.decode` — one token for the first ``n`` slots, every slot at its
+* :func:`rlcore.rollout.engine.decode.decode` — one token for the first ``n`` slots, every slot at its
   own cache index, free of host synchronisation so that it can be captured in a CUDA graph.
 
 The KV cache is one tensor ``[L, 2, B, KVH, S, D]`` (layers, key/value, slots, kv heads, cache

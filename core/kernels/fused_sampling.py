@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.triton_support import interpreting, tl, triton
+from rlcore.kernels.triton_support import interpreting, tl, triton
 
 if triton is not None:
     from triton.language.extra import libdevice

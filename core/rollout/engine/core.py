@@ -1,7 +1,7 @@
 """The fast rollout engine: static KV cache, compiled CUDA-graph decode and continuous batching.
 
 :class:`RolloutEngine` runs Llama-family decoders (Llama, Mistral, Qwen2) with its own forward
-(:mod:`rlcore.rollout.llama`, :mod:`rlcore.rollout.decode`) over the Hugging Face module's weights:
+(:mod:`rlcore.rollout.engine.llama`, :mod:`rlcore.rollout.engine.decode`) over the Hugging Face module's weights:
 
 * a KV cache for ``max_batch_size`` slots of ``max_seq_len`` tokens is allocated once;
 * prompts are prefilled in groups, left padded, positions taken from the attention mask; a prompt
@@ -13,7 +13,7 @@
   is fused by ``torch.compile`` and the step is captured in a CUDA graph per (batch bucket,
   length bucket) and replayed;
 * sampling (:mod:`rlcore.rollout.sampling`) runs on the device with a seeded generator;
-* continuous batching (:mod:`rlcore.rollout.scheduler`): a finished sequence frees its slot and
+* continuous batching (:mod:`rlcore.rollout.engine.scheduler`): a finished sequence frees its slot and
   the next waiting prompt is prefilled into it; once the queue is empty, live slots are compacted
   so a smaller graph bucket can run.
 
@@ -29,7 +29,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from rlcore.rollout import decode, decode_attention, llama
+from rlcore.rollout.engine import decode
+from rlcore.kernels import decode_attention
+from rlcore.rollout.engine import llama
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
 
@@ -186,14 +188,14 @@ class RolloutEngine:
         eos_check_interval: decode steps between host reads of the finished flags.
         max_prefill_tokens: bound on ``prompts x width`` per prefill call (activation memory).
         fused_sampling: on CUDA, sample unfiltered (no top-k/top-p) steps with the one-pass
-            Triton kernel (:mod:`rlcore.rollout.fused_sampling`), checked once against PyTorch.
+            Triton kernel (:mod:`rlcore.kernels.fused_sampling`), checked once against PyTorch.
         compile: fuse the decode step's pointwise work with ``torch.compile`` (default: on CUDA
             only). If compilation fails the engine logs a warning and runs the plain step.
         compile_mode: ``torch.compile`` mode, ``"default"`` or ``"max-autotune-no-cudagraphs"``
             (the engine does its own graph capture, so modes that add CUDA graphs are refused).
         attention: ``"auto"`` (default: ``"triton"`` where it can run, else ``"sdpa"``), ``"sdpa"``
             (PyTorch's fused attention), ``"matmul"`` (two matmuls and a softmax) or ``"triton"`` (the
-            grouped-query decode kernel of :mod:`rlcore.rollout.decode_attention`, checked once against
+            grouped-query decode kernel of :mod:`rlcore.kernels.decode_attention`, checked once against
             PyTorch; without Triton or CUDA, or if the check fails, the engine logs a warning and uses
             ``"sdpa"``).
         attention_length_step: granularity of the attended cache length (default: :func:`length_step`).
@@ -202,16 +204,16 @@ class RolloutEngine:
             for the other attention kinds.
         split_k: cut the decode step's o, gate/up, down or q/k/v products into this many slices of
             their inner dimension, e.g. ``{"down": 4}``: one batched product with more output tiles, the
-            partial sums added by the kernel that reads them (see :func:`rlcore.rollout.decode._partials`;
+            partial sums added by the kernel that reads them (see :func:`rlcore.rollout.engine.decode._partials`;
             the q/k/v slices by the attention kernel when it applies RoPE).
-            ``"auto"`` (default): :data:`rlcore.rollout.decode.AUTO_SPLIT_K` when the step is compiled
+            ``"auto"`` (default): :data:`rlcore.rollout.engine.decode.AUTO_SPLIT_K` when the step is compiled
             on CUDA (the compiler fuses the sums), else none; ``None`` or ``{}``: none.
         mlp_transposed: take the decode step's gate/up product as ``weight @ norm(x)^T`` (the
             library's tiles fit that tall output better at a few hundred rows; SiLU·mul and the down
             product read the transposed layout). ``"auto"`` (default): on when the step is compiled on
             CUDA.
         attention_tuning: settings of the Triton attention kernel, e.g. ``{"num_warps": 2}``; keys in
-            :data:`rlcore.rollout.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.decode.check_attention_tuning`).
+            :data:`rlcore.rollout.engine.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.engine.decode.check_attention_tuning`).
         prompt_sharing: with ``attention="triton"``, the samples of a prompt prefilled together read
             the prompt's columns from the cache row of its first sample instead of their own copies
             (same results, fewer bytes from memory). A slot whose source row is refilled or moved
@@ -321,7 +323,7 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """Sample one response per prompt; see :class:`~rlcore.rollout.base.RolloutBackend`."""
-        from rlcore.rollout.scheduler import Scheduler
+        from rlcore.rollout.engine.scheduler import Scheduler
 
         validate_params(params, self.spec.vocab_size)
         if len(prompts) == 0:

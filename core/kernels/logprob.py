@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
-from rlcore.triton_support import tl, triton
+from rlcore.kernels.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
+from rlcore.kernels.triton_support import tl, triton
 
 #: columns a program reads per iteration
 BLOCK = 4096

@@ -12,7 +12,7 @@ SiLU-gated MLP + residual. Between them the eager part writes the new keys/value
 static cache and attends over its filled columns. With the Triton attention kernel the head
 stops at the projection (``rope_in_attention``): one kernel per layer then rotates the queries
 and the new key, writes the new key/value to the cache and attends
-(:func:`rlcore.rollout.decode_attention.attend_new`).
+(:func:`rlcore.kernels.decode_attention.attend_new`).
 
 With ``torch.compile`` (:func:`step_functions` with a mode) Inductor fuses the pointwise work
 of each piece (residual adds, the norms, RoPE, SiLU·mul, the key/value packing) into a few
@@ -30,8 +30,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rlcore.rollout import decode_attention, step_kernels
-from rlcore.rollout.llama import DecoderSpec, DecoderWeights, LayerWeights, linear_group, rms_norm, rotate
+from rlcore.kernels import decode_attention
+from rlcore.kernels import step_kernels
+from rlcore.rollout.engine.llama import DecoderSpec, DecoderWeights, LayerWeights, linear_group, rms_norm, rotate
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def _project(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, ep
 
     ``splits > 1`` (a fused matrix): the product over slices of the inner dimension (:func:`_partials`),
     summed here, or with ``parts`` returned as ``[splits, n, ·]`` without the bias, for the attention
-    kernel to sum and add it (:func:`rlcore.rollout.decode_attention.attend_new`)."""
+    kernel to sum and add it (:func:`rlcore.kernels.decode_attention.attend_new`)."""
     h = rms_norm(x, ln1, eps)
     if splits == 1 or len(qkv) != 1:
         return linear_group(h, qkv, qkv_bias)
@@ -87,7 +88,7 @@ def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: 
           eps: float, heads: int, kv_heads: int, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [n, H]`` -> ``(q [n, KVH, G, D], kv [2, n, KVH, D])`` with RoPE applied to q and k.
 
-    ``cos``, ``sin`` ``[n, 1, D]`` (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`)."""
+    ``cos``, ``sin`` ``[n, 1, D]`` (``sin`` signed, see :func:`rlcore.rollout.engine.llama.signed_sin`)."""
     n, dim = x.shape[0], cos.shape[-1]
     proj = _project(x, ln1, qkv, qkv_bias, eps, splits)
     qk = rotate(proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
@@ -173,7 +174,7 @@ class StepFunctions:
     """The three pieces of a step (see the module docstring), plain or compiled.
 
     With ``rope_in_attention`` the head of a layer stops at the q/k/v projection: RoPE and the
-    cache write happen in the attention kernel (:func:`rlcore.rollout.decode_attention.attend_new`).
+    cache write happen in the attention kernel (:func:`rlcore.kernels.decode_attention.attend_new`).
     """
 
     first: Callable
@@ -313,8 +314,8 @@ ATTENTION_TUNING_KEYS = tuple(_ATTENTION_TUNING_RULES)
 def check_attention_tuning(tuning) -> dict:
     """``tuning`` as a dict after checking it (:data:`ATTENTION_TUNING_KEYS`): the Triton kernel's
     ``block_n``, ``num_warps``, ``num_stages``, ``splits`` (chunks per slot and key/value head; default:
-    :func:`rlcore.rollout.decode_attention.plan`'s rule) and ``subblocks`` (softmax states per block, default 1;
-    see :func:`rlcore.rollout.decode_attention.attend`), and
+    :func:`rlcore.kernels.decode_attention.plan`'s rule) and ``subblocks`` (softmax states per block, default 1;
+    see :func:`rlcore.kernels.decode_attention.attend`), and
     ``rope_rows`` (default ``True``): with RoPE in the attention kernel, gather each slot's RoPE rows once a
     step instead of looking up its position in every layer's kernel (one dependent load less a layer)."""
     return check_options("attention_tuning", tuning, _ATTENTION_TUNING_RULES)
@@ -330,7 +331,7 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         layer: ``[2, B, KVH, S, D]`` one layer's cache (rows ``0..n-1`` are read).
         bias: ``[n, S]`` additive key mask; every row must have a valid column below ``length``.
         kind: ``"sdpa"`` (one fused attention kernel), ``"matmul"`` (two matmuls and a softmax)
-            or ``"triton"`` (:mod:`rlcore.rollout.decode_attention`: reads each key/value block
+            or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`: reads each key/value block
             once for the ``G`` query rows, needs CUDA or Triton's interpreter).
     Returns:
         ``[n, KVH·G·D]``.

@@ -23,8 +23,8 @@ import functools
 
 import torch
 
-from rlcore.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
-from rlcore.triton_support import interpreting, tl, triton
+from rlcore.kernels.triton_support import kernels_run_on as available  # noqa: F401 - part of this API
+from rlcore.kernels.triton_support import interpreting, tl, triton
 
 BLOCK_N = 64
 #: key/value columns per block for head dims of 128 and more (fewer registers per program)
@@ -335,7 +335,7 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
            counters: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
            subblocks: int = 1) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
-    :func:`rlcore.rollout.decode.attend` for the shapes).
+    :func:`rlcore.rollout.engine.decode.attend` for the shapes).
 
     Args:
         q: ``[n, KVH, G, D]`` queries, any strides.
@@ -382,7 +382,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             dimension) the kernel adds up.
         layer: ``[2, B, KVH, S, D]`` one layer's cache; column ``columns[i]`` of row ``i`` is written.
         bias: ``[n, S]`` additive key mask; ``bias[i, columns[i]]`` must already be 0.
-        cos, sin: ``[S, D]`` RoPE tables (``sin`` signed, see :func:`rlcore.rollout.llama.signed_sin`),
+        cos, sin: ``[S, D]`` RoPE tables (``sin`` signed, see :func:`rlcore.rollout.engine.llama.signed_sin`),
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.

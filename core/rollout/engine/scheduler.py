@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from rlcore.rollout import step_kernels
+from rlcore.kernels import step_kernels
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad, mask_after_eos
 from rlcore.rollout.sampling import Sampler
 

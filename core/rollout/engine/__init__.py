@@ -1,0 +1,12 @@
+"""The in-process rollout engine: its own decoder forward, KV cache, compiled decode step and
+continuous batching (:class:`RolloutEngine`, in :mod:`rlcore.rollout.engine.core`).
+
+* :mod:`rlcore.rollout.engine.llama` — the decoder's weights and per-layer math;
+* :mod:`rlcore.rollout.engine.decode` — prefill and the one-token decode step;
+* :mod:`rlcore.rollout.engine.scheduler` — continuous batching over the engine's slots.
+"""
+
+from rlcore.rollout.engine.core import (CONFIG_KEYS, DEFAULT_BUCKETS, RolloutEngine, check_config_settings,
+                                        length_step)
+
+__all__ = ["CONFIG_KEYS", "DEFAULT_BUCKETS", "RolloutEngine", "check_config_settings", "length_step"]
