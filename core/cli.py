@@ -230,7 +230,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     pm = preflight(cfg, names)
     if maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv)):
         return 0
-    dist = init_distributed(cfg.trainer.device)
+    split = _world_split(cfg, pm)
+    if split is not None and split[1].role == "rollout":
+        return split[0].run_rollout_rank(cfg, split[1])
+    dist = split[1].dist if split is not None else init_distributed(cfg.trainer.device)
     demo = is_demo(args.config, args.overrides)
     if dist.is_main:
         preset = set()
@@ -249,7 +252,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                         "prompts)%s", "" if cfg.actor.model_path else " with the demo's tiny model")
     from rlcore.trainer.loop import Trainer
 
-    trainer = Trainer(cfg, pm, dist)
+    trainer = Trainer(cfg, pm, dist, split=split)
     summary = trainer.train()
     if dist.is_main:
         print_summary(summary, cfg.trainer.output_dir)
@@ -257,6 +260,20 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"run interrupted at step {trainer.state.step} of {cfg.trainer.max_steps}: a checkpoint was saved; "
                   "the same command with trainer.resume=auto continues it")
     return 0  # a graceful stop (SIGINT/SIGTERM, checkpoint saved) is not a failure for launchers
+
+
+def _world_split(cfg, pm):
+    """``(answer, SplitInfo)`` when a plugin splits this job into training and rollout ranks
+    (``rlcore_world_split``), after joining the groups; else ``None``."""
+    from omegaconf import OmegaConf
+
+    from rlcore.distributed.init import env_int, init_split
+
+    answer = pm.hook.rlcore_world_split(world_size=env_int("WORLD_SIZE", 1),
+                                        config=OmegaConf.to_container(cfg, resolve=True))
+    if answer is None:
+        return None
+    return answer, init_split(cfg.trainer.device, int(answer.rollout_ranks))
 
 
 def print_summary(summary: dict, run_dir: str) -> None:

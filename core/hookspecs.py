@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
         PlacementRequest,
         ReshardPolicy,
         RewardBackend,
+        WorldSplit,
     )
     from rlcore.rollout.base import RolloutBatch
 
@@ -69,6 +70,19 @@ def rlcore_preflight(config: dict[str, Any], plugins: list[str]) -> None:
 
     :param config: the resolved configuration as a plain ``dict`` (read only).
     :param plugins: the names of the selected plugins.
+    """
+
+
+@hookspec(firstresult=True)
+def rlcore_world_split(world_size: int, config: dict[str, Any]) -> Optional[WorldSplit]:
+    """Split the job's ranks into a training group and a rollout group (``async``), or ``None`` to
+    train on every rank (the default). Called by ``rlcore train`` before any process group starts;
+    the first non-``None`` answer wins.
+
+    :param world_size: the number of processes the launcher started.
+    :param config: the resolved configuration as a plain ``dict`` (read only).
+    :returns: a :class:`~rlcore.protocols.WorldSplit`: how many of the last ranks generate, what those
+        ranks run, and the trainer's source of rollouts.
     """
 
 

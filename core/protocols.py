@@ -144,3 +144,43 @@ class CheckpointPolicy(Protocol):
         """Write ``model`` and ``tokenizer`` as a Hugging Face directory; return its path."""
         ...
 
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """Where the trainer's rollouts come from, step by step (the default generates them in place;
+    ``async`` receives them from the rollout ranks)."""
+
+    def next(self, step: int) -> tuple[Any, dict[str, list]]:
+        """``(rollout, extras)`` for optimizer step ``step``: a :class:`~rlcore.rollout.base.RolloutBatch`
+        of this rank's samples and the dataset columns of each sample (``prompt_text`` among them)."""
+        ...
+
+    def data_state(self) -> Stateful:
+        """The data position a checkpoint saved after the last returned step must hold, so that a
+        resumed run draws exactly the prompts not yet trained on."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers about the last :meth:`next` (e.g. ``async/staleness_mean``); may be empty."""
+        ...
+
+    def close(self) -> None:
+        """The run ended (completed, interrupted or failed): release peers and threads."""
+        ...
+
+
+@runtime_checkable
+class WorldSplit(Protocol):
+    """A plugin's answer to ``rlcore_world_split``: the last ``rollout_ranks`` ranks of the job generate."""
+
+    rollout_ranks: int
+
+    def run_rollout_rank(self, config: Any, split: Any) -> int:
+        """The whole life of a rollout rank (``split`` is its :class:`~rlcore.distributed.split.SplitInfo`);
+        returns the process's exit status."""
+        ...
+
+    def rollout_source(self, trainer: Any, split: Any) -> RolloutSource:
+        """The source of rollouts of a training rank's trainer."""
+        ...

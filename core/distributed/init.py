@@ -150,6 +150,22 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     return info
 
 
+def init_split(device_pref: str, rollout_ranks: int) -> Any:
+    """Join a job split into training and rollout groups (``rlcore_world_split``): this process's
+    :class:`~rlcore.distributed.split.SplitInfo`. Its ``dist`` describes the process's own group, and
+    every helper of this module works inside that group."""
+    from rlcore.distributed.split import split_world
+
+    local_rank = env_int("LOCAL_RANK", 0)
+    device = _pick_device(device_pref, local_rank, distributed=True)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    info = split_world(rollout_ranks, device)
+    _install_error_file_hook()
+    quiet_other_ranks(info.global_rank)
+    return info
+
+
 def is_initialized() -> bool:
     return tdist.is_available() and tdist.is_initialized()
 

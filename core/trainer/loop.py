@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlcore.distributed.init import all_gather_object
-from rlcore.protocols import DistInfo, RewardInput
+from rlcore.protocols import DistInfo, RewardInput, RolloutSource
 from rlcore.rollout.base import RolloutBatch, SamplingParams
 from rlcore.trainer.checkpoint import archive_previous_run
 from rlcore.trainer.components import Components, build_components
@@ -45,7 +45,7 @@ class TrainerState:
 class Trainer:
     """Owns the components of one run. The config tree is read here only; components get their own sections."""
 
-    def __init__(self, cfg: DictConfig, pm: Any, dist: DistInfo):
+    def __init__(self, cfg: DictConfig, pm: Any, dist: DistInfo, split: Any = None):
         from rlcore.config import check_config
 
         check_config(cfg)  # values set after load_config (Python API) get the same checks
@@ -61,13 +61,21 @@ class Trainer:
         self._times: dict[str, float] = {}
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
+        #: where each step's rollout comes from: generated here, or (``split``: a plugin's
+        #: :class:`~rlcore.protocols.WorldSplit` and this rank's place in it) from the rollout ranks
+        self.source: RolloutSource = (InPlaceSource(self) if split is None else
+                                      split[0].rollout_source(self, split[1]))
+
+    def stateful(self) -> dict[str, Any]:
+        """Everything a checkpoint holds; the data position is the rollout source's."""
+        return {**self.c.stateful(self.state), "data": self.source.data_state()}
 
     # ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         c = self.c
         if str(self.tcfg.resume or "disable") == "disable" and self.dist.is_main:
             archive_previous_run(self.tcfg.output_dir)  # a fresh run neither overwrites nor prunes an earlier one
-        start = c.checkpoint.resume(c.stateful(self.state))
+        start = c.checkpoint.resume(self.stateful())
         self.state.step = start
         self.hook.rlcore_train_start(run_dir=self.tcfg.output_dir, dist=self.dist,
                                      config=OmegaConf.to_container(self.cfg, resolve=True))
@@ -90,10 +98,11 @@ class Trainer:
                 log.exception("a plugin failed in rlcore_train_end")
             raise
         finally:
+            self.source.close()
             c.gpu_monitor.stop()
             if status != "failed":
                 with self.timer("checkpoint"):
-                    c.checkpoint.save(self.state.step, c.stateful(self.state))
+                    c.checkpoint.save(self.state.step, self.stateful())
                 getattr(c.checkpoint, "wait", lambda: None)()  # an asynchronous save must land before exit
             c.profiler.close()
         after = self.evaluate("after") if status == "completed" else {}
@@ -113,14 +122,8 @@ class Trainer:
         t0 = time.perf_counter()
         c.profiler.step_start(step)
         self.hook.rlcore_step_start(step=step)
-        # 1. Prompts: this rank's share, each repeated n times.
-        rows = c.ensure_ids(c.train_loader.next_batch())
-        prompts, extras = self.expand(rows)
-        # 2. Rollout in the generation layout.
-        self.hook.rlcore_before_generation(step=step, prompts=prompts)
-        with self.timer("generate"):
-            rollout = self.generate(prompts, self.sampling(step))
-        self.hook.rlcore_after_generation(step=step, rollout=rollout)
+        # 1-2. Prompts (this rank's share, each repeated n times) and their rollout.
+        rollout, extras = self.source.next(step)
         # 3. Reward.
         with self.timer("reward"):
             scores, m_reward = self.score(rollout, extras)
@@ -138,9 +141,9 @@ class Trainer:
         self.state.step, self.state.samples = step, self.state.samples + exp.size
         if c.checkpoint.should_save(step):
             with self.timer("checkpoint"):
-                c.checkpoint.save(step, c.stateful(self.state))
+                c.checkpoint.save(step, self.stateful())
         reshard = c.reshard.stats()
-        m.update(m_reward, **self.rollout_metrics(rollout, scores), **reshard)
+        m.update(m_reward, **self.rollout_metrics(rollout, scores), **reshard, **self.source.metrics())
         m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
         m.update({f"time/{k}_s": v for k, v in self._times.items()})
         m["time/step_s"] = time.perf_counter() - t0
@@ -284,6 +287,33 @@ class Trainer:
         out = {"reward_mean": sums["reward"] / count, "response_length": sums["length"] / count}
         self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
         return out
+
+
+class InPlaceSource:
+    """The default rollout source: draw this rank's prompts and generate them here, in the actor's
+    generation layout."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def next(self, step: int) -> tuple[RolloutBatch, dict[str, list]]:
+        t, c = self.trainer, self.trainer.c
+        rows = c.ensure_ids(c.train_loader.next_batch())
+        prompts, extras = t.expand(rows)
+        t.hook.rlcore_before_generation(step=step, prompts=prompts)
+        with t.timer("generate"):
+            rollout = t.generate(prompts, t.sampling(step))
+        t.hook.rlcore_after_generation(step=step, rollout=rollout)
+        return rollout, extras
+
+    def data_state(self) -> Any:
+        return self.trainer.c.ensure_ids  # the loader's position and the rows carried into the next batch
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

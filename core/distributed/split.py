@@ -1,0 +1,146 @@
+"""Splitting one ``torchrun`` job into a training group and a rollout group, joined by a bridge.
+
+Some plugins (``async``) run generation and training on different ranks. They answer
+``rlcore_world_split`` with a number of rollout ranks ``R``; the last ``R`` ranks of the job then
+generate and the first ``T = W - R`` train. :func:`split_world` is called instead of the usual
+process-group start, before anything else uses ``torch.distributed``:
+
+* the training ranks form the default process group on their own (ranks ``0 .. T-1``, the same
+  backend as an ordinary run), so FSDP, checkpoints, metrics and every collective of the trainer work
+  unchanged and see a world of ``T`` ranks (``RANK`` and ``WORLD_SIZE`` in the environment are set
+  to those values too);
+* the rollout ranks form a default group of their own (ranks ``0 .. R-1``);
+* a *bridge* — a gloo group of training rank 0 (bridge rank 0) and every rollout rank (bridge ranks
+  ``1 .. R``) — carries requests, samples and weights between the two groups (:class:`Bridge`).
+
+All three groups are built from the launcher's rendezvous store under distinct prefixes, so no
+process joins a group it does not belong to, and every operation has the job's collective timeout
+(``RLCORE_DIST_TIMEOUT_S``): a rank that dies makes its peers fail with an error naming it
+instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as tdist
+
+from rlcore.errors import PlacementError
+from rlcore.protocols import DistInfo
+
+log = logging.getLogger(__name__)
+
+
+class BridgeError(RuntimeError):
+    """A peer across the bridge did not answer (it died, or timed out)."""
+
+
+class Bridge:
+    """Point-to-point objects and broadcast tensors between training rank 0 and the rollout ranks.
+
+    ``group`` is a gloo process group of ``1 + R`` members (bridge rank 0 is training rank 0). Objects
+    travel pickled as byte tensors (a length, then the bytes); tensors are broadcast in place.
+    """
+
+    def __init__(self, group: Any, rank: int, size: int, names: Sequence[str]):
+        self.group, self.rank, self.size = group, rank, size
+        self.names = list(names)  # who each bridge rank is, for error messages
+
+    def _wait(self, work: Any, what: str, peer: Optional[int]) -> None:
+        try:
+            work.wait()
+        except Exception as error:  # gloo raises RuntimeError on timeouts and closed connections
+            who = self.names[peer] if peer is not None else "a rollout rank"
+            raise BridgeError(f"{what} {who} failed: {error}. The rank may have died (its own error is in "
+                              "the launcher's summary) or stopped answering") from error
+
+    def send(self, obj: Any, dst: int) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        self._wait(self.group.send([size], dst, 0), "sending to", dst)
+        self._wait(self.group.send([data], dst, 1), "sending to", dst)
+
+    def recv(self, src: int) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        self._wait(self.group.recv([size], src, 0), "waiting for", src)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        self._wait(self.group.recv([data], src, 1), "waiting for", src)
+        return pickle.loads(data.numpy().tobytes())
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Bridge rank ``src``'s ``tensors`` into every member's (same shapes and dtypes, CPU)."""
+        opts = tdist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        for t in tensors:
+            self._wait(self.group.broadcast([t], opts), "broadcasting weights with", None)
+
+
+@dataclass
+class SplitInfo:
+    """This process's place in a split job."""
+
+    role: str  # "train" or "rollout"
+    dist: DistInfo  # rank and world size inside this process's own group
+    global_rank: int
+    world_size: int  # the whole job
+    rollout_ranks: int
+    bridge: Optional[Bridge]  # None on training ranks other than 0
+
+    @property
+    def bridge_rank(self) -> int:
+        return 0 if self.role == "train" else 1 + self.dist.rank
+
+
+def _store(rank: int, world: int) -> Any:
+    from rlcore.distributed.init import collective_timeout
+
+    store, _, _ = next(tdist.rendezvous("env://", rank, world, timeout=collective_timeout()))
+    return store
+
+
+def split_world(rollout_ranks: int, device: torch.device) -> SplitInfo:
+    """Build the training group, the rollout group and the bridge (see the module docstring).
+
+    :param rollout_ranks: how many of the job's last ranks generate (at least 1, fewer than the job).
+    :param device: this process's device (its local GPU, or the CPU).
+    :raises PlacementError: the split leaves no training rank, or no rollout rank.
+    """
+    from rlcore.distributed.init import collective_timeout, env_int
+
+    world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
+    if not 1 <= rollout_ranks < world:
+        raise PlacementError(f"{rollout_ranks} rollout rank(s) out of a job of {world}: the rollout group needs at "
+                             "least one rank and the training group at least one (start more processes)")
+    train = world - rollout_ranks
+    store = _store(rank, world)
+    role = "train" if rank < train else "rollout"
+    local_world = env_int("LOCAL_WORLD_SIZE", world)
+    group_rank, group_size = (rank, train) if role == "train" else (rank - train, rollout_ranks)
+    timeout = collective_timeout()
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    tdist.init_process_group(backend, store=tdist.PrefixStore(f"rlcore/{role}/", store), rank=group_rank,
+                             world_size=group_size, timeout=timeout, **kwargs)
+    # code that reads the launcher's variables sees its own group
+    os.environ.update(RANK=str(group_rank), WORLD_SIZE=str(group_size),
+                      LOCAL_WORLD_SIZE=str(min(local_world, group_size)))
+    bridge = None
+    if role == "rollout" or group_rank == 0:
+        bridge_rank = 0 if role == "train" else 1 + group_rank
+        pg = tdist.ProcessGroupGloo(tdist.PrefixStore("rlcore/bridge/", store), bridge_rank, rollout_ranks + 1,
+                                    timeout)
+        names = ["training rank 0"] + [f"rollout rank {i} (job rank {train + i})" for i in range(rollout_ranks)]
+        bridge = Bridge(pg, bridge_rank, rollout_ranks + 1, names)
+    info = DistInfo(rank=group_rank, world_size=group_size, local_rank=env_int("LOCAL_RANK", 0), device=device)
+    if rank == 0:
+        log.info("job split: %d training rank(s), %d rollout rank(s), bridge over gloo, timeout %.0f s", train,
+                 rollout_ranks, timeout.total_seconds())
+    return SplitInfo(role=role, dist=info, global_rank=rank, world_size=world, rollout_ranks=rollout_ranks,
+                     bridge=bridge)

@@ -1,0 +1,94 @@
+"""The ``async`` plugin's parts in one process: settings, the bridge (gloo groups in threads), weights
+in buckets, and the rollout source's order of work with stand-in peers."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from rlcore.distributed.split import Bridge, BridgeError
+from rlcore.errors import ConfigError, PlacementError
+from rlcore.plugins import async_rl
+
+
+def test_settings_are_checked_and_unknown_keys_named():
+    assert async_rl.settings_from({}) == async_rl.AsyncSettings()
+    with pytest.raises(ConfigError, match=r"'plugin_config.async.max_stalenes' is not a setting of plugin 'async'"):
+        async_rl.settings_from({"plugin_config": {"async": {"max_stalenes": 2}}})
+    with pytest.raises(ConfigError, match=r"'plugin_config.async.max_staleness' = -1 must be an integer >= 0"):
+        async_rl.settings_from({"plugin_config": {"async": {"max_staleness": -1}}})
+
+
+@pytest.mark.parametrize("world,settings,expected", [(4, {}, 1), (8, {}, 2), (3, {"rollout_ranks": 2}, 2),
+                                                     (10, {"rollout_fraction": 0.5}, 5)])
+def test_rollout_rank_count(world, settings, expected):
+    assert async_rl.rollout_rank_count(world, async_rl.AsyncSettings(**settings)) == expected
+
+
+def test_rollout_rank_count_refuses_a_split_without_trainers_or_processes():
+    with pytest.raises(PlacementError, match="start at least 2 processes"):
+        async_rl.rollout_rank_count(1, async_rl.AsyncSettings())
+    with pytest.raises(PlacementError, match="leaves no training rank in a job of 2"):
+        async_rl.rollout_rank_count(2, async_rl.AsyncSettings(rollout_ranks=2))
+
+
+def test_buckets_keep_order_split_by_size_and_dtype():
+    items = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("c", torch.zeros(30)), ("d", torch.zeros(5, dtype=torch.int64)),
+             ("e", torch.zeros(2))]
+    plan = async_rl.plan_buckets(items, bucket_bytes=100)  # 25 floats a bucket
+    assert plan == [("float32", [("a", (10,)), ("b", (10,))]), ("float32", [("c", (30,))]),
+                    ("int64", [("d", (5,))]), ("float32", [("e", (2,))])]
+
+
+def _bridges(size: int, timeout_s: float = 20.0) -> list[Bridge]:
+    store = tdist.HashStore()
+    groups: list = [None] * size
+
+    def make(rank):
+        groups[rank] = tdist.ProcessGroupGloo(tdist.PrefixStore("b/", store), rank, size, timedelta(seconds=timeout_s))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    names = ["training rank 0"] + [f"rollout rank {i}" for i in range(size - 1)]
+    return [Bridge(g, r, size, names) for r, g in enumerate(groups)]
+
+
+def test_bridge_objects_and_weights_reach_the_rollout_model():
+    """Training rank 0 sends an object and a model's weights (several buckets, tied and buffer
+    tensors among them); the rollout side's empty model then equals the trainer's."""
+    from rlcore.rollout.tiny import tiny_causal_lm
+
+    trainer_model = tiny_causal_lm("qwen2")
+    rollout_model = tiny_causal_lm("qwen2")
+    with torch.no_grad():
+        for p in rollout_model.parameters():
+            p.zero_()
+    a, b = _bridges(2)
+    items = async_rl.full_weights(trainer_model)
+    got = {}
+
+    def rollout_side():
+        msg = b.recv(0)
+        got["msg"] = msg
+        async_rl.receive_weights(b, msg[2], rollout_model)
+
+    th = threading.Thread(target=rollout_side)
+    th.start()
+    seconds = async_rl.send_weights(a, items, version=3, bucket_bytes=4096)
+    th.join(30)
+    assert got["msg"][0] == "weights" and got["msg"][1] == 3 and len(got["msg"][2]) > 2 and seconds >= 0
+    for (name, want), (_, have) in zip(trainer_model.state_dict().items(), rollout_model.state_dict().items()):
+        assert torch.equal(want, have), name
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(trainer_model(ids).logits, rollout_model(ids).logits)
+
+
+def test_a_dead_peer_is_an_error_naming_it():
+    a, _ = _bridges(2, timeout_s=1.0)
+    with pytest.raises(BridgeError, match="waiting for rollout rank 0 failed"):
+        a.recv(1)
