@@ -12,6 +12,7 @@ from rlcore.rollout.engine import decode
 from rlcore.kernels import decode_attention
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.engine import RolloutEngine
+from rlcore.rollout.hf import HFGenerateBackend
 from rlcore.rollout.tiny import tiny_causal_lm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -284,6 +285,22 @@ def test_engine_rope_in_attention_matches_the_separate_steps(qwen2):
     expected, got = separate.generate(PROMPTS, GREEDY), fused.generate(PROMPTS, GREEDY)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family, split_k", [("qwen3", {"qkv": 2}), ("llama3", None)])
+def test_engine_with_triton_attention_matches_hf_for_qwen3_and_llama3(family, split_k):
+    """Qwen3's per-head q/k norms (head dim 32, not hidden / heads) enter before the kernel's RoPE,
+    the q/k/v product's slices summed before them; Llama-3's scaled RoPE table reaches the kernel."""
+    model = tiny_causal_lm(family)
+    expected = HFGenerateBackend(model).generate(PROMPTS, GREEDY)
+    engine = RolloutEngine(model, max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
+                           attention="triton", device=DEVICE, split_k=split_k, share_weights=False)
+    assert engine.attention == "triton" and engine.rope_in_attention
+    assert not engine._fns.qkv_parts  # Qwen3: the norms need the summed projection
+    got = engine.generate(PROMPTS, GREEDY)
+    assert torch.equal(got.response_ids.cpu(), expected.response_ids)
+    assert torch.allclose(got.logprobs.cpu(), expected.logprobs, atol=1e-4)
 
 
 @needs_kernel
