@@ -39,12 +39,12 @@ def tiny_config(family: str, **overrides):
     if family == "qwen3":
         base["head_dim"] = 32
     if family == "llama3":
-        base.update(_rope_fields(tf.LlamaConfig, TINY_LLAMA3_ROPE))
+        base.update(rope_fields(tf.LlamaConfig, TINY_LLAMA3_ROPE))
     base.update(overrides)
     return classes[family](**base)
 
 
-def _rope_fields(config_class, rope: dict) -> dict:
+def rope_fields(config_class, rope: dict) -> dict:
     """Config arguments for ``rope``: ``rope_parameters`` where the config class has it (newer
     transformers), else ``rope_theta`` and ``rope_scaling``."""
     if hasattr(config_class(), "rope_parameters"):

@@ -57,6 +57,46 @@ def test_kernel_sass_counts_the_attention_loop(tmp_path):
     assert one["loop_async_copies"] > 0 and four["loop_async_copies"] > 0
 
 
+def _run(script: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args], capture_output=True,
+                          text=True, timeout=600, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_reasoning_benchmark_smoke(tmp_path):
+    """The reasoning workload on a tiny Qwen3 shape: the stop rule sized for the mean length, a
+    varying reward, a step with its parts and length distribution, and the rollout-vs-trainer
+    numerics of the engine and of HF generate (float32 on CPU: both tiny)."""
+    out = tmp_path / "reasoning.json"
+    _run("bench_reasoning.py", "--smoke", "--systems", "rlcore", "--workdir", str(tmp_path), "--out", str(out),
+         cwd=tmp_path)
+    payload = json.loads(out.read_text())
+    workload = payload["workloads"]["tiny-qwen3"]
+    assert workload["stop_count"] >= 1 and workload["stop_ids_head"][0] == 0
+    row, = payload["results"]
+    assert row["system"] == "rlcore" and row["rollout_backend"] == "RolloutEngine"
+    assert row["step_s"] > 0 and row["parts"]["rollout"] > 0 and row["parts"]["update"] > 0
+    lengths = row["lengths"]
+    assert lengths["count"] == 16 and 1 <= lengths["mean"] <= 32 and lengths["max"] <= 32
+    assert row["metrics"]["reward/std"] > 0  # the hashed reward varies, so advantages are not zero
+    for name in ("rlcore_rollout", "hf_generate"):
+        assert row["numerics"][name]["tokens"] > 0 and row["numerics"][name]["abs_diff_max"] < 1e-3
+
+
+def test_model_check_smoke(tmp_path):
+    """The engine-vs-HF model check on tiny Qwen3 and Llama-3 shapes (eager path, float32)."""
+    out = tmp_path / "models.json"
+    _run("check_models.py", "--shapes", "tiny-qwen3,tiny-llama3", "--dtype", "fp32", "--variants", "eager",
+         "--prompts", "3", "--max-prompt", "24", "--new-tokens", "12", "--sampled-tokens", "16", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [r["shape"] for r in rows] == ["tiny-qwen3", "tiny-llama3"]
+    for row in rows:
+        assert row["supported"] and row["greedy"]["rows_equal"] == 3 and row["greedy"]["untied_divergences"] == 0
+        assert row["greedy"]["logprob_vs_trainer"]["abs_diff_max"] < 1e-3
+        assert row["sampled"]["engine"]["abs_diff_max"] < 1e-3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 @pytest.mark.parametrize("script", ["check_decode_attention.py", "bench_decode_parts.py", "probe_attention.py"])
 def test_cuda_only_scripts_say_they_need_cuda(tmp_path, script):
