@@ -28,11 +28,20 @@ the numerics: the rollout's log-probs against the trainer's recomputation (mean/
 difference, KL estimates), for rlcore's rollout backend and for HF ``generate`` on the same
 trainer, on ``--numerics-prompts`` prompts x n samples of at most ``--numerics-cap`` tokens.
 
+Warm-up: ``--warmup`` steps (default 1) with responses cut at ``--warmup-cap`` tokens (compilation of
+the engine's step and the training layers), then on CUDA the engine captures the decode graphs of
+every batch and length bucket (``RolloutEngine.warmup``, timed as ``engine_warmup_s``), so that the
+measured steps hold no one-time cost. Where the checkout has them, rlcore runs with token-budget
+micro-batches and checkpointing chosen by memory (``ppo.max_tokens_per_micro_batch``,
+``actor.gradient_checkpointing=auto``) and a paged KV cache (all 256 samples admitted at once).
+
 Robustness (one GPU call should return as much as it can): every (shape, system) runs in its own
 subprocess; out of memory moves to the next, smaller setting of that system's ladder (rlcore:
 gradient checkpointing, then half the engine slots and micro-batch; TRL: half the micro-batch, then
-half the generation batch), and the setting that ran is reported; each shape has a time budget
-(``--budget-s``) and each system a timeout, a run cut by either is reported with what it had done
+half the generation batch), and the setting that ran is reported; the whole call has a time budget
+(``--total-budget-s``, 540 s by default: one device command runs at most 600 s), shared equally by
+the shapes (``--budget-s`` caps a shape's share), and each system a timeout; a run cut by either
+is reported with what it had done
 (TRL: decode steps and time inside ``generate``, a lower bound of its step and an extrapolation,
 labelled as such); results are written to ``--out`` after every run (``--resume`` keeps the finished
 ones of an earlier call).
@@ -64,25 +73,26 @@ SYSTEMS = ("rlcore", "trl", "trl-cb")
 DEFAULT_SYSTEMS = ("rlcore", "trl")
 DEFAULT_SHAPES = ("qwen2.5-1.5b", "qwen3-1.7b", "qwen2.5-7b")
 PRESETS = {
-    "full": dict(prompts=32, n=8, prompt_min=64, prompt_max=512, mean_len=1500, cap=8192, warmup=1, steps=1,
-                 trl_warmup=0, trl_steps=1, dtype="bf16", numerics_prompts=4, numerics_cap=1024, budget_s=900,
-                 timeout_rlcore=600, timeout_trl=420),
-    "smoke": dict(prompts=4, n=4, prompt_min=8, prompt_max=24, mean_len=12, cap=32, warmup=0, steps=1,
-                  trl_warmup=0, trl_steps=1, dtype="fp32", numerics_prompts=2, numerics_cap=16, budget_s=600,
-                  timeout_rlcore=300, timeout_trl=300),
+    "full": dict(prompts=32, n=8, prompt_min=64, prompt_max=512, mean_len=1500, cap=8192, warmup=1, warmup_cap=1024,
+                 steps=1, trl_warmup=0, trl_steps=1, dtype="bf16", numerics_prompts=4, numerics_cap=512,
+                 total_budget_s=540, timeout_rlcore=420, timeout_trl=300),
+    "smoke": dict(prompts=4, n=4, prompt_min=8, prompt_max=24, mean_len=12, cap=32, warmup=0, warmup_cap=32,
+                  steps=1, trl_warmup=0, trl_steps=1, dtype="fp32", numerics_prompts=2, numerics_cap=16,
+                  total_budget_s=900, timeout_rlcore=300, timeout_trl=300),
 }
 SMOKE_SHAPES = ("tiny-qwen3",)
-#: the first setting of each system's ladder: rlcore's engine slots (``ppo.generation.batch_size``:
-#: the static KV cache holds slots x (prompt_max + cap) tokens) and micro-batch; TRL's micro-batch
-#: (its generation batch is sized from memory, see :func:`trl_generation_batch`)
+#: the first setting of each system's ladder: rlcore's engine slots (``ppo.generation.batch_size``; with
+#: the static KV cache it holds slots x (prompt_max + cap) tokens, a paged cache takes all 256 samples),
+#: micro-batch, and token budget of a micro-batch where the trainer has ``ppo.max_tokens_per_micro_batch``;
+#: TRL's micro-batch (its generation batch is sized from memory, see :func:`trl_generation_batch`)
 SHAPE_SETTINGS = {
-    "qwen2.5-1.5b": dict(slots=256, micro=4, trl_micro=4),
-    "qwen3-1.7b": dict(slots=64, micro=4, trl_micro=4),
-    "qwen2.5-7b": dict(slots=64, micro=2, trl_micro=2),
-    "qwen3-8b": dict(slots=32, micro=2, trl_micro=2),
-    "llama3-8b": dict(slots=64, micro=2, trl_micro=2),
+    "qwen2.5-1.5b": dict(slots=256, micro=4, tokens=32768, trl_micro=4),
+    "qwen3-1.7b": dict(slots=64, micro=4, tokens=32768, trl_micro=4),
+    "qwen2.5-7b": dict(slots=64, micro=2, tokens=16384, trl_micro=2),
+    "qwen3-8b": dict(slots=32, micro=2, tokens=16384, trl_micro=2),
+    "llama3-8b": dict(slots=64, micro=2, tokens=16384, trl_micro=2),
 }
-TINY_SETTINGS = dict(slots=16, micro=4, trl_micro=4)
+TINY_SETTINGS = dict(slots=16, micro=4, tokens=256, trl_micro=4)
 OOM_EXIT = 3
 REWARD_SOURCE = '''"""Reward of the reasoning benchmark: a hash of the response text in [0, 1) (it varies between
 samples, so GRPO advantages are not zero; the same function scores both systems)."""
@@ -239,9 +249,26 @@ def _reward_fn(path: str):
 
 # ------------------------------------------------------------------------------------------------ rlcore
 
+def rlcore_features() -> dict[str, bool]:
+    """What this checkout's trainer and engine offer: token-budget micro-batches with activation
+    checkpointing chosen by memory (``ppo.max_tokens_per_micro_batch``, ``gradient_checkpointing=auto``)
+    and a paged KV cache (``actor.rollout_engine.kv_cache``)."""
+    import dataclasses
+
+    from _common import import_rlcore
+
+    import_rlcore()
+    from rlcore.config.schema import PPOConfig
+    from rlcore.rollout.engine import CONFIG_KEYS
+
+    return {"token_budget": "max_tokens_per_micro_batch" in {f.name for f in dataclasses.fields(PPOConfig)},
+            "paged_kv": "kv_cache" in CONFIG_KEYS}
+
+
 def rlcore_overrides(spec: dict[str, Any], setting: dict[str, Any]) -> list[str]:
+    extra = [f"ppo.max_tokens_per_micro_batch={setting['tokens']}"] if setting.get("tokens") else []
     return [f"actor.model_path={spec['model_dir']}", f"actor.dtype={spec['dtype']}", "actor.lr=1e-6",
-            "actor.grad_clip=1.0", f"actor.gradient_checkpointing={str(setting['gc']).lower()}",
+            "actor.grad_clip=1.0", f"actor.gradient_checkpointing={str(setting['gc']).lower()}", *extra,
             "algorithm.adv_estimator=grpo", f"ppo.rollout_batch_size={spec['prompts']}",
             f"ppo.generation.n={spec['n']}", f"ppo.generation.max_new_tokens={spec['cap']}",
             f"ppo.generation.batch_size={setting['slots']}", "ppo.generation.temperature=1.0",
@@ -258,7 +285,9 @@ def rlcore_overrides(spec: dict[str, Any], setting: dict[str, Any]) -> list[str]
 def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from _common import import_rlcore, run_train_steps
+    import dataclasses
+
+    from _common import import_rlcore, run_train_steps, timed
 
     import_rlcore()
     from rlcore.config import load_config
@@ -281,9 +310,28 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
         return batch
 
     trainer.generate = recording_generate
+    plain_sampling = trainer.sampling
+
+    def sampling(step: int, greedy: bool = False):
+        # warm-up steps (compilation, graph capture) with responses cut at warmup_cap
+        params = plain_sampling(step, greedy)
+        if step <= spec["warmup"]:
+            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, spec["warmup_cap"]))
+        return params
+
+    trainer.sampling = sampling
     total = spec["warmup"] + spec["steps"]
+    engine_warmup_s = None
 
     def before_step(step: int) -> None:
+        nonlocal engine_warmup_s
+        backend = _the_backend(trainer)
+        if step == spec["warmup"] + 1 and spec["device"] == "cuda" and hasattr(backend, "warmup"):
+            # capture the decode graphs of every batch and length bucket before the measured steps
+            # (a training run captures them once; the short warm-up steps did not reach every length)
+            progress.update(phase="engine warmup")
+            spec["_save_progress"]()
+            engine_warmup_s, _ = timed(backend.warmup)
         progress.update(phase="warmup" if step <= spec["warmup"] else "measured", step=step,
                         step_started_at=time.time())
         spec["_save_progress"]()
@@ -308,7 +356,8 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
               "gpu": {k: v for k, v in mean.items() if k.startswith("gpu/")},
               "metrics": {k: v for k, v in mean.items() if k.startswith(("time/", "perf/", "memory/", "response/",
                                                                             "reward/", "mismatch", "rollout"))},
-              "rollout_backend": _backend_name(trainer)}
+              "rollout_backend": _backend_name(trainer), "engine_warmup_s": engine_warmup_s,
+              "engine_settings": _engine_settings(trainer)}
     result["tokens_per_s"] = result["tokens_per_step"] / step_s
     progress.update(phase="numerics")
     spec["_save_progress"]()
@@ -322,11 +371,22 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     return result
 
 
+def _the_backend(trainer):
+    """The rollout backend the trainer built (one process: one), without refreshing it."""
+    return next(iter(getattr(trainer.c.backends, "_backends", {}).values()), None)
+
+
 def _backend_name(trainer) -> str | None:
-    try:
-        return type(trainer.c.backends.get(trainer.c.actor_module)).__name__
-    except Exception:  # noqa: BLE001 - a label only
-        return None
+    backend = _the_backend(trainer)
+    return None if backend is None else type(backend).__name__
+
+
+def _engine_settings(trainer) -> dict[str, Any]:
+    """The engine's resolved settings (attention kind, compilation, cache), for the record."""
+    backend = _the_backend(trainer)
+    keys = ("attention", "compile", "use_cuda_graphs", "rope_in_attention", "max_batch_size", "max_seq_len",
+            "kv_cache", "page_size")
+    return {key: getattr(backend, key) for key in keys if isinstance(getattr(backend, key, None), (str, int, bool))}
 
 
 def rlcore_numerics(trainer, spec: dict[str, Any], setting: dict[str, Any]) -> dict[str, Any]:
@@ -605,7 +665,13 @@ def ladder(system: str, spec: dict[str, Any], info: dict[str, Any], settings: di
     """The settings a system tries, in order, moving on after an out-of-memory failure."""
     n = spec["n"]
     if system == "rlcore":
-        slots, micro = settings["slots"], settings["micro"]
+        features = spec["features"]
+        slots, micro = spec["prompts"] * n if features["paged_kv"] else settings["slots"], settings["micro"]
+        if features["token_budget"]:  # checkpointing decided per micro-batch by memory
+            tokens = settings["tokens"]
+            return [dict(slots=slots, micro=micro, tokens=tokens, gc="auto"),
+                    dict(slots=slots, micro=micro, tokens=tokens, gc=True),
+                    dict(slots=max(n, slots // 2), micro=max(1, micro // 2), tokens=max(1024, tokens // 2), gc=True)]
         return [dict(slots=slots, micro=micro, gc=False), dict(slots=slots, micro=micro, gc=True),
                 dict(slots=max(n, slots // 2), micro=max(1, micro // 2), gc=True)]
     gen = trl_generation_batch(spec, info)
@@ -641,8 +707,9 @@ def trl_extrapolation(row: dict[str, Any], spec: dict[str, Any], rlcore_row: dic
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def run_shape(shape: str, spec: dict[str, Any], systems: list[str], payload: dict[str, Any], out: str) -> None:
-    deadline = time.perf_counter() + spec["budget_s"]
+def run_shape(shape: str, spec: dict[str, Any], systems: list[str], payload: dict[str, Any], out: str,
+              deadline: float) -> None:
+    """Build the shape's files and run each system within ``deadline`` (``time.perf_counter()``)."""
     spec = dict(spec, shape=shape, workdir=os.path.join(spec["root"], shape))
     os.makedirs(spec["workdir"], exist_ok=True)
     spec.update(model_dir=os.path.join(spec["workdir"], "model"), prompts_file=os.path.join(spec["workdir"], "prompts.json"),
@@ -746,9 +813,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, seconds (TRL only if installed)")
     for key, kind in (("prompts", int), ("n", int), ("prompt_min", int), ("prompt_max", int), ("mean_len", float),
                       ("cap", int), ("warmup", int), ("steps", int), ("trl_warmup", int), ("trl_steps", int),
-                      ("numerics_prompts", int), ("numerics_cap", int), ("budget_s", float),
+                      ("numerics_prompts", int), ("numerics_cap", int), ("total_budget_s", float),
+                      ("warmup_cap", int),
                       ("timeout_rlcore", float), ("timeout_trl", float)):
         parser.add_argument("--" + key.replace("_", "-"), type=kind, default=None)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="time budget of one shape (default: an equal share of --total-budget-s)")
     parser.add_argument("--slots", type=int, default=None, help="rlcore's engine slots (ppo.generation.batch_size)")
     parser.add_argument("--micro", type=int, default=None, help="rlcore's micro-batch (ppo.micro_batch_size)")
     parser.add_argument("--trl-micro", type=int, default=None, help="TRL's per_device_train_batch_size")
@@ -787,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     spec.update(device="cuda" if torch.cuda.is_available() and not args.smoke else "cpu",
                 rlcore_overrides=list(args.rlcore_override), keep_models=args.keep_models,
                 settings_override={"slots": args.slots, "micro": args.micro, "trl_micro": args.trl_micro},
+                features=rlcore_features() if "rlcore" in systems else {"token_budget": False, "paged_kv": False},
                 root=os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="reasoning_")))
     payload: dict[str, Any] = {"results": []}
     if args.resume and os.path.exists(args.out):
@@ -797,9 +868,16 @@ def main(argv: list[str] | None = None) -> int:
                    settings={k: v for k, v in spec.items() if k != "settings_override"})
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     print(payload["env"], flush=True)
-    for shape in shapes:
+    end = time.perf_counter() + spec["total_budget_s"]
+    for index, shape in enumerate(shapes):
+        # each shape gets an equal share of the time left, or --budget-s when that is smaller
+        share = (end - time.perf_counter()) / (len(shapes) - index)
+        deadline = time.perf_counter() + min(share, args.budget_s or share)
+        if share < 60:
+            payload["results"].append({"shape": shape, "system": "driver", "error": "total budget spent"})
+            continue
         try:
-            run_shape(shape, spec, systems, payload, args.out)
+            run_shape(shape, spec, systems, payload, args.out, deadline)
         except Exception as error:  # noqa: BLE001 - the next shape still runs
             traceback.print_exc()
             payload["results"].append({"shape": shape, "system": "driver", "error": f"{type(error).__name__}: {error}"})
