@@ -304,17 +304,17 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     rollouts: list[tuple[list[int], list[int]]] = []
     plain_generate = trainer.generate
 
-    def recording_generate(prompts, params):
-        batch = plain_generate(prompts, params)
+    def recording_generate(prompts, params, *args, **kwargs):
+        batch = plain_generate(prompts, params, *args, **kwargs)
         rollouts.append((batch.prompt_mask.sum(-1).tolist(), batch.response_mask.sum(-1).tolist()))
         return batch
 
     trainer.generate = recording_generate
     plain_sampling = trainer.sampling
 
-    def sampling(step: int, greedy: bool = False):
+    def sampling(step: int, *args, **kwargs):
         # warm-up steps (compilation, graph capture) with responses cut at warmup_cap
-        params = plain_sampling(step, greedy)
+        params = plain_sampling(step, *args, **kwargs)
         if step <= spec["warmup"]:
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, spec["warmup_cap"]))
         return params
