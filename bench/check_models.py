@@ -18,7 +18,7 @@ q/k norm applied after RoPE instead of before). Variants: ``default`` (the engin
 Triton attention with RoPE in the kernel, compiled step, CUDA graphs) and ``eager`` (PyTorch SDPA
 attention, no compilation, no graphs).
 
-Run (GPU):  python bench/check_models.py --out $OUT/check_models.json
+Run (GPU):  python bench/check_models.py --out $OUT/check_models.json   (``--budget-s``: start no shape after it)
 Smoke (CPU): python bench/check_models.py --shapes tiny-qwen3,tiny-llama3 --dtype fp32 --variants eager
 """
 
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a divergence where HF's two best logits are this close counts as a tie")
     parser.add_argument("--norm-jitter", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-s", type=float, default=0.0,
+                        help="start no further shape after this many seconds (0: no limit)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_models.json"))
     args = parser.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
@@ -193,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = {"env": environment(), "command": " ".join(["python", "bench/check_models.py", *(argv or sys.argv[1:])]),
                                "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": []}
     print(payload["env"], flush=True)
+    start = time.perf_counter()
     for shape in shapes:
+        if args.budget_s and time.perf_counter() - start > args.budget_s:
+            payload["results"].append({"shape": shape, "error": f"not run: --budget-s {args.budget_s:.0f} spent"})
+            continue
         try:
             payload["results"] += check_shape(shape, args)
         except Exception as error:  # noqa: BLE001 - e.g. out of memory building the model
