@@ -57,6 +57,7 @@ Smoke (CPU):  python bench/bench_reasoning.py --smoke --out /tmp/reasoning.json 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -406,8 +407,13 @@ def rlcore_numerics(trainer, spec: dict[str, Any], setting: dict[str, Any]) -> d
                             eos_token_ids=tuple(spec["stop_ids"]), pad_token_id=0)
     c = trainer.c
     out: dict[str, Any] = {"prompts": len(prompts), "cap": spec["numerics_cap"]}
-    runs = {"rlcore_rollout": lambda: c.generate(prompts, params),
-            "hf_generate": lambda: HFGenerateBackend(c.actor_module).generate(prompts, params)}
+    def hf_generate():
+        # eager, as TRL runs it: the training layers' compiled forms are not traced through generate
+        stance = getattr(torch.compiler, "set_stance", None)
+        with stance("force_eager") if stance is not None else contextlib.nullcontext():
+            return HFGenerateBackend(c.actor_module).generate(prompts, params)
+
+    runs = {"rlcore_rollout": lambda: c.generate(prompts, params), "hf_generate": hf_generate}
     for name, generate in runs.items():
         _sync()
         start = time.perf_counter()
