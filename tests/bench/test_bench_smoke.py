@@ -85,12 +85,12 @@ def test_reasoning_benchmark_smoke(tmp_path):
 
 
 def test_model_check_smoke(tmp_path):
-    """The engine-vs-HF model check on tiny Qwen3 and Llama-3 shapes (eager path, float32)."""
+    """The engine-vs-HF model check on a tiny Qwen3 shape (eager path, float32)."""
     out = tmp_path / "models.json"
-    _run("check_models.py", "--shapes", "tiny-qwen3,tiny-llama3", "--dtype", "fp32", "--variants", "eager",
+    _run("check_models.py", "--shapes", "tiny-qwen3", "--dtype", "fp32", "--variants", "eager",
          "--prompts", "3", "--max-prompt", "24", "--new-tokens", "12", "--sampled-tokens", "16", "--out", str(out))
     rows = json.loads(out.read_text())["results"]
-    assert [r["shape"] for r in rows] == ["tiny-qwen3", "tiny-llama3"]
+    assert [r["shape"] for r in rows] == ["tiny-qwen3"]
     for row in rows:
         assert row["supported"] and row["greedy"]["rows_equal"] == 3 and row["greedy"]["untied_divergences"] == 0
         assert row["greedy"]["logprob_vs_trainer"]["abs_diff_max"] < 1e-3

@@ -79,7 +79,7 @@ def test_continuous_batching_more_prompts_than_slots(qwen2, slots):
     assert got.stats["rollout/prefill_calls"] > 1
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_sampled_logprobs_match_teacher_forcing(qwen2, family):
     model = qwen2 if family == "qwen2" else tiny_causal_lm(family)
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=5)
