@@ -135,12 +135,14 @@ if triton is not None:
             run_max = tl.where(first[:, None], run_max[None, :], _NEG)
             run_sum = tl.where(first[:, None], run_sum[None, :], 0.0)
             acc = tl.where(first[:, None, None], acc[None, :, :], 0.0)
+        # the page of the loop's next block is loaded an iteration ahead (one dependent load less per block)
+        page = tl.load(table_row + lo // PAGE, mask=PAGED and lo < hi, other=0).to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi
             if PAGED:
-                page = tl.load(table_row + start // PAGE).to(tl.int64)
                 at = tl.expand_dims(page * sc_p + (start % PAGE + cols).to(tl.int64) * sc_s, -1)
+                page = tl.load(table_row + (start + BLOCK_N) // PAGE, mask=start + BLOCK_N < hi, other=0).to(tl.int64)
             else:
                 # the row shift times a 0/1 flag, not a select: through a select Triton 3.9 loses the
                 # addresses' alignment and neither vectorises nor pipelines these loads
