@@ -11,6 +11,7 @@ from rlcore.kernels import decode_attention
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.engine import RolloutEngine, check_config_settings, pages
 from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.testing import teacher_forced_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(
@@ -25,16 +26,6 @@ GROUPS = [p for p in PROMPTS for _ in range(3)]  # GRPO: 3 samples of each promp
 @pytest.fixture(scope="module")
 def qwen2():
     return tiny_causal_lm("qwen2")
-
-
-def teacher_forced(model, batch, temperature: float) -> torch.Tensor:
-    ids, mask = batch.sequences()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
-    width = batch.prompt_ids.shape[1]
-    scores = torch.log_softmax(logits[:, width - 1:-1] / temperature, -1)
-    return scores.gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
 
 
 @pytest.mark.parametrize("params", [
@@ -103,7 +94,7 @@ def test_a_small_pool_preempts_instead_of_failing(qwen2):
     assert got.stats["rollout/preemptions"] > 0 and got.stats["rollout/kv_pages_peak"] <= 7
     sampled = small.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0.8, seed=1))
     assert sampled.response_mask.all()
-    assert torch.allclose(sampled.logprobs, teacher_forced(qwen2, sampled, 0.8), atol=1e-4)
+    assert torch.allclose(sampled.logprobs, teacher_forced_logprobs(qwen2, sampled, 0.8) * sampled.response_mask, atol=1e-4)
     assert small.pool.used == 0
 
 
