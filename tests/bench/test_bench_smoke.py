@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 CASES = {
     "rollout": ["bench_rollout.py", "--tiny", "--out", "{out}"],
+    "long_rollout": ["bench_long_rollout.py", "--tiny", "--out", "{out}"],
     "grpo_step": ["bench_grpo_step.py", "--tiny", "--systems", "rlcore", "--workdir", "{tmp}", "--out", "{out}"],
     "reward": ["bench_reward.py", "--tiny", "--out", "{out}"],
     "reshard": ["bench_reshard.py", "--tiny", "--out", "{out}"],

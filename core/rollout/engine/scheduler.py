@@ -33,8 +33,10 @@ if TYPE_CHECKING:
     from rlcore.rollout.engine import RolloutEngine
 
 #: a slot gets its next page when its sequence is this many columns from the end of its pages
-#: (one table update serves the slots that reach a page boundary in the next few steps)
 PAGE_LOOKAHEAD = 4
+#: ... together with every slot within this many more columns of its end, so that one table update
+#: serves the slots reaching a page boundary in the next steps (a page update every ~16 steps at most)
+PAGE_BATCH = 16
 
 
 class Scheduler:
@@ -166,7 +168,7 @@ class Scheduler:
         pool is short, finish the slots whose EOS is already out, then preempt the youngest."""
         eng = self.eng
         size, cap, pages = eng.page_size, eng.max_seq_len, eng.slot_pages
-        horizon = self.steps + PAGE_LOOKAHEAD
+        horizon = self.steps + PAGE_LOOKAHEAD + PAGE_BATCH
         checked = False
         while True:
             need = [s for s in self.live if len(pages[s]) * size <= self.col0[s] + horizon
