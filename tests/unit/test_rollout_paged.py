@@ -72,7 +72,7 @@ def test_prompt_pages_are_shared_by_reference(qwen2):
     layer = engine.cache[0, 0]  # the copies hold the prompt's keys
     assert torch.equal(layer[owned[1][1], :, :4], layer[owned[0][1], :, :4])
     assert engine.state.table[1, :2].tolist() == owned[1][:2]
-    engine._release(torch.tensor([0, 1, 2, 3, 4]))
+    engine._release([0, 1, 2, 3, 4])
     assert engine.pool.used == 0 and engine.state.table.abs().sum() == 0
     copies = RolloutEngine(qwen2, max_batch_size=6, max_seq_len=64, page_size=16, prompt_sharing=False)
     copies._prefill([0, 1], [long, long], 0)

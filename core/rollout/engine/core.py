@@ -622,14 +622,15 @@ class RolloutEngine:
         self.state.table[torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(at, device=dev)] = \
             torch.tensor(fresh, dtype=torch.int32, device=dev)
 
-    def _release(self, rows: torch.Tensor) -> None:
+    def _release(self, slots: list[int]) -> None:
         """Freed slots keep decoding (their output is ignored) until reused: give each a valid
         key in column 0 so that attention over a short length never sees an all-masked row.
         With pages, the slots' pages go back to the pool and their table rows to the null page
-        (which their idle steps then write to and read from)."""
+        (which their idle steps then write to and read from). ``slots``: host indices (no device read)."""
+        rows = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.state.bias[rows, 0] = 0.0
         if self.paged:
-            for slot in rows.tolist():
+            for slot in slots:
                 self.pool.drop(self.slot_pages[slot])
                 self.slot_pages[slot] = []
             self.state.table[rows] = 0

@@ -106,7 +106,7 @@ class Scheduler:
         reqs = torch.tensor([self.slot_req[s] for s in slots], dtype=torch.long, device=self.eng.device)
         self.res_tokens.index_copy_(0, reqs, self.out_tokens.index_select(0, rows))
         self.res_logprobs.index_copy_(0, reqs, self.out_logprobs.index_select(0, rows))
-        self.eng._release(rows)
+        self.eng._release(slots)
         for s in slots:
             self.slot_req[s] = None
         self._relive()
@@ -191,7 +191,7 @@ class Scheduler:
     def _preempt(self, slot: int) -> None:
         """Free ``slot`` and put its request back at the front of the queue (sampled afresh later)."""
         self.queue.appendleft(self.slot_req[slot])
-        self.eng._release(torch.tensor([slot], dtype=torch.long, device=self.eng.device))
+        self.eng._release([slot])
         self.slot_req[slot] = None
         self.preempted += 1
         self.reserve = min(2 * self.reserve, -(-self.eng.max_seq_len // self.eng.page_size))
