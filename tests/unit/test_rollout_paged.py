@@ -209,3 +209,17 @@ def test_engine_with_the_paged_kernel_matches_the_static_cache(qwen2):
     got = engine.generate(prompts, params)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+
+
+def test_preemptions_reach_the_step_metrics(qwen2):
+    """The trainer's rollout metrics carry ``rollout/preemptions`` when the engine reports them."""
+    from types import SimpleNamespace
+
+    from rlcore.trainer.loop import Trainer
+
+    engine = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=48, page_size=16, kv_pages=6)
+    batch = engine.generate([p for p in PROMPTS[3:] for _ in range(2)], SamplingParams(max_new_tokens=30))
+    assert batch.stats["rollout/preemptions"] > 0
+    trainer = SimpleNamespace(gen_cfg=SimpleNamespace(max_new_tokens=30), c=SimpleNamespace(eos_ids=[]))
+    metrics = Trainer.rollout_metrics(trainer, batch, torch.zeros(len(batch.response_ids)))
+    assert metrics["rollout/preemptions"] == batch.stats["rollout/preemptions"]
