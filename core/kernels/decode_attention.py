@@ -136,7 +136,8 @@ if triton is not None:
             run_sum = tl.where(first[:, None], run_sum[None, :], 0.0)
             acc = tl.where(first[:, None, None], acc[None, :, :], 0.0)
         # the page of the loop's next block is loaded an iteration ahead (one dependent load less per block)
-        page = tl.load(table_row + lo // PAGE, mask=PAGED and lo < hi, other=0).to(tl.int64)
+        if PAGED:
+            page = tl.load(table_row + lo // PAGE, mask=lo < hi, other=0).to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi

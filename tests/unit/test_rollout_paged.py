@@ -102,7 +102,7 @@ def test_pool_size_follows_free_memory_and_settings_are_checked(qwen2):
     per_page = pages.page_bytes(28, 4, 64, 128, torch.bfloat16)
     assert per_page == 28 * 2 * 4 * 64 * 128 * 2
     cuda = torch.device("cuda")
-    # a 7B shape, 256 slots x 8704 columns: the worst case would be 256 x 137 + 1 pages (126 GiB)
+    # a 7B shape, 256 slots x 8704 columns: the worst case would be 256 x 137 + 1 pages (120 GiB)
     sized = pages.pool_pages(slots=256, max_seq_len=8704, page_size=64, bytes_per_page=per_page, device=cuda,
                              kv_pages=None, fraction=0.5, free_bytes=100 * 2**30)
     assert sized == int(50 * 2**30) // per_page
