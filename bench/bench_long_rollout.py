@@ -121,13 +121,9 @@ class StepClock:
         return self
 
     def __exit__(self, *exc):
-        engine = self.engine
-        engine._decode, engine._prefill, plain_add, scheduler_module.Scheduler.__init__ = (
-            self._saved[0], self._saved[1], self._saved[2], self._saved[3])
-        if plain_add is not None:
-            engine._add_pages = plain_add
+        scheduler_module.Scheduler.__init__ = self._saved[3]
         for name in ("_decode", "_prefill", "_add_pages"):  # back to the class's methods
-            engine.__dict__.pop(name, None)
+            self.engine.__dict__.pop(name, None)
         self._mark(0)  # the end of the last step
         return False
 
