@@ -247,7 +247,9 @@ class Trainer:
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 "reward/min": float(scores.min()), "reward/max": float(scores.max()),
                 "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-                "response/clip_frac": float(((lengths >= max_len) & ~ended).float().mean())}
+                "response/clip_frac": float(((lengths >= max_len) & ~ended).float().mean()),
+                # samples the engine's paged KV cache had to preempt (and sample again) for want of pages
+                **{key: float(rollout.stats[key]) for key in ("rollout/preemptions",) if key in rollout.stats}}
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, float]:

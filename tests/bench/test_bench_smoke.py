@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 CASES = {
     "rollout": ["bench_rollout.py", "--tiny", "--out", "{out}"],
+    "long_rollout": ["bench_long_rollout.py", "--tiny", "--out", "{out}"],
     "grpo_step": ["bench_grpo_step.py", "--tiny", "--systems", "rlcore", "--workdir", "{tmp}", "--out", "{out}"],
     "reward": ["bench_reward.py", "--tiny", "--out", "{out}"],
     "reshard": ["bench_reshard.py", "--tiny", "--out", "{out}"],
@@ -47,14 +48,16 @@ def test_kernel_sass_counts_the_attention_loop(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "sass.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernel_sass.py"), "--settings",
-                           '[{}, {"subblocks": 4, "num_warps": 4}]', "--out", str(out)],
+                           '[{}, {"subblocks": 4, "num_warps": 4}, {"page_size": 64}]', "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    one, four = json.loads(out.read_text())["rows"]
+    one, four, paged = json.loads(out.read_text())["rows"]
     assert one["loop_instructions"] > 0 and one["loop_mma"] > 0 and one["registers"] > 0
     assert four["loop_barriers"] < one["loop_barriers"]
     # the key/value loads of the next blocks are issued as asynchronous copies (a pipelined loop)
     assert one["loop_async_copies"] > 0 and four["loop_async_copies"] > 0
+    # through the block table too, with as many stages of copies (the next page read a block ahead)
+    assert paged["loop_async_copies"] == one["loop_async_copies"] and paged["shared_bytes"] == one["shared_bytes"]
 
 
 def _run(script: str, *args: str, cwd=None) -> subprocess.CompletedProcess:

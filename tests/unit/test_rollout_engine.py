@@ -9,6 +9,7 @@ from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.engine import CONFIG_KEYS, RolloutEngine
 from rlcore.rollout.hf import HFGenerateBackend
 from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.testing import teacher_forced_logprobs
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [5, 6, 7], [100, 101, 102, 103], [50]]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -21,16 +22,6 @@ def qwen2():
 
 def hf_greedy(model, params=GREEDY, prompts=PROMPTS):
     return HFGenerateBackend(model).generate(prompts, params)
-
-
-def teacher_forced_logprobs(model, batch, temperature: float) -> torch.Tensor:
-    ids, mask = batch.sequences()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
-    width = batch.prompt_ids.shape[1]
-    scaled = logits[:, width - 1:-1] / (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(scaled, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
 
 
 @pytest.mark.parametrize("family,overrides", [

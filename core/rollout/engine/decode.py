@@ -53,7 +53,8 @@ class DecodeState:
     ``share_source``, ``share_end``: ``[B]`` int32, the Triton attention kernel reads a slot's
     columns below ``share_end`` from cache row ``share_source`` (the samples of one prompt reading
     its keys/values at one place; ``None``: every slot reads its own row); ``share_active``: use
-    them in this step (off when no prompt repeats).
+    them in this step (off when no prompt repeats); ``table``: ``[B, S / page_size]`` int32, with a
+    paged cache the page of each slot's columns (``None``: the static cache), ``page_size`` its columns.
     """
 
     tokens: torch.Tensor
@@ -66,6 +67,8 @@ class DecodeState:
     share_source: torch.Tensor | None = None
     share_end: torch.Tensor | None = None
     share_active: bool = False
+    table: torch.Tensor | None = None
+    page_size: int = 0
 
 
 # ----------------------------------------------------------------------------- the pieces
@@ -342,7 +345,7 @@ def check_attention_tuning(tuning) -> dict:
 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, kind: str,
-           tuning: dict | None = None) -> torch.Tensor:
+           tuning: dict | None = None, pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Grouped-query attention of one new token per slot over cache columns ``0..length-1``.
 
     Args:
@@ -353,12 +356,16 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         kind: ``"sdpa"`` (one fused attention kernel), ``"matmul"`` (two matmuls and a softmax)
             or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`: reads each key/value block
             once for the ``G`` query rows, needs CUDA or Triton's interpreter).
+        pages: ``(table, page_size)`` for a paged cache (``layer`` ``[2, pages, KVH, page_size, D]``,
+            see :func:`rlcore.kernels.decode_attention.attend`); the other kinds gather the pages first.
     Returns:
         ``[n, KVH·G·D]``.
     """
     if kind == "triton":
-        return decode_attention.attend(q, layer, bias, length, **(tuning or {}))
+        return decode_attention.attend(q, layer, bias, length, pages=pages, **(tuning or {}))
     n, dim = q.shape[0], q.shape[-1]
+    if pages is not None:
+        layer = decode_attention.gather_pages(layer, pages[0], n, length)
     keys, values = layer[0, :n, :, :length], layer[1, :n, :, :length]
     mask = bias[:, None, None, :length]
     if kind == "sdpa":
@@ -382,14 +389,16 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     ``positions`` and ``cache_index`` (clamped to ``S-1`` so idle slots stay in bounds).
 
     Args:
-        cache: ``[L, 2, B, KVH, S, D]``. cos_table, sin_table: ``[S, D]`` (``sin_table`` signed), in
+        cache: ``[L, 2, B, KVH, S, D]``, or with ``state.table`` a pool of pages ``[L, 2, pages, KVH,
+            page_size, D]``. cos_table, sin_table: ``[S, D]`` (``sin_table`` signed), in
             the compute dtype for the separate RoPE, any float dtype for ``fns.rope_in_attention``
             (which needs ``attention="triton"``). fns: :func:`step_functions`.
         attention_tuning: for ``attention="triton"``, see :func:`check_attention_tuning`.
     Returns:
         ``[n, V]`` next-token logits in the compute dtype.
     """
-    last_column = cache.shape[4] - 1
+    last_column = state.bias.shape[1] - 1
+    pages = (state.table, state.page_size) if state.table is not None else None
     positions, cache_index = state.positions[:n], state.cache_index[:n]
     bias = state.bias[:n]
     tuning = dict(attention_tuning or {})
@@ -416,15 +425,23 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
             # q/k/v slices come without the bias: the kernel adds both
             proj_bias = lw.qkv_bias[0] if fns.qkv_parts and len(lw.qkv) == 1 else None
             return decode_attention.attend_new(head[0], layer, bias, length, *rotary, columns, spec.num_heads,
-                                               spec.num_kv_heads, proj_bias=proj_bias, **tuning)
+                                               spec.num_kv_heads, proj_bias=proj_bias, pages=pages, **tuning)
     else:
         dim = cache.shape[-1]
-        flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
+        if pages is None:
+            flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
+        else:  # row of each slot's new column in its page, for keys and values of every head
+            count, kv_heads, size = cache.shape[2], cache.shape[3], state.page_size
+            page = state.table[:n].gather(1, (cache_index // size)[:, None]).long()  # [n, 1]
+            heads = torch.arange(kv_heads, device=cache.device)[None, None]
+            halves = torch.arange(2, device=cache.device)[:, None, None]
+            flat = (((halves * count + page[None]) * kv_heads + heads) * size
+                    + (cache_index % size)[None, :, None]).reshape(-1)
 
         def attend_layer(layer, head, lw):
             q, kv = head
             layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
-            return attend(q, layer, bias, length, attention, tuning)
+            return attend(q, layer, bias, length, attention, tuning, pages)
 
     layers = weights.layers
     x, head, rope = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,
