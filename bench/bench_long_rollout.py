@@ -40,27 +40,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, import_rlcore, write_json  # noqa: E402
 
 import_rlcore()
+from _models import random_model  # noqa: E402
 from rlcore.rollout.base import SamplingParams  # noqa: E402
 from rlcore.rollout.engine import RolloutEngine  # noqa: E402
 from rlcore.rollout.engine import scheduler as scheduler_module  # noqa: E402
-from rlcore.rollout.tiny import causal_lm_from_config  # noqa: E402
-
-SHAPES = {
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
-}
-
 
 def build(shape: str, device: str, dtype: torch.dtype):
-    from transformers import Qwen2Config
-
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1000000.0, bos_token_id=None,
-                         eos_token_id=None)
-    return causal_lm_from_config(config, dtype=dtype, device=device)
+    """A random-init model of ``shape`` (:data:`_models.SHAPES`) with no EOS of its own: the workload's stop ids decide."""
+    return random_model(shape, dtype, device, bos_token_id=None, eos_token_id=None)
 
 
 def workload(prompts: int, samples: int, low: int, high: int, vocab: int, mean: int,
@@ -255,7 +242,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
-        args.shapes, args.prompts, args.samples = "tiny", 4, 2
+        args.shapes, args.prompts, args.samples = "tiny-qwen2", 4, 2
         args.prompt_min, args.prompt_max, args.mean_new, args.max_new, args.page_size = 8, 24, 24, 64, 16
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     bandwidth = copy_bandwidth(device)
