@@ -209,33 +209,39 @@ class Trainer:
         exp = to_experience(rollout, scores, c.train_device)
         micro = c.micro_batch
         temp = float(self.gen_cfg.temperature)
-        trim = exp.response_mask if self.ppo.trim_padding else None  # cut each chunk to its used columns
+        max_tokens = int(self.ppo.max_tokens_per_micro_batch)
+        # cut each chunk to its used columns (a token budget and packing read the response mask too)
+        trim = exp.response_mask if (self.ppo.trim_padding or c.packed or max_tokens > 0) else None
+        cut = dict(max_tokens=max_tokens, packed=c.packed)
         c.actor_module.eval()
         if c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps)):
             exp.old_logprobs = None  # one optimizer step over the rollout: the update's forward gives them
         else:
             with self.timer("old_logprob"):
                 exp.old_logprobs = batched_logprobs(c.actor, exp.input_ids, exp.attention_mask,
-                                                    exp.response_len, temp, micro, trim)
+                                                    exp.response_len, temp, micro, trim, **cut)
         if c.ref is not None:
             with self.timer("ref_logprob"):
                 exp.ref_logprobs = batched_logprobs(c.ref, exp.input_ids, exp.attention_mask, exp.response_len,
-                                                    temp, micro, trim)
+                                                    temp, micro, trim, **cut)
         if c.critic is not None:
             with self.timer("values"):
                 exp.values = batched_values(c.critic, exp.input_ids, exp.attention_mask, exp.response_len, micro,
-                                            trim)
+                                            trim, **cut)
         return exp
 
     def update(self, exp: Experience) -> dict[str, float]:
         c = self.c
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
-        return ppo_update(exp, actor=c.actor, actor_opt=c.actor_opt, actor_sched=c.actor_sched,
-                          actor_grad_clip=self.cfg.actor.grad_clip, critic=c.critic, critic_opt=c.critic_opt,
-                          critic_sched=c.critic_sched, critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
-                          grad_accum=int(self.tcfg.gradient_accumulation_steps),
-                          temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
-                          generator=self._gen)
+        out = ppo_update(exp, actor=c.actor, actor_opt=c.actor_opt, actor_sched=c.actor_sched,
+                         actor_grad_clip=self.cfg.actor.grad_clip, critic=c.critic, critic_opt=c.critic_opt,
+                         critic_sched=c.critic_sched, critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
+                         grad_accum=int(self.tcfg.gradient_accumulation_steps),
+                         temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
+                         generator=self._gen, packed=c.packed, recompute=c.recompute)
+        for policy in c.recompute.values():
+            out.update(policy.take_metrics())
+        return out
 
     def rollout_metrics(self, rollout: RolloutBatch, scores: torch.Tensor) -> dict[str, float]:
         lengths = rollout.response_mask.sum(-1).float()
