@@ -192,6 +192,8 @@ class RewardConfig:
     timeout_s: float = 30.0
     #: Score given when a reward function raises; None = fail the step and show the sample.
     fallback_score: Optional[float] = None
+    #: Score finished samples in a worker thread while the rest of the rollout still decodes (rollout engine, one process, no reward model; else after the rollout). Scores are the same; a batched reward function then sees the finished samples in groups: set false if it needs the whole rollout at once.
+    stream: bool = True
 
 
 @dataclass
@@ -222,7 +224,7 @@ class PPOConfig:
     micro_batch_size: int = 0
     #: Token budget of a micro-batch (0 = off): each mini-batch is cut into micro-batches of at most this many tokens (real tokens when packed, rows x padded width otherwise) instead of micro_batch_size samples; the old/reference log-prob and value passes are cut the same way. A longer sample is a micro-batch of its own.
     max_tokens_per_micro_batch: int = 0
-    #: Pack each training forward's sequences into one row without padding (positions restart at each sequence, attention stays inside it): true | false | auto (pack when the models pass a packed-attention check at load).
+    #: Pack each training forward's sequences into one row without padding (positions restart at each sequence, attention stays inside it): true | false | auto (pack when the models run a variable-length attention, flash or flex, and pass a packed-attention check at load; with sdpa/eager a packed row is one dense masked attention, quadratic in its length).
     pack_sequences: Any = "auto"
     #: Passes over each rollout.
     ppo_epochs: int = 1

@@ -68,14 +68,21 @@ class Components:
             state.update(critic=self.critic, critic_optim=self.critic_opt, critic_sched=self.critic_sched)
         return state
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_finished: Optional[Callable] = None) -> RolloutBatch:
         """Switch the actor to its generation layout, generate (split over replicas by the reshard
-        policy, micro-batched with out-of-memory back-off) and switch back."""
+        policy, micro-batched with out-of-memory back-off) and switch back.
+
+        ``on_finished`` (:data:`rlcore.rollout.base.FinishedCallback`) is handed to a backend that
+        reports finished samples (:func:`rlcore.rollout.base.reports_finished`) and ignored by others."""
+        from rlcore.rollout.base import reports_finished
+
         with self.reshard.generation(self.actor) as gen_module:
             gen_module.eval()
             backend = self.backends.get(gen_module)
+            report = on_finished if on_finished is not None and reports_finished(backend) else None
             return self.reshard.generate_distributed(
-                lambda p, sp: self.micro.generate(backend.generate, p, sp), prompts, params)
+                lambda p, sp: self.micro.generate(backend.generate, p, sp, report), prompts, params)
 
     def graceful_exit(self):
         from rlcore.trainer.checkpoint import GracefulExit

@@ -6,14 +6,14 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlcore.distributed.init import all_gather_object
-from rlcore.protocols import DistInfo, RewardInput
-from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.protocols import DistInfo
+from rlcore.rollout.base import FinishedCallback, RolloutBatch, SamplingParams
 from rlcore.trainer.checkpoint import archive_previous_run
 from rlcore.trainer.components import Components, build_components
 from rlcore.trainer.experience import (
@@ -23,6 +23,8 @@ from rlcore.trainer.experience import (
     compute_advantages,
     to_experience,
 )
+from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
+from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.update import on_policy, ppo_update
 
 log = logging.getLogger(__name__)
@@ -116,14 +118,21 @@ class Trainer:
         # 1. Prompts: this rank's share, each repeated n times.
         rows = c.ensure_ids(c.train_loader.next_batch())
         prompts, extras = self.expand(rows)
-        # 2. Rollout in the generation layout.
+        # 2. Rollout in the generation layout; 3. reward: finished samples are scored while the rest
+        # decode (reward.stream), and what is left once the rollout ends.
         self.hook.rlcore_before_generation(step=step, prompts=prompts)
-        with self.timer("generate"):
-            rollout = self.generate(prompts, self.sampling(step))
-        self.hook.rlcore_after_generation(step=step, rollout=rollout)
-        # 3. Reward.
-        with self.timer("reward"):
-            scores, m_reward = self.score(rollout, extras)
+        scorer = self.streaming_scorer(prompts, extras)
+        try:
+            with self.timer("generate"):
+                rollout = self.generate(prompts, self.sampling(step), on_finished=scorer)
+            self.hook.rlcore_after_generation(step=step, rollout=rollout)
+            with self.timer("reward"):
+                scores, m_reward = scorer.finish(rollout) if scorer is not None else self.score(rollout, extras)
+        finally:
+            if scorer is not None:
+                scorer.close()
+        if scorer is not None:
+            m_reward["reward/streamed_frac"] = scorer.streamed_frac
         # 4. Old and reference log-probs, values (training layout).
         exp = self.make_experience(rollout, scores)
         # 5. Advantages (+ KL in the reward).
@@ -183,26 +192,25 @@ class Trainer:
                                  for r in rows for _ in range(self.n)]
         return prompts, extras
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-        return self.c.generate(prompts, params)
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_finished: Optional[FinishedCallback] = None) -> RolloutBatch:
+        return self.c.generate(prompts, params, on_finished=on_finished)
+
+    def _request(self, prompts: list[list[int]], extras: dict[str, list]) -> RolloutRequest:
+        extras = dict(extras)
+        return RolloutRequest(extras.pop("prompt_text"), prompts, extras)
+
+    def streaming_scorer(self, prompts: list[list[int]], extras: dict[str, list]) -> Optional[StreamingScorer]:
+        """A scorer that takes finished samples during the rollout, where ``reward.stream`` is on and
+        can be: one process (a distributed reward is a collective every rank calls once) and no
+        reward model (GPU work beside the rollout). None: score after the rollout."""
+        if not self.cfg.reward.stream or self.dist.world_size > 1 or self.cfg.reward_model.enable:
+            return None
+        return StreamingScorer(self.c.reward, self.c.tokenizer, self._request(prompts, extras))
 
     def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
-        tok = self.c.tokenizer
-        # one device-to-host copy per tensor, then per-row work on the host (not 4 syncs per sample)
-        resp_ids = _rows(rollout.response_ids, rollout.response_mask)
-        responses = tok.batch_decode(resp_ids, skip_special_tokens=True)
-        prompt_text = extras.pop("prompt_text")
-        batch = RewardInput(prompts=prompt_text, responses=responses,
-                            prompt_ids=_rows(rollout.prompt_ids, rollout.prompt_mask),
-                            response_ids=resp_ids, extras=extras)
-        out = self.c.reward.score(batch)
-        scores = out.scores.float().cpu()
-        if not torch.isfinite(scores).all():
-            bad = int((~torch.isfinite(scores)).nonzero()[0])
-            from rlcore.errors import RewardError
-            raise RewardError(f"reward backend returned {float(scores[bad])} for sample {bad}: "
-                              f"prompt={prompt_text[bad]!r} response={responses[bad]!r}")
-        return scores, dict(out.metrics)
+        prompts = _rows(rollout.prompt_ids, rollout.prompt_mask)
+        return score_rollout(self.c.reward, self.c.tokenizer, self._request(prompts, extras), rollout)
 
     def make_experience(self, rollout: RolloutBatch, scores: torch.Tensor) -> Experience:
         c = self.c
@@ -290,9 +298,3 @@ class Trainer:
         out = {"reward_mean": sums["reward"] / count, "response_length": sums["length"] / count}
         self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
         return out
-
-
-def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """The unmasked tokens of each row of ``ids [B, T]`` as lists, copied to the host once."""
-    ids, mask = ids.cpu(), mask.cpu().bool()
-    return [row[keep].tolist() for row, keep in zip(ids, mask)]

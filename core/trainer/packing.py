@@ -14,7 +14,9 @@ mask is given:
 Only the logits that predict a response token are computed (``logits_to_keep`` given as the
 positions), so the packed forward also skips the prompt positions' vocabulary projection.
 :func:`packing_isolates` checks on the real model that packed sequences do not see each other;
-``ppo.pack_sequences=auto`` packs only where it passes.
+``ppo.pack_sequences=auto`` packs only where it passes and the attention is variable-length
+(flash or flex): with ``sdpa``/``eager`` the packed row's mask is dense, so a packed forward costs
+``L^2`` attention instead of the sum of the sequences' squares (``true`` packs there too).
 
 Token budgets: :func:`token_groups` cuts an ordered list of samples into micro-batches of at
 most ``max_tokens`` tokens (real tokens when packed, rows x padded width otherwise).
@@ -231,8 +233,17 @@ def packing_isolates(model: torch.nn.Module) -> tuple[bool, str]:
     return True, ""
 
 
+#: Attention implementations whose packed form costs what the sequences cost (a variable-length
+#: kernel, or a block-sparse mask); with the others (sdpa, eager) a packed row is one dense
+#: ``[L, L]`` masked attention, quadratic in the packed length.
+VARLEN_ATTENTION = ("flash_attention", "flex_attention")
+
+
 def resolve_packing(setting, models: Sequence[Optional[torch.nn.Module]]) -> bool:
     """``ppo.pack_sequences`` (true | false | auto) -> whether the training forwards pack.
+
+    ``auto`` packs when every model runs a variable-length attention (:data:`VARLEN_ATTENTION`)
+    and passes :func:`packing_isolates`; ``true`` packs with any attention that passes the check.
 
     :raises ConfigError: ``true`` and a model does not keep packed sequences apart.
     """
@@ -240,12 +251,19 @@ def resolve_packing(setting, models: Sequence[Optional[torch.nn.Module]]) -> boo
 
     if setting is False or str(setting).lower() == "false":
         return False
+    auto = not (setting is True or str(setting).lower() == "true")
     for model in models:
         if model is None:
             continue
+        impl = attention_implementation(model)
+        if auto and not any(impl.startswith(k) for k in VARLEN_ATTENTION):
+            log.info("ppo.pack_sequences=auto: training forwards stay padded (%s attention '%s' would run a packed "
+                     "row as one dense masked attention; ppo.pack_sequences=true packs anyway)",
+                     type(model).__name__, impl or "custom")
+            return False
         ok, why = packing_isolates(model)
         if not ok:
-            if setting is True or str(setting).lower() == "true":
+            if not auto:
                 raise ConfigError([f"'ppo.pack_sequences' = true: {type(model).__name__}: {why}; set "
                                    "ppo.pack_sequences=false (padded forwards) or auto"])
             log.info("ppo.pack_sequences=auto: training forwards stay padded (%s: %s)", type(model).__name__, why)

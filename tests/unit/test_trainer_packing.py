@@ -56,6 +56,9 @@ def test_isolation_check_catches_a_model_that_mixes_packed_sequences(monkeypatch
 
     model = tiny_causal_lm("qwen2")
     assert packing.packing_isolates(model) == (True, "")
+    assert packing.resolve_packing(True, [model, None]) is True
+    assert packing.resolve_packing("auto", [model]) is False  # sdpa: a packed row is one dense masked attention
+    monkeypatch.setattr(packing, "attention_implementation", lambda m: "flash_attention_2")
     assert packing.resolve_packing("auto", [model, None]) is True
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
     ok, why = packing.packing_isolates(model)
