@@ -61,6 +61,8 @@ class Trainer:
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
+        #: the rollout's on_finished callback during a training step's generation (see train_step)
+        self._on_finished: Optional[FinishedCallback] = None
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
 
@@ -121,14 +123,15 @@ class Trainer:
         # 2. Rollout in the generation layout; 3. reward: finished samples are scored while the rest
         # decode (reward.stream), and what is left once the rollout ends.
         self.hook.rlcore_before_generation(step=step, prompts=prompts)
-        scorer = self.streaming_scorer(prompts, extras)
+        scorer = self._on_finished = self.streaming_scorer(prompts, extras)
         try:
             with self.timer("generate"):
-                rollout = self.generate(prompts, self.sampling(step), on_finished=scorer)
+                rollout = self.generate(prompts, self.sampling(step))
             self.hook.rlcore_after_generation(step=step, rollout=rollout)
             with self.timer("reward"):
                 scores, m_reward = scorer.finish(rollout) if scorer is not None else self.score(rollout, extras)
         finally:
+            self._on_finished = None
             if scorer is not None:
                 scorer.close()
         if scorer is not None:
@@ -192,9 +195,9 @@ class Trainer:
                                  for r in rows for _ in range(self.n)]
         return prompts, extras
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finished: Optional[FinishedCallback] = None) -> RolloutBatch:
-        return self.c.generate(prompts, params, on_finished=on_finished)
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        # the training step's streaming scorer, if any, takes the samples as they finish
+        return self.c.generate(prompts, params, on_finished=self._on_finished)
 
     def _request(self, prompts: list[list[int]], extras: dict[str, list]) -> RolloutRequest:
         extras = dict(extras)
