@@ -29,6 +29,7 @@ CASES = {
                       "--json", "{out}"],
     "stream_reward": ["bench_stream_reward.py", "--tiny", "--prompts", "2", "--n", "2", "--max-new-tokens", "12",
                       "--reward-ms", "1", "--repeats", "1", "--out", "{out}"],
+    "mismatch": ["bench_mismatch.py", "--tiny", "--prompts", "2", "--max-new-tokens", "8", "--out", "{out}"],
     "data": ["bench_data.py", "all", "--dir", "{tmp}/data", "--shard-mib", "2", "--shards", "4", "--batches", "5",
              "--batch-size", "16", "--json", "{out}"],
 }
