@@ -25,6 +25,12 @@ CASES = {
                "--repeats", "1", "--json", "{out}"],
     "update_fixed": ["bench_update.py", "--samples", "4", "--prompt-len", "8", "--response-len", "8", "--micro", "2",
                      "--repeats", "1", "--fixed", "--variants", "grouped,chunked", "--profile", "3", "--json", "{out}"],
+    "update_varlen": ["bench_update.py", "--samples", "6", "--prompt-len", "8", "--response-len", "12", "--micro", "2",
+                      "--repeats", "1", "--max-tokens", "40", "--variants", "grouped,budget,packed,packed-budget",
+                      "--json", "{out}"],
+    "stream_reward": ["bench_stream_reward.py", "--tiny", "--prompts", "2", "--n", "2", "--max-new-tokens", "12",
+                      "--reward-ms", "1", "--repeats", "1", "--out", "{out}"],
+    "mismatch": ["bench_mismatch.py", "--tiny", "--prompts", "2", "--max-new-tokens", "8", "--out", "{out}"],
     "data": ["bench_data.py", "all", "--dir", "{tmp}/data", "--shard-mib", "2", "--shards", "4", "--batches", "5",
              "--batch-size", "16", "--json", "{out}"],
 }

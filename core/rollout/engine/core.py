@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -372,8 +372,13 @@ class RolloutEngine:
                         return
         self.state.share_active = False
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
-        """Sample one response per prompt; see :class:`~rlcore.rollout.base.RolloutBackend`."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None) -> RolloutBatch:
+        """Sample one response per prompt; see :class:`~rlcore.rollout.base.RolloutBackend`.
+
+        ``on_finished(indices, responses)``, if given, is called from the decode loop as requests
+        finish, with their prompt indices and response tokens (up to and including the first EOS,
+        as in the result); it should return quickly (hand the work to another thread)."""
         from rlcore.rollout.engine.scheduler import Scheduler
 
         validate_params(params, self.spec.vocab_size)
@@ -388,7 +393,7 @@ class RolloutEngine:
         start = time.perf_counter()
         # the sharing kernel only when some prompt repeats (it loads two more numbers a slot)
         self.state.share_active = self.prompt_sharing and len({tuple(p) for p in prompts}) < len(prompts)
-        run = Scheduler(self, prompts, params)
+        run = Scheduler(self, prompts, params, on_finished)
         run.loop()
         batch = run.result()
         batch.stats["rollout/seconds"] = time.perf_counter() - start

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -47,8 +47,10 @@ class Scheduler:
     ``col0[s]`` (its next cache column is ``col0[s] + steps``).
     """
 
-    def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams):
+    def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None):
         self.eng, self.params = engine, params
+        self.on_finished = on_finished
         self.prompts = [list(p) for p in prompts]
         dev, cap, width = engine.device, engine.max_batch_size, params.max_new_tokens
         self.sample = Sampler(params, dev, fused=engine.fused_sampling)
@@ -106,6 +108,7 @@ class Scheduler:
         reqs = torch.tensor([self.slot_req[s] for s in slots], dtype=torch.long, device=self.eng.device)
         self.res_tokens.index_copy_(0, reqs, self.out_tokens.index_select(0, rows))
         self.res_logprobs.index_copy_(0, reqs, self.out_logprobs.index_select(0, rows))
+        self._report(rows, [self.slot_req[s] for s in slots])
         self.eng._release(slots)
         for s in slots:
             self.slot_req[s] = None
@@ -129,6 +132,18 @@ class Scheduler:
             seen.add(prompt)
             fit += 1
         return fit
+
+    def _report(self, rows: torch.Tensor, reqs: list[int]) -> None:
+        """Hand finished requests to ``on_finished``: their indices and response tokens up to and
+        including the first EOS (what :meth:`result` keeps of them)."""
+        if self.on_finished is None:
+            return
+        eos = set(self.params.eos_token_ids)
+        responses = []
+        for row in self.out_tokens.index_select(0, rows).tolist():
+            end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+            responses.append(row[:end])
+        self.on_finished(list(reqs), responses)
 
     def _admit(self) -> None:
         free = [s for s, r in enumerate(self.slot_req) if r is None]
