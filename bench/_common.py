@@ -138,3 +138,24 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2, default=str)
     os.replace(tmp, path)
+
+
+def run_train_steps(trainer, count: int, before_step: Callable[[int], None] | None = None,
+                    label: str = "rlcore") -> tuple[list[float], list[dict[str, float]]]:
+    """Steps ``1..count`` of an rlcore ``Trainer`` with its GPU monitor on; ``(seconds of each step,
+    its numeric metrics)``, the device synchronised around each step. ``before_step(step)`` runs first."""
+    times: list[float] = []
+    steps: list[dict[str, float]] = []
+    trainer.c.gpu_monitor.start()
+    try:
+        for step in range(1, count + 1):
+            if before_step is not None:
+                before_step(step)
+            seconds, metrics = timed(lambda: trainer.train_step(step))
+            times.append(seconds)
+            steps.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+            print(f"  {label} step {step}: {seconds:.3f} s  " + "  ".join(
+                f"{k[5:-2]}={v:.3f}" for k, v in metrics.items() if k.startswith("time/")), flush=True)
+    finally:
+        trainer.c.gpu_monitor.stop()
+    return times, steps

@@ -147,7 +147,7 @@ def rlcore_overrides(spec: dict[str, Any], gradient_checkpointing: bool) -> list
 
 
 def run_rlcore(spec: dict[str, Any], gradient_checkpointing: bool) -> dict[str, Any]:
-    from _common import import_rlcore
+    from _common import import_rlcore, run_train_steps
 
     import_rlcore()
     from rlcore.config import load_config
@@ -160,20 +160,7 @@ def run_rlcore(spec: dict[str, Any], gradient_checkpointing: bool) -> dict[str, 
     trainer = Trainer(cfg, build_plugin_manager(list(cfg.plugins)), init_distributed(cfg.trainer.device))
     trainer.c.eos_ids = []  # fixed-length responses (see the module docstring)
     setup_s = time.perf_counter() - t0
-    steps, times = [], []
-    trainer.c.gpu_monitor.start()
-    try:
-        for step in range(1, spec["warmup"] + spec["steps"] + 1):
-            _sync()
-            start = time.perf_counter()
-            metrics = trainer.train_step(step)
-            _sync()
-            times.append(time.perf_counter() - start)
-            steps.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
-            print(f"  rlcore step {step}: {times[-1]:.3f} s  " + "  ".join(
-                f"{k[5:-2]}={v:.3f}" for k, v in metrics.items() if k.startswith("time/")), flush=True)
-    finally:
-        trainer.c.gpu_monitor.stop()
+    times, steps = run_train_steps(trainer, spec["warmup"] + spec["steps"])
     measured = steps[spec["warmup"]:] or steps[-1:]
     breakdown = {k: sum(s.get(k, 0.0) for s in measured) / len(measured)
                  for k in sorted({k for s in measured for k in s if k.startswith("time/")})}

@@ -146,6 +146,8 @@ VARIANTS = {
     "engine_rope_separate": {"rope_in_attention": False},
     "engine_no_split_k": {"split_k": None},
     "engine_no_sharing": {"prompt_sharing": False},
+    # the static KV cache (one row of max_seq_len per slot) the paged default replaced
+    "engine_static_cache": {"kv_cache": "static"},
     # the products as before rollout run 14: q/k/v in one piece, gate/up not transposed
     "engine_products_before": {"split_k": {"o": 2, "down": 4}, "mlp_transposed": False},
     "engine_no_qkv_split": {"split_k": {"o": 2, "down": 4}},

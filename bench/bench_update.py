@@ -16,6 +16,15 @@ Two more variants change how the defaults compute rather than what they cut:
   of ``rlcore.kernels.logprob`` (which run on CUDA only; on CPU the two are the same);
 * ``compiled`` — the defaults with each decoder layer compiled (``actor.compile=true``).
 
+Variable-length training (same update, other forwards):
+
+* ``packed``  — the defaults with each micro-batch packed into one row (``ppo.pack_sequences=true``;
+  ``--attn`` picks the attention: with ``sdpa`` a packed row is one dense masked attention, with
+  ``flash_attention_2`` / ``flex_attention`` it is variable-length);
+* ``budget``  — the defaults with micro-batches of at most ``--max-tokens`` padded tokens
+  (``ppo.max_tokens_per_micro_batch``) instead of ``--micro`` samples;
+* ``packed-budget`` — both: micro-batches of ``--max-tokens`` real tokens, each one packed row.
+
 It reports seconds per update (median of ``--repeats`` after one warm-up), the share of the
 computed token positions that are padding, and the largest difference of the updated weights
 against the first variant (the first three compute the same update;
@@ -27,6 +36,9 @@ Run (CPU): python bench/bench_update.py --json update.json
 Run (GPU): python3 bench/bench_update.py --device cuda --shape qwen2-0.5b --dtype bf16 --samples 256 --micro 32
 Run (GPU, the GRPO step's update): python3 bench/bench_update.py --device cuda --shape qwen2-1.5b --dtype bf16 \
     --samples 256 --micro 32 --fixed --variants grouped,chunked,compiled --profile 25
+Run (GPU, variable lengths): python3 bench/bench_update.py --device cuda --shape qwen2-1.5b --dtype bf16 \
+    --samples 256 --prompt-len 512 --response-len 4096 --micro 8 --max-tokens 32768 \
+    --variants grouped,budget,packed,packed-budget --attn sdpa --json update_varlen.json
 """
 
 from __future__ import annotations
@@ -53,17 +65,19 @@ SHAPES = {
     "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                        intermediate_size=8960, vocab_size=151936),
 }
-#: name -> (trim_padding, group_by_length, log-prob kernels, compiled layers)
-VARIANTS = {"plain": (False, False, True, False), "trim": (True, False, True, False),
-            "grouped": (True, True, True, False), "chunked": (True, True, False, False),
-            "compiled": (True, True, True, True)}
+#: name -> (trim_padding, group_by_length, log-prob kernels, compiled layers, packed, token budget)
+VARIANTS = {"plain": (False, False, True, False, False, False), "trim": (True, False, True, False, False, False),
+            "grouped": (True, True, True, False, False, False), "chunked": (True, True, False, False, False, False),
+            "compiled": (True, True, True, True, False, False), "packed": (True, True, True, False, True, False),
+            "budget": (True, True, True, False, False, True), "packed-budget": (True, True, True, False, True, True)}
 
 
-def build_model(shape: str, dtype: torch.dtype, device: str):
+def build_model(shape: str, dtype: torch.dtype, device: str, attn: str = "sdpa"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=True)
+    cfg._attn_implementation = attn
     return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
 
 
@@ -95,7 +109,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     from rlcore.trainer.models import ChunkedLogprobs
     from rlcore.trainer.update import ppo_update
 
-    trim, group, kernels, compiled = VARIANTS[variant]
+    trim, group, kernels, compiled, packed, budget = VARIANTS[variant]
     times, last = [], []
     ChunkedLogprobs.use_kernels = kernels
     try:
@@ -106,14 +120,15 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
                 compile_layers(m, "actor")
             opt = torch.optim.SGD(m.parameters(), lr=1e-3)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-            ppo = PPOConfig(micro_batch_size=args.micro, trim_padding=trim, group_by_length=group)
+            ppo = PPOConfig(micro_batch_size=args.micro, trim_padding=trim, group_by_length=group,
+                            max_tokens_per_micro_batch=args.max_tokens if budget else 0)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
             with _profiled(profile if profiled else 0, args.device):
                 ppo_update(exp, actor=m, actor_opt=opt, actor_sched=sched, actor_grad_clip=1.0, ppo=ppo,
                            grad_accum=1, temperature=1.0, kl_loss_coef=0.0,
-                           generator=torch.Generator().manual_seed(0))
+                           generator=torch.Generator().manual_seed(0), packed=packed)
                 if args.device == "cuda":
                     torch.cuda.synchronize()
             if profiled:
@@ -151,6 +166,8 @@ def main() -> None:
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=4096, help="token budget of the budget variants")
+    p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa | eager | flash_attention_2 | ...")
     p.add_argument("--fixed", action="store_true", help="every prompt and response at full length")
     p.add_argument("--variants", default="plain,trim,grouped", help=f"comma list of {sorted(VARIANTS)}")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="list the N largest kernels of one update")
@@ -161,7 +178,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     import_rlcore()
-    model = build_model(args.shape, torch.bfloat16 if args.dtype == "bf16" else torch.float32, args.device)
+    model = build_model(args.shape, torch.bfloat16 if args.dtype == "bf16" else torch.float32, args.device, args.attn)
     exp, padding = ragged_rollout(args, model.config.vocab_size, args.device)
     results: dict[str, Any] = {}
     reference = None

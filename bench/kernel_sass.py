@@ -7,6 +7,9 @@ shared prompt rows, one program per slot and key/value head), for each kernel se
 
     python bench/kernel_sass.py --settings '[{}, {"subblocks": 4, "num_warps": 4}]'
 
+A setting ``{"page_size": 64}`` compiles the paged-cache form instead (keys and values found through
+the block table, no shared prompt rows).
+
 Uses the ``nvdisasm`` and ``cuobjdump`` that Triton ships. Counts depend on the Triton version
 (printed); they say where a program's instructions go, not how fast it runs.
 """
@@ -35,18 +38,21 @@ SHAPES = {"qwen2-0.5b": (14, 2, 64), "qwen2-1.5b": (12, 2, 128)}
 TYPES = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bias_ptr": "*bf16", "new_ptr": "*bf16",
          "pbias_ptr": "*bf16", "out_ptr": "*bf16", "final_ptr": "*bf16", "stat_ptr": "*fp32", "count_ptr": "*i32",
          "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "col_ptr": "*i64", "src_ptr": "*i32",
-         "end_ptr": "*i32", "scale": "fp32"}
+         "end_ptr": "*i32", "scale": "fp32", "table_ptr": "*i32"}
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
 LABEL = re.compile(r"\s*(\.L_x_\d+):")
 
 
-def engine_values(heads: int, kv_heads: int, dim: int, batch: int, columns: int) -> dict[str, int]:
-    """The integer arguments of the engine's call (strides of its buffers)."""
+def engine_values(heads: int, kv_heads: int, dim: int, batch: int, columns: int,
+                  page_size: int | None = None) -> dict[str, int]:
+    """The integer arguments of the engine's call (strides of its buffers; with ``page_size``, of a
+    page and of the block table)."""
     width, group = (heads + 2 * kv_heads) * dim, heads // kv_heads
-    return dict(sq_n=width, sq_h=group * dim, sq_g=dim, sq_d=1, sc_b=kv_heads * columns * dim, sc_h=columns * dim,
+    rows = page_size or columns
+    return dict(sq_n=width, sq_h=group * dim, sq_g=dim, sq_d=1, sc_b=kv_heads * rows * dim, sc_h=rows * dim,
                 sc_s=dim, sc_d=1, sb_n=columns, sb_s=1, so_n=heads * dim, so_h=group * dim, so_g=dim, so_d=1,
                 sn_n=width, k_off=heads * dim, v_off=(heads + kv_heads) * dim, s_rope=dim,
-                part_stride=batch * width, length=257, chunk=320)
+                part_stride=batch * width, length=257, chunk=320, st_b=-(-columns // rows))
 
 
 def tools() -> tuple[str, str]:
@@ -95,12 +101,14 @@ def compile_setting(shape: str, setting: dict, batch: int, columns: int) -> dict
     subblocks = setting.get("subblocks", 1)
     decode_attention.check_subblocks(subblocks, block_n, dim)
     group = heads // kv_heads
-    constants = dict(group=group, dim=dim, IEEE=False, NEW=True, ROWS=True, SHARED=True, PARTS=2, PBIAS=True,
-                     SPLIT=False, FOLD=False, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                     BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SUB=subblocks)
+    page_size = setting.get("page_size")
+    constants = dict(group=group, dim=dim, IEEE=False, NEW=True, ROWS=True, SHARED=page_size is None, PARTS=2,
+                     PBIAS=True, SPLIT=False, FOLD=False, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                     BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SUB=subblocks,
+                     PAGED=page_size is not None, PAGE=page_size or 1)
     warps = setting.get("num_warps") or decode_attention.default_warps(dim)
     compiled = compile_for_hopper(decode_attention._attend_part, TYPES, constants, warps, setting.get("num_stages"),
-                                  engine_values(heads, kv_heads, dim, batch, columns))
+                                  engine_values(heads, kv_heads, dim, batch, columns, page_size))
     return {"setting": setting, "shared_bytes": compiled.metadata.shared, **sass_stats(compiled.asm["cubin"])}
 
 

@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     n, length = args.batch, args.length
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = build(args.shape, dev).eval()
-    engine = RolloutEngine(model, max_batch_size=n, max_seq_len=384, attention="triton", share_weights=False)
+    engine = RolloutEngine(model, max_batch_size=n, max_seq_len=384, attention="triton", share_weights=False,
+                           kv_cache="static")
     folded_step = folded_steps(engine, n, length)
     results = {"env": environment(), "command": " ".join(sys.argv), "shape": args.shape, "batch": n,
                "length": length, "forms": {}}

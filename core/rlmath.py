@@ -38,6 +38,9 @@ __all__ = [
     "aggregate_loss",
     "policy_loss",
     "value_loss",
+    "ROLLOUT_IS_MODES",
+    "rollout_is_weights",
+    "logprob_mismatch",
     "KLController",
     "FixedKLController",
     "AdaptiveKLController",
@@ -457,6 +460,7 @@ def policy_loss(
     cliprange_high: float | None = None,
     dual_clip: float | None = None,
     loss_agg: str = "token-mean",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss, with optional clip-higher and dual-clip.
 
@@ -473,6 +477,8 @@ def policy_loss(
     :param cliprange_high: upper clip distance; None uses ``cliprange``.
     :param dual_clip: the constant ``c > 1``, or None to disable.
     :param loss_agg: one of :data:`LOSS_AGG_MODES`.
+    :param token_weights: ``[B, T]`` factors multiplying each token's loss before aggregation
+        (e.g. :func:`rollout_is_weights`; no gradient flows into them), or None.
     :returns: ``(loss, metrics)``: scalar loss; metrics are detached float scalars
         ``clipfrac`` (share of valid tokens where the clipped branch is taken),
         ``approx_kl`` (k3 estimate of ``KL(old || new)``) and ``dual_clipfrac``.
@@ -496,6 +502,8 @@ def policy_loss(
         cap = -advantages * dual_clip
         dual_taken = (advantages < 0) & (loss > cap)
         loss = torch.where(dual_taken, cap, loss)
+    if token_weights is not None:
+        loss = loss * token_weights.detach()
 
     with torch.no_grad():
         metrics = {
@@ -535,6 +543,88 @@ def value_loss(
     with torch.no_grad():
         clipfrac = masked_mean((err_clipped > err).float(), mask)
     return loss, clipfrac
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout / trainer mismatch
+# ---------------------------------------------------------------------------------------------
+
+#: Kinds of :func:`rollout_is_weights`.
+ROLLOUT_IS_MODES = ("none", "token", "sequence")
+
+
+def rollout_is_weights(
+    old_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    cap: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance weights correcting for tokens sampled by a policy other than ``old``.
+
+    The sampler (a rollout engine in lower precision, or an older policy) gave the log-probs
+    ``rollout_logprob``; the trainer's recomputation of the same tokens is ``old_logprob``. With
+    ``rho_t = exp(old_t - rollout_t)``:
+
+    - ``"token"``: ``w_t = min(rho_t, cap)`` per token (truncated IS, as in TIS);
+    - ``"sequence"``: ``w_t = min(prod_s rho_s, cap)`` for every token of the sequence, the
+      product taken over its valid tokens (computed as a sum of log-ratios);
+    - ``"none"``: all ones.
+
+    The weights are detached: they scale the policy-gradient loss of each token and carry no
+    gradient themselves. Masked positions get weight 0.
+
+    :param old_logprob: ``[B, T]`` trainer log-probs of the sampled tokens.
+    :param rollout_logprob: ``[B, T]`` sampler log-probs of the same tokens.
+    :param mask: ``[B, T]`` valid response tokens.
+    :param mode: one of :data:`ROLLOUT_IS_MODES`.
+    :param cap: the truncation ``C > 0``.
+    :returns: ``(weights [B, T], metrics)``; metrics (detached scalars): ``mean`` (mean weight
+        over valid tokens) and ``capped_frac`` (share of valid tokens whose weight was cut).
+    :raises ValueError: unknown mode or ``cap <= 0``.
+    """
+    if mode not in ROLLOUT_IS_MODES:
+        raise ValueError(f"unknown rollout_is mode {mode!r}; valid names: {', '.join(ROLLOUT_IS_MODES)}")
+    if not cap > 0:
+        raise ValueError(f"rollout_is cap must be > 0, got {cap}")
+    with torch.no_grad():
+        valid = _as_bool(mask)
+        if mode == "none":
+            weights = valid.to(torch.float32)
+            capped = torch.zeros_like(weights, dtype=torch.bool)
+        else:
+            log_rho = masked_fill_zero((old_logprob - rollout_logprob).float(), valid)
+            if mode == "sequence":
+                log_rho = log_rho.sum(dim=-1, keepdim=True).expand_as(log_rho)
+            log_cap = torch.log(torch.tensor(float(cap), dtype=torch.float32, device=log_rho.device))
+            capped = log_rho > log_cap
+            weights = masked_fill_zero(torch.minimum(log_rho, log_cap).exp(), valid)
+        metrics = {"mean": masked_mean(weights, valid), "capped_frac": masked_mean(capped.float(), valid)}
+    return weights, metrics
+
+
+def logprob_mismatch(
+    rollout_logprob: torch.Tensor, trainer_logprob: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the sampler's log-probs are from the trainer's recomputation of the same tokens.
+
+    :param rollout_logprob: ``[B, T]`` log-probs the rollout reported for its sampled tokens.
+    :param trainer_logprob: ``[B, T]`` the trainer's teacher-forced log-probs of those tokens.
+    :param mask: ``[B, T]`` valid response tokens.
+    :returns: detached scalars: ``abs_diff_mean`` and ``abs_diff_max`` (of ``|rollout - trainer|``
+        over valid tokens; 0 without any) and ``kl``, the k3 estimate of
+        ``KL(rollout || trainer)`` per token (``r - 1 - log r`` with ``r = p_trainer / p_rollout``,
+        unbiased as the tokens were sampled by the rollout; non-negative).
+    """
+    with torch.no_grad():
+        valid = _as_bool(mask)
+        diff = masked_fill_zero((trainer_logprob - rollout_logprob).float(), valid)
+        kl = kl_penalty(rollout_logprob.float(), trainer_logprob.float(), "k3")
+        return {
+            "abs_diff_mean": masked_mean(diff.abs(), valid),
+            "abs_diff_max": diff.abs().max() if diff.numel() else diff.new_zeros(()),
+            "kl": masked_mean(kl, valid),
+        }
 
 
 # ---------------------------------------------------------------------------------------------

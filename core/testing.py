@@ -8,7 +8,7 @@ Fixtures:
   Hugging Face directory; shared by the whole test session.
 * ``tiny_tokenizer`` — the tokenizer of ``tiny_model_dir`` loaded through ``from_pretrained``.
 
-Helpers usable outside pytest: :func:`make_tiny_model_dir`, :func:`run_cli`.
+Helpers usable outside pytest: :func:`make_tiny_model_dir`, :func:`run_cli`, :func:`teacher_forced_logprobs`.
 """
 
 from __future__ import annotations
@@ -73,3 +73,18 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def teacher_forced_logprobs(model, batch, temperature: float):
+    """``[B, R]`` log-probabilities of a :class:`~rlcore.rollout.base.RolloutBatch`'s response tokens
+    under ``model`` run once over prompt + response (teacher forcing), at ``temperature`` (``<= 0``: 1);
+    what a backend's ``logprobs`` must equal on the response mask."""
+    import torch
+
+    ids, mask = batch.sequences()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    width = batch.prompt_ids.shape[1]
+    scaled = logits[:, width - 1:-1] / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(scaled, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)

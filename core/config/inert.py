@@ -52,6 +52,13 @@ def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int,
         ("trainer.nproc_per_node", world_size > 1 and cfg.trainer.nproc_per_node != world_size,
          f"already running under a launcher with {world_size} processes"),
         ("trainer.gradient_accumulation_steps", cfg.ppo.micro_batch_size > 0, "ppo.micro_batch_size is set"),
+        ("trainer.gradient_accumulation_steps", cfg.ppo.max_tokens_per_micro_batch > 0,
+         "ppo.max_tokens_per_micro_batch cuts the micro-batches"),
+        ("ppo.micro_batch_size", cfg.ppo.max_tokens_per_micro_batch > 0,
+         "ppo.max_tokens_per_micro_batch cuts the micro-batches"),
+        ("ppo.rollout_is_cap", cfg.ppo.rollout_is == "none", "ppo.rollout_is is none"),
+        ("reward.stream", world_size > 1 or cfg.reward_model.enable,
+         "rewards are scored after the rollout in distributed runs and with a reward model"),
     ]
     out = []
     for key in changed_keys(cfg):

@@ -26,6 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ppo.kl_estimator": ("k1", "k2", "mse", "k3", "low_var_kl", "abs"),
     "ppo.kl_ctrl": ("fixed", "adaptive"),
     "ppo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "ppo.rollout_is": ("none", "token", "sequence"),
     "data.truncation": ("error", "left", "right"),
     "fsdp.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
     "fsdp.param_dtype": ("bf16", "fp16", "fp32"),
@@ -223,11 +224,18 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
         if OmegaConf.select(cfg, key) < 1:
             errors.append(f"'{key}' must be >= 1, got {OmegaConf.select(cfg, key)}")
     for key in ["trainer.max_steps", "trainer.save_steps", "trainer.eval_steps", "data.num_workers",
-                "ppo.mini_batch_size", "ppo.micro_batch_size", "ppo.kl_coeff", "trainer.profile_steps"]:
+                "ppo.mini_batch_size", "ppo.micro_batch_size", "ppo.kl_coeff", "trainer.profile_steps",
+                "ppo.max_tokens_per_micro_batch"]:
         if OmegaConf.select(cfg, key) < 0:
             errors.append(f"'{key}' must be >= 0, got {OmegaConf.select(cfg, key)}")
     if not 0.0 < cfg.ppo.generation.top_p <= 1.0:
         errors.append(f"'ppo.generation.top_p' must be in (0, 1], got {cfg.ppo.generation.top_p}")
+    for key in ("ppo.pack_sequences", "actor.gradient_checkpointing", "critic.gradient_checkpointing"):
+        v = OmegaConf.select(cfg, key)
+        if not (isinstance(v, bool) or v == "auto"):
+            errors.append(f"'{key}' = {v!r} must be true, false or auto")
+    if not cfg.ppo.rollout_is_cap > 0:
+        errors.append(f"'ppo.rollout_is_cap' must be > 0, got {cfg.ppo.rollout_is_cap}")
     if cfg.ppo.generation.temperature < 0:
         errors.append("'ppo.generation.temperature' must be >= 0")
     if cfg.ppo.generation.top_k < 0:

@@ -126,8 +126,8 @@ class ModelRoleConfig:
     lr_scheduler: str = "constant"
     #: Gradient clipping by global norm (0 = off).
     grad_clip: float = 1.0
-    #: Recompute activations in the backward pass to save memory.
-    gradient_checkpointing: bool = False
+    #: Recompute activations in the backward pass to save memory: true | false | auto (per micro-batch, on when its estimated activation memory exceeds the free memory; see docs/architecture.md, Training on variable lengths).
+    gradient_checkpointing: Any = "auto"
     #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products; the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
     compile: Optional[bool] = None
     #: Training dtype of the weights: fp32 | bf16.
@@ -142,7 +142,7 @@ class ActorConfig(ModelRoleConfig):
     remeshing: RemeshingConfig = field(default_factory=RemeshingConfig)
     #: Rollout backend: auto (fast engine where supported, else HF generate) | engine | hf.
     rollout_backend: str = "auto"
-    #: Settings of the rollout engine (ignored by the HF backend), e.g. ``{attention_tuning: {num_warps: 4}, prompt_sharing: false}``: keyword arguments of ``RolloutEngine`` (docs/rollout.md) except the model, batch size, sequence length, device and dtype, which the trainer sets. Checked when the config loads.
+    #: Settings of the rollout engine (ignored by the HF backend), e.g. ``{attention_tuning: {num_warps: 4}, kv_memory_fraction: 0.3}`` (the paged KV cache's share of the free GPU memory): keyword arguments of ``RolloutEngine`` (docs/rollout.md) except the model, batch size, sequence length, device and dtype, which the trainer sets. Checked when the config loads.
     rollout_engine: dict[str, Any] = field(default_factory=dict)
 
 
@@ -192,6 +192,8 @@ class RewardConfig:
     timeout_s: float = 30.0
     #: Score given when a reward function raises; None = fail the step and show the sample.
     fallback_score: Optional[float] = None
+    #: Score finished samples in a worker thread while the rest of the rollout still decodes (rollout engine, one process, no reward model; else after the rollout). Scores are the same; a batched reward function then sees the finished samples in groups: set false if it needs the whole rollout at once.
+    stream: bool = True
 
 
 @dataclass
@@ -220,6 +222,10 @@ class PPOConfig:
     mini_batch_size: int = 0
     #: Samples per forward/backward micro-batch (0 = mini_batch_size / gradient_accumulation_steps).
     micro_batch_size: int = 0
+    #: Token budget of a micro-batch (0 = off): each mini-batch is cut into micro-batches of at most this many tokens (real tokens when packed, rows x padded width otherwise) instead of micro_batch_size samples; the old/reference log-prob and value passes are cut the same way. A longer sample is a micro-batch of its own.
+    max_tokens_per_micro_batch: int = 0
+    #: Pack each training forward's sequences into one row without padding (positions restart at each sequence, attention stays inside it): true | false | auto (pack when the models run a variable-length attention, flash or flex, and pass a packed-attention check at load; with sdpa/eager a packed row is one dense masked attention, quadratic in its length).
+    pack_sequences: Any = "auto"
     #: Passes over each rollout.
     ppo_epochs: int = 1
     #: KL strength against the reference policy.
@@ -252,6 +258,10 @@ class PPOConfig:
     trim_padding: bool = True
     #: Sort each mini-batch by length before cutting it into micro-batches, so that similar lengths share a forward (with trim_padding: less padding); the gradient is unchanged.
     group_by_length: bool = True
+    #: Truncated importance sampling for the rollout/trainer mismatch: none | token (per-token weight min(p_trainer / p_rollout, cap)) | sequence (the product over the sequence, capped); multiplies every token's policy-gradient loss.
+    rollout_is: str = "none"
+    #: Cap C of the rollout_is weights (> 0).
+    rollout_is_cap: float = 2.0
 
 
 def trains_critic(adv_estimator: str) -> bool:

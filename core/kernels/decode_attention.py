@@ -32,7 +32,15 @@ BLOCK_N_WIDE = 32
 #: split the length only when there are fewer programs than this share of the multiprocessors
 #: (on an H200, batch 64 x 2 key/value heads = 128 programs ran fastest unsplit, 7.6 vs 9.3 us)
 PROGRAMS_PER_SM = 0.5
-MAX_SPLITS = 16
+#: above this many columns (the long tail of a reasoning rollout: few rows, long contexts) a pair's
+#: columns are cut until there are :data:`LONG_PROGRAMS_PER_SM` programs per multiprocessor, in
+#: chunks of at least :data:`LONG_MIN_CHUNK` columns (flash-decoding)
+LONG_LENGTH = 1024
+LONG_PROGRAMS_PER_SM = 2.0
+LONG_MIN_CHUNK = 256
+MAX_SPLITS = 64
+#: at most this many chunks for lengths up to :data:`LONG_LENGTH`
+SHORT_MAX_SPLITS = 16
 #: multiprocessor count assumed off CUDA (the interpreter)
 DEFAULT_SMS = 8
 
@@ -104,10 +112,15 @@ if triton is not None:
 
     @triton.jit
     def _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok, run_max, run_sum, acc, scale,
-                      shared_end, shared_shift, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+                      shared_end, shared_shift, table_row, sc_p, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SUB: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
         """Fold cache columns ``lo..hi-1`` (keys/values at ``k_base``/``v_base`` + column x
         ``sc_s``, plus ``shared_shift`` for the columns below ``shared_end``) into the online
         softmax, ``BLOCK_N`` at a time, in one pipelined loop.
+
+        ``PAGED``: the columns live in pages of ``PAGE`` columns (a multiple of ``BLOCK_N``, so a
+        block never straddles two pages): column ``c`` is at page ``table_row[c // PAGE]`` (``sc_p``
+        elements a page), row ``c % PAGE``; one table entry is loaded a block.
 
         ``SUB`` > 1 cuts each block into ``SUB`` sub-blocks of contiguous columns, each with a
         softmax state of its own (a leading batch dimension: with as many warps, each warp owns a
@@ -122,12 +135,19 @@ if triton is not None:
             run_max = tl.where(first[:, None], run_max[None, :], _NEG)
             run_sum = tl.where(first[:, None], run_sum[None, :], 0.0)
             acc = tl.where(first[:, None, None], acc[None, :, :], 0.0)
+        # the page of the loop's next block is loaded an iteration ahead (one dependent load less per block)
+        if PAGED:
+            page = tl.load(table_row + lo // PAGE, mask=lo < hi, other=0).to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
             col = start + cols
             col_ok = col < hi
-            # the row shift times a 0/1 flag, not a select: through a select Triton 3.9 loses the
-            # addresses' alignment and neither vectorises nor pipelines these loads
-            at = tl.expand_dims(col.to(tl.int64) * sc_s + shared_shift * (col < shared_end).to(tl.int64), -1)
+            if PAGED:
+                at = tl.expand_dims(page * sc_p + (start % PAGE + cols).to(tl.int64) * sc_s, -1)
+                page = tl.load(table_row + (start + BLOCK_N) // PAGE, mask=start + BLOCK_N < hi, other=0).to(tl.int64)
+            else:
+                # the row shift times a 0/1 flag, not a select: through a select Triton 3.9 loses the
+                # addresses' alignment and neither vectorises nor pipelines these loads
+                at = tl.expand_dims(col.to(tl.int64) * sc_s + shared_shift * (col < shared_end).to(tl.int64), -1)
             tile_ok = tl.expand_dims(col_ok, -1) & feat_ok
             k = tl.load(k_base + at, mask=tile_ok, other=0.0)
             v = tl.load(v_base + at, mask=tile_ok, other=0.0)
@@ -150,7 +170,7 @@ if triton is not None:
                      final_ptr, sf_n, sf_h, sf_g, sf_d, count_ptr,
                      length, chunk, scale,
                      new_ptr, sn_n, k_off, v_off, cos_ptr, sin_ptr, s_rope, pos_ptr, col_ptr,
-                     src_ptr, end_ptr, part_stride, pbias_ptr,
+                     src_ptr, end_ptr, part_stride, pbias_ptr, table_ptr, st_b,
                      group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
                      FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
@@ -160,7 +180,9 @@ if triton is not None:
                      PARTS: tl.constexpr,  # NEW: the projection is the sum of PARTS partial products
                      PBIAS: tl.constexpr,  # NEW: plus the projection bias pbias_ptr
                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SUB: tl.constexpr):  # sub-blocks of a block with softmax states of their own
+                     SUB: tl.constexpr,  # sub-blocks of a block with softmax states of their own
+                     PAGED: tl.constexpr,  # the cache is a pool of pages: sc_b is a page's stride, and
+                     PAGE: tl.constexpr):  # slot's column c is in page table_ptr[slot, c // PAGE], row c % PAGE
         # group and dim are compile-time constants so that, with dim a power of two, the feature
         # masks fold away and the key/value rows load as full vectors
         slot = tl.program_id(0).to(tl.int64)
@@ -173,8 +195,13 @@ if triton is not None:
         if not NEW:
             q = tl.load(q_ptr + slot * sq_n + head * sq_h + rows[:, None] * sq_g + feats[None, :] * sq_d,
                         mask=row_ok[:, None] & feat_ok[None, :], other=0.0)
-        k_base = k_ptr + slot * sc_b + head * sc_h + feats[None, :] * sc_d
-        v_base = v_ptr + slot * sc_b + head * sc_h + feats[None, :] * sc_d
+        if PAGED:
+            own = tl.zeros_like(slot)  # the page (from the slot's table row) gives the address
+        else:
+            own = slot * sc_b
+        k_base = k_ptr + own + head * sc_h + feats[None, :] * sc_d
+        v_base = v_ptr + own + head * sc_h + feats[None, :] * sc_d
+        table_row = table_ptr + slot * st_b
         bias_base = bias_ptr + slot * sb_n
         run_max = tl.full([BLOCK_G], _NEG, tl.float32)
         run_sum = tl.zeros([BLOCK_G], tl.float32)
@@ -206,17 +233,21 @@ if triton is not None:
                                         q_ptr.dtype.element_ty, dim, PARTS, PBIAS)
             key = key.to(k_ptr.dtype.element_ty)
             if part == 0:
-                at = new_col.to(tl.int64) * sc_s + feats * sc_d
-                tl.store(k_ptr + slot * sc_b + head * sc_h + at, key, mask=feat_ok)
-                tl.store(v_ptr + slot * sc_b + head * sc_h + at, value.to(v_ptr.dtype.element_ty), mask=feat_ok)
+                if PAGED:
+                    new_page = tl.load(table_row + new_col // PAGE).to(tl.int64)
+                    at = new_page * sc_b + (new_col % PAGE).to(tl.int64) * sc_s + feats * sc_d
+                else:
+                    at = slot * sc_b + new_col.to(tl.int64) * sc_s + feats * sc_d
+                tl.store(k_ptr + head * sc_h + at, key, mask=feat_ok)
+                tl.store(v_ptr + head * sc_h + at, value.to(v_ptr.dtype.element_ty), mask=feat_ok)
                 run_max = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale
                 run_sum = tl.full([BLOCK_G], 1.0, tl.float32)
                 acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
             # columns after the new one hold no key of this slot yet: not read at all
             hi = tl.minimum(hi, new_col)
         run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok,
-                                              run_max, run_sum, acc, scale, shared_end, shared_shift, IEEE, BLOCK_N,
-                                              SUB)
+                                              run_max, run_sum, acc, scale, shared_end, shared_shift, table_row, sc_b,
+                                              IEEE, BLOCK_N, SUB, PAGED, PAGE)
         _store_result(acc, run_max, run_sum, out_ptr, slot * so_n + head * so_h, so_g, so_d, stat_ptr, stat_plane,
                       final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, count_ptr, slot * tl.num_programs(1) + head,
                       part, rows, feats, group, dim, SPLIT, FOLD, BLOCK_G, BLOCK_D)
@@ -318,13 +349,18 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
     ``pairs`` is the number of (slot, key/value head) programs without splitting. By default a
     pair's columns are split only when there are fewer than :data:`PROGRAMS_PER_SM` programs per
-    multiprocessor, into enough chunks to reach that (at most :data:`MAX_SPLITS`, at least one
-    ``block_n`` block each). ``chunk`` is a multiple of ``block_n`` and every chunk is non-empty.
+    multiprocessor, into enough chunks to reach that (at most :data:`SHORT_MAX_SPLITS`, at least one
+    ``block_n`` block each). Above :data:`LONG_LENGTH` columns (few long rows: the tail of a long
+    rollout) the target is :data:`LONG_PROGRAMS_PER_SM` programs per multiprocessor, in chunks of at
+    least :data:`LONG_MIN_CHUNK` columns, at most :data:`MAX_SPLITS` of them. ``chunk`` is a
+    multiple of ``block_n`` and every chunk is non-empty.
     """
     blocks = -(-length // block_n)
     if splits is None:
-        target = max(1, int(PROGRAMS_PER_SM * sms))
+        long = length > LONG_LENGTH
+        target = max(1, int((LONG_PROGRAMS_PER_SM if long else PROGRAMS_PER_SM) * sms))
         splits = -(-target // max(pairs, 1)) if pairs < target else 1
+        splits = min(splits, max(1, length // LONG_MIN_CHUNK) if long else SHORT_MAX_SPLITS)
     splits = max(1, min(int(splits), blocks, MAX_SPLITS))
     chunk = -(-blocks // splits) * block_n
     return -(-length // chunk), chunk
@@ -333,7 +369,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, fold: bool = True,
            counters: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-           subblocks: int = 1) -> torch.Tensor:
+           subblocks: int = 1, pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.engine.decode.attend` for the shapes).
 
@@ -358,11 +394,15 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             states of their own, merged at the end (a power of two, sub-blocks of at least 16
             columns). With as many warps (``num_warps``), each warp works on its own sub-block and
             the loop needs no exchange between warps; 1 (default): one state for the block.
+        pages: ``(table, page_size)`` for a paged cache: ``layer`` is ``[2, pages, KVH, page_size, D]``
+            (a pool of pages) and slot ``i``'s column ``c`` is in page ``table[i, c // page_size]``
+            (``table`` ``[>= n, >= ceil(length / page_size)]`` int32), row ``c % page_size``;
+            ``page_size`` a multiple of ``block_n``. Excludes ``shared`` (slots share pages instead).
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
     return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, counters,
-                   shared=shared, subblocks=subblocks)
+                   shared=shared, subblocks=subblocks, pages=pages)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
@@ -370,7 +410,8 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None,
                shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-               proj_bias: torch.Tensor | None = None, subblocks: int = 1) -> torch.Tensor:
+               proj_bias: torch.Tensor | None = None, subblocks: int = 1,
+               pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -386,8 +427,9 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, counters, shared, subblocks: as for :func:`attend` (the
-            new key/value always goes to the slot's own row, at a column at or after its shared end).
+        splits, block_n, num_warps, num_stages, fold, counters, shared, subblocks, pages: as for :func:`attend`
+            (the new key/value always goes to the slot's own row, at a column at or after its shared
+            end; with ``pages``, to the page its column falls in).
         proj_bias: ``[(heads + 2·kv_heads)·D]`` added to the (summed) projection, for a ``proj``
             given without its bias.
     Returns:
@@ -408,7 +450,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
            columns if positions is None else positions, columns)
     summed = (parts.stride(0) if parts.shape[0] > 1 else 0, proj_bias, parts.shape[0])
     return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-                   rows=positions is None, shared=shared, summed=summed, subblocks=subblocks)
+                   rows=positions is None, shared=shared, summed=summed, subblocks=subblocks, pages=pages)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -428,18 +470,31 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
-            rows: bool = False, shared=None, summed=(0, None, 1), subblocks: int = 1) -> torch.Tensor:
+            rows: bool = False, shared=None, summed=(0, None, 1), subblocks: int = 1, pages=None) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
-    if not 0 < length <= layer.shape[3] or layer.shape[1] < n or bias.shape[0] < n:
-        raise ValueError(f"decode attention: length {length} outside the cache's {layer.shape[3]} columns, "
-                         f"or fewer cache/bias rows ({layer.shape[1]}, {bias.shape[0]}) than queries ({n})")
+    if pages is None:
+        table, page_size = q, 1
+        columns, cache_rows = layer.shape[3], layer.shape[1]
+    else:
+        table, page_size = pages
+        columns, cache_rows = table.shape[1] * page_size, table.shape[0]
+        if table.dtype != torch.int32 or table.device != device or table.stride(1) != 1 \
+                or layer.shape[3] != page_size or shared is not None:
+            raise ValueError(f"decode attention: pages must be (an int32 table on {device} with contiguous rows, "
+                             f"the cache's page size {layer.shape[3]}), without shared; got {table.dtype} on "
+                             f"{table.device}, page size {page_size}, shared {shared is not None}")
+    if not 0 < length <= columns or cache_rows < n or bias.shape[0] < n:
+        raise ValueError(f"decode attention: length {length} outside the cache's {columns} columns, "
+                         f"or fewer cache/bias rows ({cache_rows}, {bias.shape[0]}) than queries ({n})")
     out = torch.empty(n, kv_heads, group, dim, dtype=q.dtype, device=device)
     if n == 0:
         return out.view(n, -1)
     block_n = block_n or default_block(dim)
     num_warps = num_warps or default_warps(dim)
     check_subblocks(subblocks, block_n, dim)
+    if pages is not None and page_size % block_n:
+        raise ValueError(f"decode attention: page size {page_size} is not a multiple of the block of {block_n} columns")
     splits, chunk = plan(n * kv_heads, length, _sm_count(device.type, device.index), splits, block_n)
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(dim))
@@ -460,11 +515,13 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     else:
         new_args = (*new_args, q, q)
     part_stride, proj_bias, proj_parts = summed
-    new_args = (*new_args, part_stride, q if proj_bias is None else proj_bias)
+    new_args = (*new_args, part_stride, q if proj_bias is None else proj_bias, table,
+                table.stride(0) if pages is not None else 0)
     ieee = q.dtype == torch.float32 or interpreting()
     constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows), PARTS=proj_parts,
                      PBIAS=proj_bias is not None,
-                     SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SUB=subblocks)
+                     SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SUB=subblocks,
+                     PAGED=pages is not None, PAGE=page_size)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*common, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
                                        SPLIT=False, FOLD=False, **constants, **options)
@@ -496,10 +553,41 @@ def gather_shared(layer: torch.Tensor, n: int, source: torch.Tensor, end: torch.
     return torch.where(before[None, :, None, :, None], layer[:, source[:n].long()], rows)
 
 
+def gather_pages(layer: torch.Tensor, table: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """``[2, n, KVH, length, D]``: the columns ``0..length-1`` of slots ``0..n-1`` of a paged layer
+    (``[2, pages, KVH, page_size, D]``, slot ``i``'s column ``c`` in page ``table[i, c // page_size]``),
+    laid out as a contiguous cache."""
+    page_size = layer.shape[3]
+    count = -(-length // page_size)
+    picked = layer[:, table[:n, :count].long()]  # [2, n, count, KVH, P, D]
+    two, _, _, kv_heads, _, dim = picked.shape
+    return picked.transpose(2, 3).reshape(two, n, kv_heads, count * page_size, dim)[:, :, :, :length]
+
+
+def paginate(layer: torch.Tensor, page_size: int,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pool, table)``: the slots of a contiguous layer ``[2, B, KVH, S, D]`` cut into pages of
+    ``page_size`` columns (the last one zero-filled) scattered over a pool ``[2, 1 + B·pages, KVH,
+    page_size, D]`` in a shuffled order (page 0 left empty, as the engine's null page), and the int32
+    ``[B, pages]`` table that finds them (for tests and the kernel's self-check)."""
+    two, slots, kv_heads, columns, dim = layer.shape
+    count = -(-columns // page_size)
+    padded = layer.new_zeros(two, slots, kv_heads, count * page_size, dim)
+    padded[:, :, :, :columns] = layer
+    order = torch.randperm(slots * count, generator=generator).add(1).view(slots, count)
+    pool = layer.new_zeros(two, slots * count + 1, kv_heads, page_size, dim)
+    pool[:, order.reshape(-1).to(layer.device)] = padded.view(two, slots, kv_heads, count, page_size, dim).transpose(
+        2, 3).reshape(two, slots * count, kv_heads, page_size, dim)
+    return pool, order.to(layer.device, torch.int32)
+
+
 def reference(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int,
-              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """The same attention in float32 PyTorch (two matmuls and a softmax): ``[n, KVH·G·D]`` float32."""
     n, dim = q.shape[0], q.shape[-1]
+    if pages is not None:
+        layer = gather_pages(layer, pages[0], n, length)
     if shared is not None:
         layer = gather_shared(layer, n, *shared)
     keys, values = layer[0, :n, :, :length].float(), layer[1, :n, :, :length].float()
@@ -509,7 +597,8 @@ def reference(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: 
 
 def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                   sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int,
-                  kv_heads: int, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  kv_heads: int, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """:func:`attend_new` in PyTorch: rotates in float32, writes the new key/value into ``layer``
     (in place) and returns :func:`reference` over it with the columns after each slot's new one
     masked, ``[n, heads·D]`` float32."""
@@ -520,9 +609,14 @@ def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, l
     qk = proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float()
     qk = (qk * c + qk.roll(dim // 2, dims=-1) * s).to(proj.dtype)
     rows = torch.arange(n, device=proj.device)
-    layer[0, rows, :, columns] = qk[:, heads:].to(layer.dtype)
-    layer[1, rows, :, columns] = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim).to(layer.dtype)
-    return reference(qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim), layer, bias, length, shared)
+    at = columns
+    if pages is not None:  # the page each new column falls in, and the row in it
+        table, page_size = pages
+        rows, at = table[rows, columns // page_size].long(), columns % page_size
+    layer[0, rows, :, at] = qk[:, heads:].to(layer.dtype)
+    layer[1, rows, :, at] = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim).to(layer.dtype)
+    return reference(qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim), layer, bias, length, shared,
+                     pages)
 
 
 def check_subblocks(subblocks: int, block_n: int | None, dim: int) -> None:
@@ -535,12 +629,15 @@ def check_subblocks(subblocks: int, block_n: int | None, dim: int) -> None:
 
 
 def usable(device: torch.device | str, dtype: torch.dtype, kv_heads: int, group: int,
-           head_dim: int, settings: dict | None = None) -> tuple[bool, str]:
+           head_dim: int, settings: dict | None = None, page_size: int | None = None) -> tuple[bool, str]:
     """``(ok, reason)``: whether the kernels run on ``device`` and agree with :func:`reference`
     on a small random input of this head layout, whole and split, with the kernel ``settings``
-    (``block_n``, ``num_warps``, ``num_stages``, ``subblocks``; checked once per layout and settings)."""
+    (``block_n``, ``num_warps``, ``num_stages``, ``subblocks``; checked once per layout and settings)
+    and, given ``page_size``, also over a paged cache of pages of that many columns."""
     device = torch.device(device)
     settings = dict(settings or {})
+    if page_size is not None:
+        settings["page_size"] = int(page_size)
     if triton is None:
         return False, "triton is not installed"
     if not available(device):
@@ -553,6 +650,8 @@ def usable(device: torch.device | str, dtype: torch.dtype, kv_heads: int, group:
 
 def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: int,
                 head_dim: int, settings: dict) -> tuple[bool, str]:
+    settings = dict(settings)
+    page_size = settings.pop("page_size", None)
     gen = torch.Generator().manual_seed(0)
     n, slots, columns, length = 3, 4, 2 * BLOCK_N + 8, BLOCK_N + 24
     layer = torch.randn(2, slots, kv_heads, columns, head_dim, generator=gen).to(device, dtype)
@@ -574,20 +673,28 @@ def _self_check(device: torch.device, dtype: torch.dtype, kv_heads: int, group: 
             if not torch.allclose(got, expected, atol=tolerance, rtol=tolerance):
                 error = float((got - expected).abs().max())
                 return False, f"disagrees with PyTorch attention (splits {splits}, max abs error {error:.3g})"
-        # slots 1 and 2 read their first columns from row 0 (as samples of one prompt do)
+        # slots 1 and 2 read their first columns from row 0 (as samples of one prompt do); then the
+        # same cache cut into pages scattered over a pool
         sharing = (torch.tensor([0, 0, 0], device=device), torch.tensor([0, 9, 40], device=device))
-        for splits, shared in ((1, None), (2, None), (1, sharing), (2, sharing)):
-            expected_layer = layer.clone()
-            expected = reference_new(proj, expected_layer, bias, length, cos, sin, positions, at, heads, kv_heads,
-                                     shared)
-            got_layer = layer.clone()
-            got = attend_new(proj, got_layer, bias, length, cos, sin, positions, at, heads, kv_heads,
-                             splits=splits, shared=shared, **settings).float()
+        cases = [(splits, shared, layer, bias, None) for shared in (None, sharing) for splits in (1, 2)]
+        if page_size is not None:
+            pool, table = paginate(layer, page_size, gen)
+            wide = torch.full((n, table.shape[1] * page_size), float("-inf"), dtype=dtype, device=device)
+            wide[:, :columns] = bias
+            cases += [(splits, None, pool, wide, (table, page_size)) for splits in (1, 2)]
+        for splits, shared, cache, mask, pages in cases:
+            expected_cache = cache.clone()
+            expected = reference_new(proj, expected_cache, mask, length, cos, sin, positions, at, heads, kv_heads,
+                                     shared, pages)
+            got_cache = cache.clone()
+            got = attend_new(proj, got_cache, mask, length, cos, sin, positions, at, heads, kv_heads,
+                             splits=splits, shared=shared, pages=pages, **settings).float()
             error = float((got - expected).abs().max())
-            written = float((got_layer.float() - expected_layer.float()).abs().max())
+            written = float((got_cache.float() - expected_cache.float()).abs().max())
             if error > tolerance * 3 or written > tolerance * 3:
                 return False, (f"RoPE-and-write attention disagrees with PyTorch (splits {splits}, shared prompt "
-                               f"{shared is not None}, max abs error {error:.3g}, cache {written:.3g})")
+                               f"{shared is not None}, pages {pages is not None}, max abs error {error:.3g}, "
+                               f"cache {written:.3g})")
     except Exception as error:  # noqa: BLE001 - any failure means: use the PyTorch path
         return False, f"{type(error).__name__}: {str(error)[:300]}"
     return True, "ok"

@@ -2,7 +2,7 @@
 
 Backends (all satisfy :class:`~rlcore.rollout.base.RolloutBackend`):
 
-* ``engine`` — :class:`~rlcore.rollout.engine.RolloutEngine`, static KV cache, CUDA graphs and
+* ``engine`` — :class:`~rlcore.rollout.engine.RolloutEngine`, paged KV cache, CUDA graphs and
   continuous batching for Llama/Mistral/Qwen2 decoders;
 * ``hf`` — :class:`~rlcore.rollout.hf.HFGenerateBackend`, Hugging Face ``generate`` for any model.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -139,6 +139,10 @@ def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
+def _shifted(on_finished: Callable, offset: int) -> Callable:
+    return lambda indices, responses: on_finished([offset + i for i in indices], responses)
+
+
 class AdaptiveMicroBatch:
     """Generate in micro-batches, halving the micro-batch on out-of-memory.
 
@@ -154,16 +158,21 @@ class AdaptiveMicroBatch:
         self.minimum = int(minimum)
         self.retries = 0
 
-    def generate(self, generate: Callable[[Sequence[Sequence[int]], SamplingParams], RolloutBatch],
-                 prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
-        """Run ``generate`` over all ``prompts`` chunk by chunk; results keep the prompts' order."""
+    def generate(self, generate: Callable[..., RolloutBatch], prompts: Sequence[Sequence[int]],
+                 params: SamplingParams, on_finished: Optional[Callable] = None) -> RolloutBatch:
+        """Run ``generate`` over all ``prompts`` chunk by chunk; results keep the prompts' order.
+
+        ``on_finished`` (see :data:`rlcore.rollout.base.FinishedCallback`) is handed to each chunk's
+        ``generate`` with the chunk's indices shifted to the whole list's; a chunk retried after an
+        out-of-memory error may report samples again."""
         parts: list[RolloutBatch] = []
         start = 0
         while start < len(prompts):
             size = min(self.micro_batch, len(prompts) - start)
             chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
+            kw = {} if on_finished is None else {"on_finished": _shifted(on_finished, start)}
             try:
-                parts.append(generate(prompts[start:start + size], chunk_params))
+                parts.append(generate(prompts[start:start + size], chunk_params, **kw))
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 if not _is_oom(error) or self.micro_batch <= self.minimum:
                     raise

@@ -9,7 +9,7 @@ CUDA graphs and continuous batching for Llama-style decoders).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -75,6 +75,21 @@ class RolloutBackend(Protocol):
     def sync_weights(self) -> None:
         """Refresh the backend's weights from the training model after an update, in place."""
         ...
+
+
+#: ``on_finished(indices, responses)``: prompt indices of finished samples and their response tokens
+#: (up to and including the first EOS), reported while the rest of the rollout still decodes.
+FinishedCallback = Callable[[list[int], list[list[int]]], None]
+
+
+def reports_finished(backend: object) -> bool:
+    """Whether ``backend.generate`` takes an ``on_finished`` callback (the engine does; HF ``generate`` does not)."""
+    import inspect
+
+    try:
+        return "on_finished" in inspect.signature(backend.generate).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,

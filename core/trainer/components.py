@@ -54,6 +54,10 @@ class Components:
     rng: Any
     world_size: int = 1
     extra_state: dict = field(default_factory=dict)
+    #: whether the training forwards pack their sequences (``ppo.pack_sequences`` resolved)
+    packed: bool = False
+    #: per trained role, its activation-checkpointing policy (:class:`rlcore.trainer.recompute.Recompute`)
+    recompute: dict = field(default_factory=dict)
 
     def stateful(self, trainer_state: Any) -> dict[str, Any]:
         state = {"actor": self.actor, "actor_optim": self.actor_opt, "actor_sched": self.actor_sched,
@@ -64,14 +68,21 @@ class Components:
             state.update(critic=self.critic, critic_optim=self.critic_opt, critic_sched=self.critic_sched)
         return state
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 on_finished: Optional[Callable] = None) -> RolloutBatch:
         """Switch the actor to its generation layout, generate (split over replicas by the reshard
-        policy, micro-batched with out-of-memory back-off) and switch back."""
+        policy, micro-batched with out-of-memory back-off) and switch back.
+
+        ``on_finished`` (:data:`rlcore.rollout.base.FinishedCallback`) is handed to a backend that
+        reports finished samples (:func:`rlcore.rollout.base.reports_finished`) and ignored by others."""
+        from rlcore.rollout.base import reports_finished
+
         with self.reshard.generation(self.actor) as gen_module:
             gen_module.eval()
             backend = self.backends.get(gen_module)
+            report = on_finished if on_finished is not None and reports_finished(backend) else None
             return self.reshard.generate_distributed(
-                lambda p, sp: self.micro.generate(backend.generate, p, sp), prompts, params)
+                lambda p, sp: self.micro.generate(backend.generate, p, sp, report), prompts, params)
 
     def graceful_exit(self):
         from rlcore.trainer.checkpoint import GracefulExit
@@ -222,6 +233,14 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
         train_device=device, micro_batch=Batching.from_config(n, ppo, tcfg.gradient_accumulation_steps).micro,
         eos_ids=[eos] if isinstance(eos, int) else list(eos or []), rng=RNGState(), world_size=dist.world_size)
     comps._progress_enabled = bool(tcfg.progress) and dist.is_main
+    from rlcore.trainer.packing import resolve_packing
+    from rlcore.trainer.recompute import Recompute
+
+    comps.packed = resolve_packing(ppo.pack_sequences, [actor, critic])
+    comps.recompute = {"actor": Recompute(actor, actor_cfg.gradient_checkpointing, actor_module.config, device)}
+    if critic is not None:
+        comps.recompute["critic"] = Recompute(critic, critic_cfg.gradient_checkpointing, critic.config,
+                                              placement.device_for("critic"), role="critic")
     return comps
 
 
@@ -270,12 +289,11 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
                  dist: DistInfo) -> tuple[torch.nn.Module, Optional[torch.nn.Module], Optional[torch.nn.Module]]:
     """``(actor, frozen reference or None, critic or None)``, full (not yet sharded) models, with
     gradient checkpointing and compiled layers as configured."""
-    from rlcore.distributed.fsdp import compile_layers, enable_gradient_checkpointing, load_model_for_role
+    from rlcore.distributed.fsdp import compile_layers, load_model_for_role
 
     actor_cfg, critic_cfg, ppo, algo = obj(cfg.actor), obj(cfg.critic), obj(cfg.ppo), obj(cfg.algorithm)
     actor = load_model_for_role(lambda: models.load_causal_lm(model_path, actor_cfg.dtype, device), actor_fsdp, dist)
-    if actor_cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(actor)
+    _enable_checkpointing(actor, actor_cfg.gradient_checkpointing)
     ref = models.frozen_copy(actor) if algo.use_reference and ppo.kl_coeff > 0 else None
     critic = None
     if trains_critic(algo.adv_estimator):
@@ -284,11 +302,22 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
             lambda: models.load_causal_lm(critic_path, critic_cfg.dtype, placement.device_for("critic")),
             resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
+        _enable_checkpointing(critic.backbone, critic_cfg.gradient_checkpointing)
     if _wants_compile(actor_cfg.compile, device):  # after the reference copy: the reference runs uncompiled
         compile_layers(actor, "actor", fallback=actor_cfg.compile is None)
     if critic is not None and _wants_compile(critic_cfg.compile, placement.device_for("critic")):
         compile_layers(critic, "critic", fallback=critic_cfg.compile is None)
     return actor, ref, critic
+
+
+def _enable_checkpointing(model: torch.nn.Module, setting: Any) -> None:
+    """``<role>.gradient_checkpointing``: true enables it; auto enables the switch that
+    :class:`~rlcore.trainer.recompute.Recompute` turns per micro-batch, where the model has one."""
+    from rlcore.distributed.fsdp import enable_gradient_checkpointing
+    from rlcore.trainer.recompute import switchable_layers
+
+    if setting is True or (setting == "auto" and switchable_layers(model)):
+        enable_gradient_checkpointing(model)
 
 
 def _generation_backends(actor: Any, actor_module: torch.nn.Module, actor_cfg: Any, data_cfg: Any, ppo: Any,

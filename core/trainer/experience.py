@@ -11,6 +11,7 @@ from rlcore import rlmath
 from rlcore.config.schema import AlgorithmConfig, PPOConfig
 from rlcore.rollout.base import RolloutBatch
 from rlcore.trainer.models import response_logprobs, response_values
+from rlcore.trainer.packing import micro_batches
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Experience:
     values: Optional[torch.Tensor] = None  # [B, R]
     advantages: Optional[torch.Tensor] = None  # [B, R]
     returns: Optional[torch.Tensor] = None  # [B, R]
+    rollout_logprobs: Optional[torch.Tensor] = None  # [B, R]: what the sampler reported for its tokens
 
     @property
     def size(self) -> int:
@@ -90,34 +92,55 @@ def _trim(ids: torch.Tensor, mask: torch.Tensor, response_mask: Optional[torch.T
     return ids[:, columns], mask[:, columns], kept
 
 
-def _chunks(n: int, size: int):
-    size = max(1, size)
-    for start in range(0, n, size):
-        yield slice(start, min(n, start + size))
+def _forward_groups(mask: torch.Tensor, response_mask: Optional[torch.Tensor], micro: int, max_tokens: int,
+                    packed: bool) -> list[torch.Tensor]:
+    """The sample indices of each no-grad forward: ``micro`` samples each in order, or token-budget
+    groups (:func:`rlcore.trainer.packing.micro_batches`) of the samples sorted by length."""
+    n = len(mask)
+    if max_tokens <= 0 or response_mask is None:
+        return list(torch.split(torch.arange(n), max(1, micro)))
+    order = torch.sort(mask.sum(-1).cpu(), descending=True, stable=True).indices
+    return micro_batches(mask, response_mask, order, micro, max_tokens, packed)
 
 
 @torch.no_grad()
 def batched_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response_len: int, temperature: float,
-                     micro: int, response_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     micro: int, response_mask: Optional[torch.Tensor] = None, *, max_tokens: int = 0,
+                     packed: bool = False) -> torch.Tensor:
     """Log-probs ``[B, R]`` chunk by chunk; with ``response_mask`` each chunk is cut to its used
-    columns (:func:`used_columns`) and the unused response columns are 0."""
+    columns (:func:`used_columns`) and the unused response columns are 0. ``max_tokens > 0``: chunks
+    of at most that many tokens instead of ``micro`` samples; ``packed``: each chunk one packed row
+    (both need ``response_mask``)."""
     out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
-    for s in _chunks(len(ids), micro):
-        c_ids, c_mask, kept = _trim(ids[s], mask[s], None if response_mask is None else response_mask[s])
+    for idx in _forward_groups(mask, response_mask, micro, max_tokens, packed):
+        idx = idx.to(ids.device)
+        c_resp = None if response_mask is None else response_mask[idx]
+        if packed and c_resp is not None:
+            out[idx] = response_logprobs(model, ids[idx], mask[idx], response_len, temperature,
+                                         response_mask=c_resp, packed=True)[0].float()
+            continue
+        c_ids, c_mask, kept = _trim(ids[idx], mask[idx], c_resp)
         kept = kept or response_len
-        out[s, :kept] = response_logprobs(model, c_ids, c_mask, kept, temperature)[0].float()
+        out[idx, :kept] = response_logprobs(model, c_ids, c_mask, kept, temperature)[0].float()
     return out
 
 
 @torch.no_grad()
 def batched_values(critic, ids: torch.Tensor, mask: torch.Tensor, response_len: int, micro: int,
-                   response_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   response_mask: Optional[torch.Tensor] = None, *, max_tokens: int = 0,
+                   packed: bool = False) -> torch.Tensor:
     """Values ``[B, R]`` chunk by chunk, cut like :func:`batched_logprobs`."""
     out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
-    for s in _chunks(len(ids), micro):
-        c_ids, c_mask, kept = _trim(ids[s], mask[s], None if response_mask is None else response_mask[s])
+    for idx in _forward_groups(mask, response_mask, micro, max_tokens, packed):
+        idx = idx.to(ids.device)
+        c_resp = None if response_mask is None else response_mask[idx]
+        if packed and c_resp is not None:
+            out[idx] = response_values(critic, ids[idx], mask[idx], response_len, response_mask=c_resp,
+                                       packed=True).float()
+            continue
+        c_ids, c_mask, kept = _trim(ids[idx], mask[idx], c_resp)
         kept = kept or response_len
-        out[s, :kept] = response_values(critic, c_ids, c_mask, kept).float()
+        out[idx, :kept] = response_values(critic, c_ids, c_mask, kept).float()
     return out
 
 
@@ -125,7 +148,8 @@ def to_experience(rollout: RolloutBatch, scores: torch.Tensor, device: torch.dev
     ids, mask = rollout.sequences()
     return Experience(input_ids=ids.to(device), attention_mask=mask.to(device),
                       response_mask=rollout.response_mask.to(device).float(),
-                      old_logprobs=rollout.logprobs.to(device).float(), scores=scores.to(device).float())
+                      old_logprobs=rollout.logprobs.to(device).float(), scores=scores.to(device).float(),
+                      rollout_logprobs=rollout.logprobs.to(device).float())
 
 
 def compute_advantages(exp: Experience, algo: AlgorithmConfig, ppo: PPOConfig, kl_coef: float,

@@ -6,14 +6,14 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlcore.distributed.init import all_gather_object
-from rlcore.protocols import DistInfo, RewardInput, RolloutSource
-from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.protocols import DistInfo, RolloutSource
+from rlcore.rollout.base import FinishedCallback, RolloutBatch, SamplingParams
 from rlcore.trainer.checkpoint import archive_previous_run
 from rlcore.trainer.components import Components, build_components
 from rlcore.trainer.experience import (
@@ -23,6 +23,8 @@ from rlcore.trainer.experience import (
     compute_advantages,
     to_experience,
 )
+from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
+from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.update import on_policy, ppo_update
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class Trainer:
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
+        #: the rollout's on_finished callback during a training step's generation (see train_step)
+        self._on_finished: Optional[FinishedCallback] = None
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
         #: where each step's rollout comes from: generated here, or (``split``: a plugin's
@@ -122,11 +126,9 @@ class Trainer:
         t0 = time.perf_counter()
         c.profiler.step_start(step)
         self.hook.rlcore_step_start(step=step)
-        # 1-2. Prompts (this rank's share, each repeated n times) and their rollout.
-        rollout, extras = self.source.next(step)
-        # 3. Reward.
-        with self.timer("reward"):
-            scores, m_reward = self.score(rollout, extras)
+        # 1-3. Prompts (this rank's share, each repeated n times), their rollout and reward: generated
+        # here (InPlaceSource) or received from a plugin's rollout ranks.
+        rollout, scores, m_reward = self.source.next(step)
         # 4. Old and reference log-probs, values (training layout).
         exp = self.make_experience(rollout, scores)
         # 5. Advantages (+ KL in the reward).
@@ -187,58 +189,63 @@ class Trainer:
         return prompts, extras
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-        return self.c.generate(prompts, params)
+        # the training step's streaming scorer, if any, takes the samples as they finish
+        return self.c.generate(prompts, params, on_finished=self._on_finished)
+
+    def _request(self, prompts: list[list[int]], extras: dict[str, list]) -> RolloutRequest:
+        extras = dict(extras)
+        return RolloutRequest(extras.pop("prompt_text"), prompts, extras)
+
+    def streaming_scorer(self, prompts: list[list[int]], extras: dict[str, list]) -> Optional[StreamingScorer]:
+        """A scorer that takes finished samples during the rollout, where ``reward.stream`` is on and
+        can be: one process (a distributed reward is a collective every rank calls once) and no
+        reward model (GPU work beside the rollout). None: score after the rollout."""
+        if not self.cfg.reward.stream or self.dist.world_size > 1 or self.cfg.reward_model.enable:
+            return None
+        return StreamingScorer(self.c.reward, self.c.tokenizer, self._request(prompts, extras))
 
     def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
-        tok = self.c.tokenizer
-        # one device-to-host copy per tensor, then per-row work on the host (not 4 syncs per sample)
-        resp_ids = _rows(rollout.response_ids, rollout.response_mask)
-        responses = tok.batch_decode(resp_ids, skip_special_tokens=True)
-        prompt_text = extras.pop("prompt_text")
-        batch = RewardInput(prompts=prompt_text, responses=responses,
-                            prompt_ids=_rows(rollout.prompt_ids, rollout.prompt_mask),
-                            response_ids=resp_ids, extras=extras)
-        out = self.c.reward.score(batch)
-        scores = out.scores.float().cpu()
-        if not torch.isfinite(scores).all():
-            bad = int((~torch.isfinite(scores)).nonzero()[0])
-            from rlcore.errors import RewardError
-            raise RewardError(f"reward backend returned {float(scores[bad])} for sample {bad}: "
-                              f"prompt={prompt_text[bad]!r} response={responses[bad]!r}")
-        return scores, dict(out.metrics)
+        prompts = _rows(rollout.prompt_ids, rollout.prompt_mask)
+        return score_rollout(self.c.reward, self.c.tokenizer, self._request(prompts, extras), rollout)
 
     def make_experience(self, rollout: RolloutBatch, scores: torch.Tensor) -> Experience:
         c = self.c
         exp = to_experience(rollout, scores, c.train_device)
         micro = c.micro_batch
         temp = float(self.gen_cfg.temperature)
-        trim = exp.response_mask if self.ppo.trim_padding else None  # cut each chunk to its used columns
+        max_tokens = int(self.ppo.max_tokens_per_micro_batch)
+        # cut each chunk to its used columns (a token budget and packing read the response mask too)
+        trim = exp.response_mask if (self.ppo.trim_padding or c.packed or max_tokens > 0) else None
+        cut = dict(max_tokens=max_tokens, packed=c.packed)
         c.actor_module.eval()
         if c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps)):
             exp.old_logprobs = None  # one optimizer step over the rollout: the update's forward gives them
         else:
             with self.timer("old_logprob"):
                 exp.old_logprobs = batched_logprobs(c.actor, exp.input_ids, exp.attention_mask,
-                                                    exp.response_len, temp, micro, trim)
+                                                    exp.response_len, temp, micro, trim, **cut)
         if c.ref is not None:
             with self.timer("ref_logprob"):
                 exp.ref_logprobs = batched_logprobs(c.ref, exp.input_ids, exp.attention_mask, exp.response_len,
-                                                    temp, micro, trim)
+                                                    temp, micro, trim, **cut)
         if c.critic is not None:
             with self.timer("values"):
                 exp.values = batched_values(c.critic, exp.input_ids, exp.attention_mask, exp.response_len, micro,
-                                            trim)
+                                            trim, **cut)
         return exp
 
     def update(self, exp: Experience) -> dict[str, float]:
         c = self.c
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
-        return ppo_update(exp, actor=c.actor, actor_opt=c.actor_opt, actor_sched=c.actor_sched,
-                          actor_grad_clip=self.cfg.actor.grad_clip, critic=c.critic, critic_opt=c.critic_opt,
-                          critic_sched=c.critic_sched, critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
-                          grad_accum=int(self.tcfg.gradient_accumulation_steps),
-                          temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
-                          generator=self._gen)
+        out = ppo_update(exp, actor=c.actor, actor_opt=c.actor_opt, actor_sched=c.actor_sched,
+                         actor_grad_clip=self.cfg.actor.grad_clip, critic=c.critic, critic_opt=c.critic_opt,
+                         critic_sched=c.critic_sched, critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
+                         grad_accum=int(self.tcfg.gradient_accumulation_steps),
+                         temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
+                         generator=self._gen, packed=c.packed, recompute=c.recompute)
+        for policy in c.recompute.values():
+            out.update(policy.take_metrics())
+        return out
 
     def rollout_metrics(self, rollout: RolloutBatch, scores: torch.Tensor) -> dict[str, float]:
         lengths = rollout.response_mask.sum(-1).float()
@@ -250,7 +257,9 @@ class Trainer:
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 "reward/min": float(scores.min()), "reward/max": float(scores.max()),
                 "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-                "response/clip_frac": float(((lengths >= max_len) & ~ended).float().mean())}
+                "response/clip_frac": float(((lengths >= max_len) & ~ended).float().mean()),
+                # samples the engine's paged KV cache had to preempt (and sample again) for want of pages
+                **{key: float(rollout.stats[key]) for key in ("rollout/preemptions",) if key in rollout.stats}}
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, float]:
@@ -290,21 +299,31 @@ class Trainer:
 
 
 class InPlaceSource:
-    """The default rollout source: draw this rank's prompts and generate them here, in the actor's
-    generation layout."""
+    """The default rollout source: draw this rank's prompts, generate them here in the actor's
+    generation layout and score them (finished samples while the rest decode, with ``reward.stream``)."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
 
-    def next(self, step: int) -> tuple[RolloutBatch, dict[str, list]]:
+    def next(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
         t, c = self.trainer, self.trainer.c
         rows = c.ensure_ids(c.train_loader.next_batch())
         prompts, extras = t.expand(rows)
         t.hook.rlcore_before_generation(step=step, prompts=prompts)
-        with t.timer("generate"):
-            rollout = t.generate(prompts, t.sampling(step))
-        t.hook.rlcore_after_generation(step=step, rollout=rollout)
-        return rollout, extras
+        scorer = t._on_finished = t.streaming_scorer(prompts, extras)
+        try:
+            with t.timer("generate"):
+                rollout = t.generate(prompts, t.sampling(step))
+            t.hook.rlcore_after_generation(step=step, rollout=rollout)
+            with t.timer("reward"):
+                scores, m_reward = scorer.finish(rollout) if scorer is not None else t.score(rollout, extras)
+        finally:
+            t._on_finished = None
+            if scorer is not None:
+                scorer.close()
+        if scorer is not None:
+            m_reward["reward/streamed_frac"] = scorer.streamed_frac
+        return rollout, scores, m_reward
 
     def data_state(self) -> Any:
         return self.trainer.c.ensure_ids  # the loader's position and the rows carried into the next batch
@@ -314,9 +333,3 @@ class InPlaceSource:
 
     def close(self) -> None:
         pass
-
-
-def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """The unmasked tokens of each row of ``ids [B, T]`` as lists, copied to the host once."""
-    ids, mask = ids.cpu(), mask.cpu().bool()
-    return [row[keep].tolist() for row, keep in zip(ids, mask)]

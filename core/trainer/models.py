@@ -61,10 +61,12 @@ class ValueModel(nn.Module):
         model.config = lm.config
         return model.to(next(lm.parameters()).device, dtype=next(lm.parameters()).dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                position_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        # attention_mask None with restarting position_ids: packed sequences (rlcore.trainer.packing);
+        # kwargs carry the variable-length attention arguments of flash-attention kernels
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
+                            use_cache=False, **kwargs)
         # a matrix-vector product gives [B, T] directly (no squeezed view of the head's output, which
         # FSDP2 warns about for a wrapped module's return value)
         return torch.matmul(out.last_hidden_state, self.value_head.weight[0]) + self.value_head.bias[0]
@@ -166,30 +168,60 @@ def _chunked_backward(logits, labels, temperature: float, lse, grad_logp):
     return grad
 
 
-def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      response_len: int, temperature: float = 1.0,
-                      with_entropy: bool = False,
-                      entropy_grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Teacher-forced log-probs of the last ``response_len`` tokens. ``[B, T] -> [B, R]`` (and entropy ``[B, R]``).
-
-    The log-probs go through :class:`ChunkedLogprobs` (chunked float32 math, softmax recomputed in
-    the backward pass). ``entropy_grad=False`` computes the entropy there too, without autograd
-    (a metric only); with ``entropy_grad=True`` both take the plain autograd path.
-    """
-    temp = temperature if temperature > 0 else 1.0
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                use_cache=False, logits_to_keep=response_len + 1)
-    logits = out.logits[:, -(response_len + 1):-1]
-    labels = input_ids[:, -response_len:]
+def _token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temp: float, with_entropy: bool,
+                    entropy_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``logits [B, K, V]``, ``labels [B, K]`` -> log-probs (and entropy) ``[B, K]`` float32."""
     if with_entropy and entropy_grad and torch.is_grad_enabled():
         return (rlmath.logprobs_from_logits(logits, labels, temperature=temp),
                 rlmath.entropy_from_logits(logits, temperature=temp))
     return ChunkedLogprobs.apply(logits, labels.long(), float(temp), bool(with_entropy))
 
 
+def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      response_len: int, temperature: float = 1.0,
+                      with_entropy: bool = False,
+                      entropy_grad: bool = True, *, response_mask: Optional[torch.Tensor] = None,
+                      packed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Teacher-forced log-probs of the last ``response_len`` tokens. ``[B, T] -> [B, R]`` (and entropy ``[B, R]``).
+
+    The log-probs go through :class:`ChunkedLogprobs` (chunked float32 math, softmax recomputed in
+    the backward pass). ``entropy_grad=False`` computes the entropy there too, without autograd
+    (a metric only); with ``entropy_grad=True`` both take the plain autograd path.
+
+    ``packed=True`` (needs ``response_mask [B, R]``): one forward over the samples' real tokens packed
+    into one row (:mod:`rlcore.trainer.packing`), logits only where they predict a response token;
+    positions outside ``response_mask`` are 0.
+    """
+    temp = temperature if temperature > 0 else 1.0
+    if packed:
+        if response_mask is None:
+            raise ValueError("response_logprobs: packed=True needs the response_mask")
+        from rlcore.trainer.packing import pack
+
+        rows = pack(input_ids, attention_mask, response_mask)
+        out = model(**rows.forward_kwargs(model), use_cache=False, logits_to_keep=rows.index)
+        logp, ent = _token_logprobs(out.logits, rows.labels[None], temp, with_entropy, entropy_grad)
+        return rows.unpack(logp[0]), (rows.unpack(ent[0]) if ent is not None else None)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                use_cache=False, logits_to_keep=response_len + 1)
+    logits = out.logits[:, -(response_len + 1):-1]
+    labels = input_ids[:, -response_len:]
+    return _token_logprobs(logits, labels, temp, with_entropy, entropy_grad)
+
+
 def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_len: int) -> torch.Tensor:
-    """Values of the states before each response token. ``[B, T] -> [B, R]``."""
+                    response_len: int, *, response_mask: Optional[torch.Tensor] = None,
+                    packed: bool = False) -> torch.Tensor:
+    """Values of the states before each response token. ``[B, T] -> [B, R]``; ``packed`` as in
+    :func:`response_logprobs`."""
+    if packed:
+        if response_mask is None:
+            raise ValueError("response_values: packed=True needs the response_mask")
+        from rlcore.trainer.packing import pack
+
+        rows = pack(input_ids, attention_mask, response_mask)
+        values = critic(**rows.forward_kwargs(critic))
+        return rows.unpack(values[0, rows.index].float())
     values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     return values[:, -(response_len + 1):-1].float()
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -13,6 +14,7 @@ from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
 from rlcore.trainer.experience import Experience
 from rlcore.trainer.models import response_logprobs, response_values
+from rlcore.trainer.packing import micro_batches
 
 
 @dataclass
@@ -38,21 +40,29 @@ def on_policy(n: int, ppo: PPOConfig, grad_accum: int) -> bool:
     return int(ppo.ppo_epochs) == 1 and Batching.from_config(n, ppo, grad_accum).mini >= n
 
 
-def micro_weights(response_mask: torch.Tensor, mini_idx: torch.Tensor, micro: int, loss_agg: str) -> list[float]:
+def group_weights(response_mask: torch.Tensor, groups: Sequence[torch.Tensor], loss_agg: str) -> list[float]:
     """Weight of each micro-batch's (mean) loss so that the accumulated gradient is the mini-batch's.
 
-    ``token-mean`` losses are means over a micro-batch's valid tokens, so each weighs its share of
-    the mini-batch's tokens; per-sequence means weigh their share of the samples. Either way the
-    result does not depend on how the mini-batch is cut or ordered. ``response_mask [B, R]``.
+    ``groups`` holds the sample indices of each micro-batch of one mini-batch. ``token-mean``
+    losses are means over a micro-batch's valid tokens, so each weighs its share of the
+    mini-batch's valid tokens; per-sequence means weigh their share of the sequences that have a
+    valid token (the ones :func:`rlcore.rlmath.aggregate_loss` counts). Either way the result does
+    not depend on how the mini-batch is cut or ordered, nor on how many tokens each micro-batch
+    holds. ``response_mask [B, R]``.
     """
-    sizes = [len(mini_idx[s:s + micro]) for s in range(0, len(mini_idx), micro)]
+    counts = [response_mask[g.to(response_mask.device)].sum(-1).float().cpu() for g in groups]
     if loss_agg != "token-mean":
-        return [n / len(mini_idx) for n in sizes]
-    counts = response_mask[mini_idx.to(response_mask.device)].sum(-1).float().cpu()
-    total = float(counts.sum())
+        counts = [(c > 0).float() for c in counts]
+    total = float(sum(float(c.sum()) for c in counts))
     if total <= 0:
-        return [n / len(mini_idx) for n in sizes]
-    return [float(part.sum()) / total for part in torch.split(counts, sizes)]
+        sizes = [len(g) for g in groups]
+        return [n / max(1, sum(sizes)) for n in sizes]
+    return [float(c.sum()) / total for c in counts]
+
+
+def micro_weights(response_mask: torch.Tensor, mini_idx: torch.Tensor, micro: int, loss_agg: str) -> list[float]:
+    """:func:`group_weights` of ``mini_idx`` cut into micro-batches of ``micro`` samples."""
+    return group_weights(response_mask, list(torch.split(mini_idx, micro)), loss_agg)
 
 
 def _clip_and_step(model: torch.nn.Module, optim, sched, grad_clip: float) -> float:
@@ -68,14 +78,25 @@ def _clip_and_step(model: torch.nn.Module, optim, sched, grad_clip: float) -> fl
 
 
 def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, kl_loss_coef: float,
-                     weight: float, stats: dict) -> torch.Tensor:
+                     weight: float, stats: dict, packed: bool = False) -> torch.Tensor:
+    """Forward and backward of one actor micro-batch; returns the (detached) log-probs the ratio's
+    denominator used: the recomputed old ones, or, on-policy, this forward's own."""
     # Without an entropy bonus the entropy is only a metric: no autograd graph over the vocabulary for it.
     logp, ent = response_logprobs(actor, mb.input_ids, mb.attention_mask, mb.response_len, temperature,
-                                  with_entropy=True, entropy_grad=ppo.entropy_coeff != 0)
+                                  with_entropy=True, entropy_grad=ppo.entropy_coeff != 0,
+                                  response_mask=mb.response_mask, packed=packed)
     mask = mb.response_mask
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # None: on-policy (see on_policy)
+    is_weights = None
+    if ppo.rollout_is != "none" and mb.rollout_logprobs is not None:
+        # one factor on every token's policy-gradient loss, whatever the loss (see rlmath.rollout_is_weights)
+        is_weights, is_stats = rlmath.rollout_is_weights(old, mb.rollout_logprobs, mask, ppo.rollout_is,
+                                                         ppo.rollout_is_cap)
+        stats["rollout_is/weight_mean"].append(float(is_stats["mean"]))
+        stats["rollout_is/capped_frac"].append(float(is_stats["capped_frac"]))
     pg_loss, pg_stats = rlmath.policy_loss(logp, old, mb.advantages, mask, ppo.cliprange,
-                                           ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg)
+                                           ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg,
+                                           token_weights=is_weights)
     entropy = rlmath.masked_mean(ent, mask)
     loss = pg_loss - ppo.entropy_coeff * entropy if ppo.entropy_coeff != 0 else pg_loss
     if kl_loss_coef > 0 and mb.ref_logprobs is not None:
@@ -87,7 +108,7 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
     stats["entropy/mean"].append(float(entropy.detach()))
     stats["actor/clipfrac"].append(float(pg_stats["clipfrac"]))
     stats["actor/approx_kl"].append(float(pg_stats["approx_kl"]))
-    return loss
+    return old
 
 
 def set_gradient_sync(module, on: bool) -> None:
@@ -101,26 +122,49 @@ def set_gradient_sync(module, on: bool) -> None:
         setter(on)
 
 
-def critic_micro_loss(critic, mb: Experience, ppo: PPOConfig, weight: float, stats: dict) -> None:
-    values = response_values(critic, mb.input_ids, mb.attention_mask, mb.response_len)
+def critic_micro_loss(critic, mb: Experience, ppo: PPOConfig, weight: float, stats: dict,
+                      packed: bool = False) -> None:
+    """Forward and backward of one critic micro-batch (a token mean: ``weight`` is its token share)."""
+    values = response_values(critic, mb.input_ids, mb.attention_mask, mb.response_len,
+                             response_mask=mb.response_mask, packed=packed)
     vf_loss, clipfrac = rlmath.value_loss(values, mb.values, mb.returns, mb.response_mask, ppo.cliprange_value)
     (ppo.vf_coef * vf_loss * weight).backward()
     stats["loss/value"].append(float(vf_loss.detach()))
     stats["critic/clipfrac"].append(float(clipfrac))
 
 
+def mismatch_metrics(exp: Experience, trainer_logprobs: Optional[torch.Tensor]) -> dict[str, float]:
+    """``rollout/logprob_*``: the rollout's log-probs against the trainer's recomputation of the same tokens."""
+    if exp.rollout_logprobs is None or trainer_logprobs is None:
+        return {}
+    m = rlmath.logprob_mismatch(exp.rollout_logprobs, trainer_logprobs, exp.response_mask)
+    return {"rollout/logprob_abs_diff_mean": float(m["abs_diff_mean"]),
+            "rollout/logprob_abs_diff_max": float(m["abs_diff_max"]), "rollout/logprob_kl": float(m["kl"])}
+
+
 def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_clip: float,
                critic=None, critic_opt=None, critic_sched=None, critic_grad_clip: float = 0.0,
                ppo: PPOConfig, grad_accum: int, temperature: float, kl_loss_coef: float,
-               generator: Optional[torch.Generator] = None) -> dict[str, float]:
-    """Run ``ppo.ppo_epochs`` passes over ``exp``; return averaged metrics."""
+               generator: Optional[torch.Generator] = None, packed: bool = False,
+               recompute: Optional[dict[str, Any]] = None) -> dict[str, float]:
+    """Run ``ppo.ppo_epochs`` passes over ``exp``; return averaged metrics.
+
+    Each mini-batch is cut into micro-batches of ``ppo.micro_batch_size`` samples, or of at most
+    ``ppo.max_tokens_per_micro_batch`` tokens; ``packed``: each micro-batch's forward is one packed
+    row (:mod:`rlcore.trainer.packing`). ``recompute``: per role (``actor``, ``critic``) an
+    :class:`~rlcore.trainer.recompute.Recompute` that turns activation checkpointing on for the
+    micro-batches that need it."""
     cut = Batching.from_config(exp.size, ppo, grad_accum)
     stats: dict[str, list[float]] = defaultdict(list)
     spent = {"actor": 0.0, "critic": 0.0}
+    recompute = recompute or {}
     actor.train()
     if critic is not None:
         critic.train()
     lengths = exp.attention_mask.sum(-1) if ppo.group_by_length else None
+    # on-policy, the trainer's log-probs come from the update's own forward: kept for the mismatch metrics
+    own_old = torch.zeros_like(exp.rollout_logprobs) if (
+        exp.old_logprobs is None and exp.rollout_logprobs is not None) else None
     for _ in range(ppo.ppo_epochs):
         order = torch.randperm(exp.size, generator=generator)
         for start in range(0, exp.size - cut.mini + 1, cut.mini):
@@ -128,23 +172,32 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
             if lengths is not None:  # similar lengths share a micro-batch (stable: ties keep the shuffle)
                 mini_idx = mini_idx[torch.sort(lengths[mini_idx.to(lengths.device)].cpu(), descending=True,
                                                stable=True).indices]
-            weights = micro_weights(exp.response_mask, mini_idx, cut.micro, ppo.loss_agg)
-            for mstart, weight in zip(range(0, cut.mini, cut.micro), weights):
+            groups = micro_batches(exp.attention_mask, exp.response_mask, mini_idx, cut.micro,
+                                   int(ppo.max_tokens_per_micro_batch), packed)
+            weights = group_weights(exp.response_mask, groups, ppo.loss_agg)
+            token_weights = weights if ppo.loss_agg == "token-mean" else group_weights(exp.response_mask, groups,
+                                                                                         "token-mean")
+            for k, (group, weight) in enumerate(zip(groups, weights)):
                 # Sharded gradients are reduced across ranks once per optimizer step, in the last
                 # micro-batch's backward; the earlier ones accumulate locally.
-                last = mstart + cut.micro >= cut.mini
+                last = k == len(groups) - 1
                 set_gradient_sync(actor, last)
                 if critic is not None:
                     set_gradient_sync(critic, last)
-                idx = mini_idx[mstart:mstart + cut.micro].to(exp.input_ids.device)
+                idx = group.to(exp.input_ids.device)
                 mb = exp.select(idx)
                 if ppo.trim_padding:
                     mb = mb.trimmed()
+                tokens = int(mb.attention_mask.sum()) if packed else mb.attention_mask.numel()
                 t0 = time.perf_counter()
-                actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats)
+                with _recomputing(recompute.get("actor"), tokens):
+                    old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
+                if own_old is not None:
+                    own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
                 t1 = time.perf_counter()
                 if critic is not None:
-                    critic_micro_loss(critic, mb, ppo, weight, stats)
+                    with _recomputing(recompute.get("critic"), tokens):
+                        critic_micro_loss(critic, mb, ppo, token_weights[k], stats, packed)
                 spent["actor"] += t1 - t0
                 spent["critic"] += time.perf_counter() - t1
             t0 = time.perf_counter()
@@ -154,10 +207,17 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                 stats["critic/grad_norm"].append(_clip_and_step(critic, critic_opt, critic_sched, critic_grad_clip))
             spent["actor"] += t1 - t0
             spent["critic"] += time.perf_counter() - t1
+            stats["actor/micro_batches"].append(float(len(groups)))
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    out.update(mismatch_metrics(exp, own_old if own_old is not None else exp.old_logprobs))
     out["actor/lr"] = float(actor_sched.get_last_lr()[0])
     out["actor/optimizer_steps"] = float(len(stats["actor/grad_norm"]))
     out["time/update_actor_s"] = spent["actor"]
     if critic is not None:
         out["time/update_critic_s"] = spent["critic"]
     return out
+
+
+def _recomputing(policy, tokens: int):
+    """The activation-checkpointing decision of ``policy`` for a micro-batch of ``tokens`` (none: a no-op)."""
+    return policy.for_tokens(tokens) if policy is not None else contextlib.nullcontext()

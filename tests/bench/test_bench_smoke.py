@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 CASES = {
     "rollout": ["bench_rollout.py", "--tiny", "--out", "{out}"],
+    "long_rollout": ["bench_long_rollout.py", "--tiny", "--out", "{out}"],
     "grpo_step": ["bench_grpo_step.py", "--tiny", "--systems", "rlcore", "--workdir", "{tmp}", "--out", "{out}"],
     "reward": ["bench_reward.py", "--tiny", "--out", "{out}"],
     "reshard": ["bench_reshard.py", "--tiny", "--out", "{out}"],
@@ -24,6 +25,12 @@ CASES = {
                "--repeats", "1", "--json", "{out}"],
     "update_fixed": ["bench_update.py", "--samples", "4", "--prompt-len", "8", "--response-len", "8", "--micro", "2",
                      "--repeats", "1", "--fixed", "--variants", "grouped,chunked", "--profile", "3", "--json", "{out}"],
+    "update_varlen": ["bench_update.py", "--samples", "6", "--prompt-len", "8", "--response-len", "12", "--micro", "2",
+                      "--repeats", "1", "--max-tokens", "40", "--variants", "grouped,budget,packed,packed-budget",
+                      "--json", "{out}"],
+    "stream_reward": ["bench_stream_reward.py", "--tiny", "--prompts", "2", "--n", "2", "--max-new-tokens", "12",
+                      "--reward-ms", "1", "--repeats", "1", "--out", "{out}"],
+    "mismatch": ["bench_mismatch.py", "--tiny", "--prompts", "2", "--max-new-tokens", "8", "--out", "{out}"],
     "data": ["bench_data.py", "all", "--dir", "{tmp}/data", "--shard-mib", "2", "--shards", "4", "--batches", "5",
              "--batch-size", "16", "--json", "{out}"],
 }
@@ -47,14 +54,56 @@ def test_kernel_sass_counts_the_attention_loop(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "sass.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernel_sass.py"), "--settings",
-                           '[{}, {"subblocks": 4, "num_warps": 4}]', "--out", str(out)],
+                           '[{}, {"subblocks": 4, "num_warps": 4}, {"page_size": 64}]', "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    one, four = json.loads(out.read_text())["rows"]
+    one, four, paged = json.loads(out.read_text())["rows"]
     assert one["loop_instructions"] > 0 and one["loop_mma"] > 0 and one["registers"] > 0
     assert four["loop_barriers"] < one["loop_barriers"]
     # the key/value loads of the next blocks are issued as asynchronous copies (a pipelined loop)
     assert one["loop_async_copies"] > 0 and four["loop_async_copies"] > 0
+    # through the block table too, with as many stages of copies (the next page read a block ahead)
+    assert paged["loop_async_copies"] == one["loop_async_copies"] and paged["shared_bytes"] == one["shared_bytes"]
+
+
+def _run(script: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args], capture_output=True,
+                          text=True, timeout=600, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_reasoning_benchmark_smoke(tmp_path):
+    """The reasoning workload on a tiny Qwen3 shape: the stop rule sized for the mean length, a
+    varying reward, a step with its parts and length distribution, and the rollout-vs-trainer
+    numerics of the engine and of HF generate (float32 on CPU: both tiny)."""
+    out = tmp_path / "reasoning.json"
+    _run("bench_reasoning.py", "--smoke", "--systems", "rlcore", "--workdir", str(tmp_path), "--out", str(out),
+         cwd=tmp_path)
+    payload = json.loads(out.read_text())
+    workload = payload["workloads"]["tiny-qwen3"]
+    assert workload["stop_count"] >= 1 and workload["stop_ids_head"][0] == 0
+    row, = payload["results"]
+    assert row["system"] == "rlcore" and row["rollout_backend"] == "RolloutEngine"
+    assert row["step_s"] > 0 and row["parts"]["rollout"] > 0 and row["parts"]["update"] > 0
+    lengths = row["lengths"]
+    assert lengths["count"] == 16 and 1 <= lengths["mean"] <= 32 and lengths["max"] <= 32
+    assert row["metrics"]["reward/std"] > 0  # the hashed reward varies, so advantages are not zero
+    for name in ("rlcore_rollout", "hf_generate"):
+        assert row["numerics"][name]["tokens"] > 0 and row["numerics"][name]["abs_diff_max"] < 1e-3
+
+
+def test_model_check_smoke(tmp_path):
+    """The engine-vs-HF model check on a tiny Qwen3 shape (eager path, float32)."""
+    out = tmp_path / "models.json"
+    _run("check_models.py", "--shapes", "tiny-qwen3", "--dtype", "fp32", "--variants", "eager",
+         "--prompts", "3", "--max-prompt", "24", "--new-tokens", "12", "--sampled-tokens", "16", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [r["shape"] for r in rows] == ["tiny-qwen3"]
+    for row in rows:
+        assert row["supported"] and row["greedy"]["rows_equal"] == 3 and row["greedy"]["untied_divergences"] == 0
+        assert row["greedy"]["logprob_vs_trainer"]["abs_diff_max"] < 1e-3
+        assert row["sampled"]["engine"]["abs_diff_max"] < 1e-3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")

@@ -159,3 +159,30 @@ def test_values_changed_after_loading_are_checked_again():
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     assert "'ppo.rollout_batch_size'" in str(e.value) and "'actor.lr' must be > 0" in str(e.value)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("ppo.pack_sequences=maybe", "'ppo.pack_sequences' = 'maybe' must be true, false or auto"),
+    ("actor.gradient_checkpointing=sometimes", "'actor.gradient_checkpointing'"),
+    ("ppo.rollout_is=tokens", "'ppo.rollout_is' = 'tokens' is not one of none, token, sequence"),
+    ("ppo.rollout_is_cap=0", "'ppo.rollout_is_cap' must be > 0"),
+    ("ppo.max_tokens_per_micro_batch=-1", "'ppo.max_tokens_per_micro_batch' must be >= 0"),
+])
+def test_variable_length_and_mismatch_settings_are_checked(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config([], [override])
+    assert key in str(err.value)
+
+
+def test_variable_length_settings_accept_their_values():
+    cfg = load_config([], ["ppo.pack_sequences=true", "actor.gradient_checkpointing=auto", "ppo.rollout_is=sequence",
+                           "ppo.rollout_is_cap=5", "ppo.max_tokens_per_micro_batch=16384"])
+    assert cfg.ppo.pack_sequences is True and cfg.actor.gradient_checkpointing == "auto"
+
+
+def test_token_budget_and_is_cap_inert_keys():
+    cfg = load_config([], ["ppo.max_tokens_per_micro_batch=4096", "ppo.micro_batch_size=4", "ppo.rollout_is_cap=3"])
+    inert = dict(inert_keys(cfg, plugins=[], world_size=1))
+    assert "max_tokens_per_micro_batch" in inert["ppo.micro_batch_size"]
+    assert inert["ppo.rollout_is_cap"] == "ppo.rollout_is is none"
+    assert "reward.stream" in dict(inert_keys(load_config([], ["reward.stream=false"]), plugins=[], world_size=2))

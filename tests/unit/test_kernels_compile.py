@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(triton is None or interpreting(),
 ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bias_ptr": "*bf16", "new_ptr": "*bf16",
              "pbias_ptr": "*bf16", "out_ptr": "*bf16", "final_ptr": "*bf16", "stat_ptr": "*fp32",
              "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "col_ptr": "*i64", "src_ptr": "*i32",
-             "end_ptr": "*i32", "count_ptr": "*i32", "part_ptr": "*fp32", "scale": "fp32"}
+             "end_ptr": "*i32", "count_ptr": "*i32", "part_ptr": "*fp32", "scale": "fp32", "table_ptr": "*i32"}
 STEP = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "col_ptr": "*i64", "bias_ptr": "*bf16",
         "cos_out": "*fp32", "sin_out": "*fp32", "col_out": "*i64", "tok_ptr": "*i64", "lp_ptr": "*fp32",
         "next_ptr": "*i64", "out_tok_ptr": "*i64", "out_lp_ptr": "*fp32", "done_ptr": "*i1", "eos_ptr": "*i64"}
@@ -25,7 +25,8 @@ LOGPROB = {"logits_ptr": "*bf16", "labels_ptr": "*i64", "inv_temp": "fp32", "log
            "lse_ptr": "*fp32", "ent_ptr": "*fp32", "grad_out_ptr": "*fp32", "grad_ptr": "*bf16"}
 
 ATTEND_NEW = dict(group=7, dim=64, IEEE=False, NEW=True, ROWS=True, SHARED=True, PARTS=2, PBIAS=True,
-                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, SUB=1)
+                  BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, SUB=1, PAGED=False, PAGE=1)
+PAGED = dict(ATTEND_NEW, SHARED=False, PAGED=True, PAGE=64)
 CASES = {
     # the engine's decode step: RoPE, q/k/v slices and bias, shared prompt rows; one program per pair
     "attend_new": ("rlcore.kernels.decode_attention", "_attend_part", ATTENTION,
@@ -36,6 +37,12 @@ CASES = {
     # small batches: chunks merged by the pair's last program
     "attend_new_split": ("rlcore.kernels.decode_attention", "_attend_part",
                          dict(ATTENTION, out_ptr="*fp32"), dict(ATTEND_NEW, SPLIT=True, FOLD=True), 2),
+    # the paged cache: keys/values found through the block table (a 7B shape: head dim 128, blocks of 32)
+    "attend_new_paged": ("rlcore.kernels.decode_attention", "_attend_part", ATTENTION,
+                         dict(PAGED, SPLIT=False, FOLD=False, dim=128, BLOCK_D=128, BLOCK_N=32), 4),
+    # the long tail: few rows, the columns cut into chunks merged by the pair's last program
+    "attend_new_paged_split": ("rlcore.kernels.decode_attention", "_attend_part",
+                               dict(ATTENTION, out_ptr="*fp32"), dict(PAGED, SPLIT=True, FOLD=True), 2),
     # plain attention of given queries, float32 products, separate merge kernel
     "attend_fp32": ("rlcore.kernels.decode_attention", "_attend_part",
                     {k: v.replace("bf16", "fp32") for k, v in ATTENTION.items()} | {"out_ptr": "*fp32"},

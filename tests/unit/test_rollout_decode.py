@@ -144,3 +144,17 @@ def test_compiled_step_matches_hf_on_cpu(qwen2, eos_case, split_k):
     assert engine.compile, "compilation fell back to the plain step"
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_qwen3_step_matches_hf_on_cpu():
+    """The compiled step with Qwen3's per-head q/k norms (and the q/k/v product in slices summed
+    before them) gives HF's greedy tokens."""
+    model = tiny_causal_lm("qwen3")
+    expected = HFGenerateBackend(model).generate(PROMPTS, GREEDY)
+    engine = RolloutEngine(model, max_batch_size=8, max_seq_len=24, compile=True, split_k={"qkv": 2},
+                           share_weights=False)
+    got = engine.generate(PROMPTS, GREEDY)
+    assert engine.compile, "compilation fell back to the plain step"
+    assert torch.equal(got.response_ids, expected.response_ids)
+    assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)

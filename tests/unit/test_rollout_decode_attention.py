@@ -12,6 +12,7 @@ from rlcore.rollout.engine import decode
 from rlcore.kernels import decode_attention
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.engine import RolloutEngine
+from rlcore.rollout.hf import HFGenerateBackend
 from rlcore.rollout.tiny import tiny_causal_lm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,8 +44,19 @@ def test_plan_splits_only_small_batches():
     splits, chunk = decode_attention.plan(32, 320, sms=132)
     assert splits == 3 and chunk % decode_attention.BLOCK_N == 0 and (splits - 1) * chunk < 320 <= splits * chunk
     assert decode_attention.plan(2, 100, sms=132) == (2, 64)  # never more chunks than blocks
-    assert decode_attention.plan(2, 4096, sms=132)[0] == decode_attention.MAX_SPLITS
+    assert decode_attention.plan(2, 1024, sms=132)[0] == decode_attention.SHORT_MAX_SPLITS
     assert decode_attention.plan(4, 136, sms=8, splits=3) == (3, 64)
+
+
+def test_plan_cuts_long_contexts_of_few_rows_finer():
+    """The tail of a long rollout: few rows, thousands of columns. The columns are cut until there
+    are two programs per multiprocessor, in chunks of at least 256 columns, up to 64 chunks."""
+    assert decode_attention.plan(2, 4096, sms=132) == (16, 256)  # chunks of the least width
+    assert decode_attention.plan(2, 16384, sms=132)[0] == decode_attention.MAX_SPLITS == 64
+    splits, chunk = decode_attention.plan(32, 8192, sms=132)  # 32 pairs x 9 chunks >= 264 programs
+    assert splits == 9 and chunk >= decode_attention.LONG_MIN_CHUNK and (splits - 1) * chunk < 8192 <= splits * chunk
+    assert decode_attention.plan(1024, 8192, sms=132) == (1, 8192)  # a full batch needs no cutting
+    assert decode_attention.plan(32, 1024, sms=132)[0] == 3  # up to LONG_LENGTH the short rule holds
 
 
 @needs_kernel
@@ -287,6 +299,22 @@ def test_engine_rope_in_attention_matches_the_separate_steps(qwen2):
 
 
 @needs_kernel
+@pytest.mark.parametrize("family, split_k", [("qwen3", {"qkv": 2}), ("llama3", None)])
+def test_engine_with_triton_attention_matches_hf_for_qwen3_and_llama3(family, split_k):
+    """Qwen3's per-head q/k norms (head dim 32, not hidden / heads) enter before the kernel's RoPE,
+    the q/k/v product's slices summed before them; Llama-3's scaled RoPE table reaches the kernel."""
+    model = tiny_causal_lm(family)
+    expected = HFGenerateBackend(model).generate(PROMPTS, GREEDY)
+    engine = RolloutEngine(model, max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
+                           attention="triton", device=DEVICE, split_k=split_k, share_weights=False)
+    assert engine.attention == "triton" and engine.rope_in_attention
+    assert not engine._fns.qkv_parts  # Qwen3: the norms need the summed projection
+    got = engine.generate(PROMPTS, GREEDY)
+    assert torch.equal(got.response_ids.cpu(), expected.response_ids)
+    assert torch.allclose(got.logprobs.cpu(), expected.logprobs, atol=1e-4)
+
+
+@needs_kernel
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("new", [False, True])
 def test_shared_prompt_columns_are_read_from_the_source_row(splits, new):
@@ -382,7 +410,7 @@ def test_engine_prompt_sharing_gives_the_same_samples(qwen2):
     prompts = [p for p in PROMPTS[:4] for _ in range(3)]
     params = SamplingParams(max_new_tokens=7, temperature=1.0, seed=11, eos_token_ids=(3, 5, 8, 13, 21, 34))
     kwargs = dict(max_batch_size=3, max_seq_len=24, attention_length_step=8, admit_fraction=0.0,
-                  attention="triton", device=DEVICE)
+                  attention="triton", device=DEVICE, kv_cache="static")
     plain = RolloutEngine(qwen2, prompt_sharing=False, **kwargs)
     shared = RolloutEngine(qwen2, **kwargs)
     assert shared.prompt_sharing and not plain.prompt_sharing and plain.state.share_source is None
@@ -414,7 +442,8 @@ def test_engine_sharing_state_follows_refills_and_compaction(qwen2, monkeypatch)
     """The bookkeeping alone (no kernel needed): a refilled source sends its samples back to
     their own copies, and compaction follows moved sources."""
     monkeypatch.setattr(decode_attention, "usable", lambda *args: (True, "ok"))
-    engine = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=24, attention="triton", compile=False)
+    engine = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=24, attention="triton", compile=False,
+                           kv_cache="static")
     assert engine.prompt_sharing
     st = engine.state
     engine._prefill([0, 1, 2, 3], [[1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3]], 0)

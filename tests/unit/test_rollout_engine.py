@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from rlcore.rollout.base import SamplingParams
-from rlcore.rollout.engine import RolloutEngine
+from rlcore.rollout.engine import CONFIG_KEYS, RolloutEngine
 from rlcore.rollout.hf import HFGenerateBackend
 from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.testing import teacher_forced_logprobs
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [5, 6, 7], [100, 101, 102, 103], [50]]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -23,16 +24,6 @@ def hf_greedy(model, params=GREEDY, prompts=PROMPTS):
     return HFGenerateBackend(model).generate(prompts, params)
 
 
-def teacher_forced_logprobs(model, batch, temperature: float) -> torch.Tensor:
-    ids, mask = batch.sequences()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
-    width = batch.prompt_ids.shape[1]
-    scaled = logits[:, width - 1:-1] / (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(scaled, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
-
-
 @pytest.mark.parametrize("family,overrides", [
     ("qwen2", {}),
     ("llama", {}),
@@ -40,6 +31,9 @@ def teacher_forced_logprobs(model, batch, temperature: float) -> torch.Tensor:
     ("llama", {"attention_bias": True, "mlp_bias": True, "rope_theta": 500000.0, "num_key_value_heads": 4}),
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    ("llama3", {}),
+    ("qwen3", {}),
+    ("qwen3", {"attention_bias": True, "num_key_value_heads": 1, "tie_word_embeddings": False}),
 ])
 def test_greedy_matches_hf_generate(family, overrides):
     model = tiny_causal_lm(family, **overrides)
@@ -76,10 +70,12 @@ def test_continuous_batching_more_prompts_than_slots(qwen2, slots):
     assert got.stats["rollout/prefill_calls"] > 1
 
 
-def test_sampled_logprobs_match_teacher_forcing(qwen2):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_sampled_logprobs_match_teacher_forcing(qwen2, family):
+    model = qwen2 if family == "qwen2" else tiny_causal_lm(family)
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=5)
-    batch = RolloutEngine(qwen2, max_batch_size=4, max_seq_len=24).generate(PROMPTS, params)
-    reference = teacher_forced_logprobs(qwen2, batch, 0.7)
+    batch = RolloutEngine(model, max_batch_size=4, max_seq_len=24).generate(PROMPTS, params)
+    reference = teacher_forced_logprobs(model, batch, 0.7)
     mask = batch.response_mask.bool()
     assert torch.allclose(batch.logprobs[mask], reference[mask], atol=1e-4)
 
@@ -108,6 +104,34 @@ def test_sync_weights_follows_training_updates(share):
     after = engine.generate(PROMPTS, GREEDY)
     assert not torch.equal(before.response_ids, after.response_ids)
     assert torch.equal(after.response_ids, hf_greedy(model).response_ids)
+
+
+def test_qwen3_norms_enter_before_rope():
+    """Qwen3 norms each query/key head before RoPE. With its norm weights uneven over the features
+    (as a trained model's are), norming after the rotation would give other keys: the engine's
+    cache must hold exactly the model's rotated, normed keys, and its tokens follow HF's."""
+    model = tiny_causal_lm("qwen3")
+    assert RolloutEngine.supports(model) and model.config.head_dim * 4 != model.config.hidden_size
+    # the cache read below is the static layout [L, 2, slots, KVH, S, D] (paged caches: asked for)
+    static = {"kv_cache": "static"} if "kv_cache" in CONFIG_KEYS else {}
+    engine = RolloutEngine(model, max_batch_size=2, max_seq_len=16, **static)
+    assert engine.spec.qk_norm and engine.spec.head_dim == 32
+    prompt = [[5, 9, 14, 2, 77, 3]]
+    engine.generate(prompt, SamplingParams(max_new_tokens=1, temperature=0.0))
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(prompt), use_cache=True)
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    keys = cache.layers[1].keys[0]  # [KVH, P, D], after norm and RoPE
+    assert torch.allclose(engine.cache[1, 0, 0, :, :len(prompt[0])], keys, atol=1e-5)
+
+
+def test_unsupported_qk_norms_are_refused():
+    model = tiny_causal_lm("qwen3")
+    for layer in model.model.layers:  # a norm over all key heads together, not per head
+        layer.self_attn.k_norm = torch.nn.RMSNorm(2 * model.config.head_dim)
+    assert not RolloutEngine.supports(model)
+    with pytest.raises(ValueError, match="per-head RMSNorms"):
+        RolloutEngine(model, max_batch_size=2, max_seq_len=16)
 
 
 def test_bfloat16_engine_runs_and_returns_finite_logprobs(qwen2):

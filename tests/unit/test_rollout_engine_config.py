@@ -16,6 +16,7 @@ from rlcore.trainer import components
 def test_settings_reach_the_engine_the_trainer_builds():
     cfg = load_config([], ["actor.rollout_backend=engine", "actor.rollout_engine.attention=matmul",
                            "actor.rollout_engine.eos_check_interval=3", "actor.rollout_engine.graph_batch_buckets=[2]",
+                           "actor.rollout_engine.page_size=16", "actor.rollout_engine.kv_pages=5",
                            "ppo.generation.batch_size=4", "ppo.generation.max_new_tokens=8",
                            "data.max_prompt_length=16"])
     model = tiny_causal_lm("qwen2")
@@ -25,6 +26,7 @@ def test_settings_reach_the_engine_the_trainer_builds():
     assert isinstance(engine, RolloutEngine)
     assert (engine.attention, engine.eos_check_interval, engine.buckets) == ("matmul", 3, [2, 4])
     assert (engine.max_batch_size, engine.max_seq_len) == (4, 24)  # still the trainer's
+    assert engine.paged and (engine.page_size, engine.pool.pages) == (16, 5)
 
 
 def test_default_engine_settings_are_the_engines_defaults():

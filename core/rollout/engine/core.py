@@ -1,13 +1,18 @@
-"""The fast rollout engine: static KV cache, compiled CUDA-graph decode and continuous batching.
+"""The fast rollout engine: paged KV cache, compiled CUDA-graph decode and continuous batching.
 
 :class:`RolloutEngine` runs Llama-family decoders (Llama, Mistral, Qwen2) with its own forward
 (:mod:`rlcore.rollout.engine.llama`, :mod:`rlcore.rollout.engine.decode`) over the Hugging Face module's weights:
 
-* a KV cache for ``max_batch_size`` slots of ``max_seq_len`` tokens is allocated once;
+* the KV cache is a pool of pages allocated once (``kv_cache="paged"``, the default,
+  :mod:`rlcore.rollout.engine.pages`), sized from the device's free memory; a slot takes pages as
+  its sequence grows and gives them back when it ends, admission waits for free pages, and a
+  slot that finds none is preempted (freed and queued again); or one static tensor for
+  ``max_batch_size`` slots of ``max_seq_len`` tokens (``kv_cache="static"``);
 * prompts are prefilled in groups, left padded, positions taken from the attention mask; a prompt
-  repeated in a group (``n`` samples per prompt) is prefilled once and its keys/values copied;
-  with the Triton attention kernel its samples then read the prompt's keys/values from one cache
-  row (``prompt_sharing``), so memory serves them once a step and L2 the other samples;
+  repeated in a group (``n`` samples per prompt) is prefilled once; with pages its samples point
+  at the same prompt pages (reference counted, only the page the samples go on writing in is
+  copied); with the static cache its keys/values are copied and, with the Triton attention kernel,
+  its samples read them from one cache row (``prompt_sharing``);
 * each decode step runs every slot at its own cache column and attends over the filled columns
   only (rounded up to a length bucket); on CUDA the pointwise work between the matrix products
   is fused by ``torch.compile`` and the step is captured in a CUDA graph per (batch bucket,
@@ -25,13 +30,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
 from rlcore.rollout.engine import decode
 from rlcore.kernels import decode_attention
 from rlcore.rollout.engine import llama
+from rlcore.rollout.engine import pages
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
 
@@ -41,7 +47,8 @@ log = logging.getLogger(__name__)
 #: trainer gives the model, batch size, sequence length, device and dtype itself
 CONFIG_KEYS = ("use_cuda_graphs", "graph_batch_buckets", "admit_fraction", "eos_check_interval", "max_prefill_tokens",
                "fused_sampling", "compile", "compile_mode", "attention", "attention_length_step", "rope_in_attention",
-               "split_k", "attention_tuning", "prompt_sharing", "mlp_transposed")
+               "split_k", "attention_tuning", "prompt_sharing", "mlp_transposed", "kv_cache", "page_size",
+               "kv_pages", "kv_memory_fraction")
 
 
 def _check_attention(value) -> None:
@@ -59,9 +66,31 @@ def _check_mlp_transposed(value) -> None:
         raise ValueError(f"RolloutEngine: mlp_transposed must be 'auto', True or False, got {value!r}")
 
 
+def _check_kv_cache(value) -> None:
+    if value not in pages.KV_CACHE_KINDS:
+        raise ValueError(f"RolloutEngine: kv_cache {value!r} is not one of {pages.KV_CACHE_KINDS}")
+
+
+def _check_page_size(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"RolloutEngine: page_size must be a power of two >= 16, got {value!r}")
+
+
+def _check_kv_pages(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+        raise ValueError(f"RolloutEngine: kv_pages must be null or an integer >= 2, got {value!r}")
+
+
+def _check_kv_memory_fraction(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"RolloutEngine: kv_memory_fraction must be in (0, 1], got {value!r}")
+
+
 #: the settings whose values are checked without a model (each check raises ``ValueError``)
 _SETTING_CHECKS = {"attention": _check_attention, "compile_mode": _check_compile_mode,
-                   "mlp_transposed": _check_mlp_transposed,
+                   "mlp_transposed": _check_mlp_transposed, "kv_cache": _check_kv_cache,
+                   "page_size": _check_page_size, "kv_pages": _check_kv_pages,
+                   "kv_memory_fraction": _check_kv_memory_fraction,
                    "split_k": lambda value: value == "auto" or decode.split_k_tuple(value),
                    "attention_tuning": decode.check_attention_tuning}
 
@@ -147,6 +176,7 @@ class _Graphs:
         eng = self.engine
         st = eng.state
         saved = (st.positions[:n].clone(), st.cache_index[:n].clone(), st.bias[:n].clone())
+        # warm-up steps write keys/values at the slots' current columns (overwritten by the real step)
         side = torch.cuda.Stream(device=eng.device)
         side.wait_stream(torch.cuda.current_stream(eng.device))
         with torch.cuda.stream(side):
@@ -170,7 +200,7 @@ class _Graphs:
 
 
 class RolloutEngine:
-    """Generate with a static KV cache, compiled CUDA-graph decode steps and continuous batching.
+    """Generate with a paged KV cache, compiled CUDA-graph decode steps and continuous batching.
 
     Args:
         model: a HF ``LlamaForCausalLM``/``MistralForCausalLM``/``Qwen2ForCausalLM`` (see :meth:`supports`).
@@ -219,6 +249,16 @@ class RolloutEngine:
             (same results, fewer bytes from memory). A slot whose source row is refilled or moved
             goes back to its own copy. Used in the ``generate`` calls where some prompt repeats
             (the kernel then loads two more numbers a slot); ignored for the other attention kinds.
+            With ``kv_cache="paged"`` (any attention kind) the samples point at the same prompt pages
+            instead; ``False`` gives each sample copies of them.
+        kv_cache: ``"paged"`` (default): a pool of pages of ``page_size`` columns, taken by the
+            tokens actually live (see :mod:`rlcore.rollout.engine.pages`); ``"static"``: one
+            ``[layers, 2, max_batch_size, kv_heads, max_seq_len, head_dim]`` tensor.
+        page_size: columns per page (a power of two >= 16, a multiple of the Triton kernel's block).
+        kv_pages: pages in the pool (the null page included); default: every slot at ``max_seq_len``,
+            capped on CUDA by ``kv_memory_fraction``.
+        kv_memory_fraction: share of the device's free memory (when the engine is built) the page
+            pool may take (default 0.5).
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -229,7 +269,8 @@ class RolloutEngine:
                  attention: str = "auto", attention_length_step: int | None = None,
                  rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto",
                  attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True,
-                 mlp_transposed: bool | str = "auto"):
+                 mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
+                 kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -237,6 +278,12 @@ class RolloutEngine:
         _check_attention(attention)
         _check_compile_mode(compile_mode)
         _check_mlp_transposed(mlp_transposed)
+        _check_kv_cache(kv_cache)
+        _check_page_size(page_size)
+        _check_kv_pages(kv_pages)
+        _check_kv_memory_fraction(kv_memory_fraction)
+        self.paged = kv_cache == "paged"
+        self.page_size = int(page_size)
         self.spec = llama.decoder_spec(model)
         if self.spec.sliding_window is not None and self.spec.sliding_window < max_seq_len:
             raise ValueError(f"RolloutEngine: sliding_window {self.spec.sliding_window} < max_seq_len "
@@ -263,7 +310,9 @@ class RolloutEngine:
         self.attention = self._attention_kind(attention)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
-        self.prompt_sharing = self.attention == "triton" and bool(prompt_sharing)
+        # paged: the samples of a prompt share its pages; static: they read one row (Triton kernel)
+        self.share_pages = self.paged and bool(prompt_sharing)
+        self.prompt_sharing = not self.paged and self.attention == "triton" and bool(prompt_sharing)
         if split_k == "auto":
             split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
         self.split_k = decode.split_k_tuple(split_k)
@@ -274,12 +323,14 @@ class RolloutEngine:
                                             split_k=self.split_k, mlp_transposed=mlp_transposed)
         self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k,
                                            mlp_transposed) if self.compile else self._plain)
-        self._allocate()
+        self._allocate(kv_pages, float(kv_memory_fraction))
         if self.compile:
             self._mark_static()
         self._graphs = _Graphs(self) if self.use_cuda_graphs else None
-        log.info("rollout engine: %d layers, %d slots x %d tokens, %s on %s, cuda graphs %s, compile %s, "
-                 "attention %s%s", self.spec.num_layers, max_batch_size, max_seq_len, self.dtype, self.device,
+        log.info("rollout engine: %d layers, %d slots x %d tokens, %s KV cache%s, %s on %s, cuda graphs %s, "
+                 "compile %s, attention %s%s", self.spec.num_layers, max_batch_size, max_seq_len, kv_cache,
+                 f" ({self.pool.pages} pages of {self.page_size}, {self.kv_bytes / 2**30:.2f} GiB)" if self.paged
+                 else "", self.dtype, self.device,
                  "on" if self.use_cuda_graphs else "off", compile_mode if self.compile else "off", self.attention,
                  " (with RoPE and cache write)" if self.rope_in_attention else "")
 
@@ -321,8 +372,13 @@ class RolloutEngine:
                         return
         self.state.share_active = False
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
-        """Sample one response per prompt; see :class:`~rlcore.rollout.base.RolloutBackend`."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None) -> RolloutBatch:
+        """Sample one response per prompt; see :class:`~rlcore.rollout.base.RolloutBackend`.
+
+        ``on_finished(indices, responses)``, if given, is called from the decode loop as requests
+        finish, with their prompt indices and response tokens (up to and including the first EOS,
+        as in the result); it should return quickly (hand the work to another thread)."""
         from rlcore.rollout.engine.scheduler import Scheduler
 
         validate_params(params, self.spec.vocab_size)
@@ -337,7 +393,7 @@ class RolloutEngine:
         start = time.perf_counter()
         # the sharing kernel only when some prompt repeats (it loads two more numbers a slot)
         self.state.share_active = self.prompt_sharing and len({tuple(p) for p in prompts}) < len(prompts)
-        run = Scheduler(self, prompts, params)
+        run = Scheduler(self, prompts, params, on_finished)
         run.loop()
         batch = run.result()
         batch.stats["rollout/seconds"] = time.perf_counter() - start
@@ -359,18 +415,38 @@ class RolloutEngine:
             except ValueError as error:
                 raise ValueError(f"RolloutEngine: attention_tuning['subblocks']: {error}") from None
         settings = {key: tuning[key] for key in ("block_n", "num_warps", "num_stages", "subblocks") if key in tuning}
+        block = tuning.get("block_n") or decode_attention.default_block(spec.head_dim)
+        if self.paged and self.page_size % block:
+            raise ValueError(f"RolloutEngine: page_size {self.page_size} is not a multiple of the attention kernel's "
+                             f"block of {block} columns (attention_tuning['block_n'])")
         ok, reason = decode_attention.usable(self.device, self.dtype, spec.num_kv_heads,
-                                             spec.num_heads // spec.num_kv_heads, spec.head_dim, settings)
+                                             spec.num_heads // spec.num_kv_heads, spec.head_dim, settings,
+                                             self.page_size if self.paged else None)
         if ok:
             return "triton"
         log.warning("rollout engine: attention 'triton' unavailable (%s); using 'sdpa'", reason)
         return "sdpa"
 
-    def _allocate(self) -> None:
+    def _allocate(self, kv_pages: int | None, fraction: float) -> None:
         spec, b, s = self.spec, self.max_batch_size, self.max_seq_len
         dev = self.device
-        self.cache = torch.zeros(spec.num_layers, 2, b, spec.num_kv_heads, s, spec.head_dim,
-                                 dtype=self.dtype, device=dev)
+        if self.paged:
+            size = self.page_size
+            per_page = pages.page_bytes(spec.num_layers, spec.num_kv_heads, size, spec.head_dim, self.dtype)
+            count = pages.pool_pages(slots=b, max_seq_len=s, page_size=size, bytes_per_page=per_page, device=dev,
+                                     kv_pages=kv_pages, fraction=fraction)
+            self.pool = pages.PagePool(count)
+            self.cache = torch.zeros(spec.num_layers, 2, count, spec.num_kv_heads, size, spec.head_dim,
+                                     dtype=self.dtype, device=dev)
+            self.kv_bytes = count * per_page
+            #: pages of each slot, in column order (0: the null page); mirrored by ``state.table``
+            self.slot_pages: list[list[int]] = [[] for _ in range(b)]
+            table = torch.zeros(b, -(-s // size), dtype=torch.int32, device=dev)
+        else:
+            self.cache = torch.zeros(spec.num_layers, 2, b, spec.num_kv_heads, s, spec.head_dim,
+                                     dtype=self.dtype, device=dev)
+            self.kv_bytes = self.cache.numel() * self.cache.element_size()
+            table = None
         slot_rows = torch.arange(b, device=dev)[:, None] * spec.num_kv_heads
         self.state = decode.DecodeState(
             tokens=torch.zeros(b, dtype=torch.long, device=dev),
@@ -381,6 +457,7 @@ class RolloutEngine:
                         + torch.arange(spec.num_kv_heads, device=dev)[None, None]) * s),
             zero=torch.zeros(1, 1, dtype=self.dtype, device=dev),
             attention_counters=torch.zeros(b * spec.num_kv_heads, dtype=torch.int32, device=dev),
+            table=table, page_size=self.page_size if self.paged else 0,
         )
         if self.prompt_sharing:
             self.state.share_source = torch.arange(b, dtype=torch.int32, device=dev)
@@ -441,8 +518,9 @@ class RolloutEngine:
         """Prefill ``prompts`` into ``slots`` and reset those slots' decode state.
 
         A prompt that occurs several times (GRPO's ``n`` samples of one prompt) is run once, in the
-        slot of its first occurrence; its keys/values are then copied to the other slots and its
-        next-token logits shared (each slot still samples on its own).
+        slot of its first occurrence, and its next-token logits shared (each slot still samples on
+        its own). With pages the other slots point at its pages (:meth:`_prefill_pages`); with the
+        static cache its keys/values are copied to their rows.
 
         Returns ``(logits [len(slots), V], width)``: the next-token logits and the padded width
         (the cache column of each slot's first decode step)."""
@@ -450,16 +528,20 @@ class RolloutEngine:
         ids, mask = left_pad(unique, pad_id, self.device)
         width = ids.shape[1]
         padded = any(len(p) != width for p in unique)
-        owner_rows = torch.tensor(owner, dtype=torch.long, device=self.device)
         chunk = max(1, self.max_prefill_tokens // width)
-        logits = torch.cat([llama.prefill(self.weights, self.spec, self.cache, owner_rows[i:i + chunk],
-                                          ids[i:i + chunk], mask[i:i + chunk], self.cos, self.sin, padded=padded)
-                            for i in range(0, len(unique), chunk)])
+        if self.paged:
+            logits = self._prefill_pages(slots, unique, owner, source, ids, mask, chunk, padded)
+        else:
+            owner_rows = torch.tensor(owner, dtype=torch.long, device=self.device)
+            logits = torch.cat([llama.prefill(self.weights, self.spec, self.cache, owner_rows[i:i + chunk],
+                                              ids[i:i + chunk], mask[i:i + chunk], self.cos, self.sin, padded=padded)
+                                for i in range(0, len(unique), chunk)])
         rows = torch.tensor(slots, dtype=torch.long, device=self.device)
-        if len(unique) < len(slots):
+        if len(unique) < len(slots) and not self.paged:
             copies = [i for i, slot in enumerate(slots) if slot != owner[source[i]]]
             src = torch.tensor([owner[source[i]] for i in copies], dtype=torch.long, device=self.device)
             self.cache[:, :, rows[copies], :, :width] = self.cache[:, :, src, :, :width]
+        if len(unique) < len(slots):
             pick = torch.tensor(source, dtype=torch.long, device=self.device)
             logits, mask = logits[pick], mask[pick]
         st = self.state
@@ -477,17 +559,98 @@ class RolloutEngine:
         st.cache_index[rows] = width
         return logits, width
 
-    def _release(self, rows: torch.Tensor) -> None:
+    def _prefill_pages(self, slots: list[int], unique: list[Sequence[int]], owner: list[int], source: list[int],
+                       ids: torch.Tensor, mask: torch.Tensor, chunk: int, padded: bool) -> torch.Tensor:
+        """Prefill the distinct prompts ``unique`` (left padded to ``ids``' width) and give every slot of
+        ``slots`` its pages; returns the distinct prompts' next-token logits.
+
+        Each distinct prompt gets fresh pages for its columns, the pages wholly in its left padding
+        excepted (the null page stands for them); its keys/values are computed in a scratch cache of
+        the chunk and moved into those pages. The other slots of the prompt point at the same pages
+        (``share_pages``), except the last page when the prompt ends inside it: decoding goes on
+        writing there, so each slot gets its own copy of that one. Without ``share_pages`` every slot
+        gets copies of all."""
+        spec, size, pool = self.spec, self.page_size, self.pool
+        width = ids.shape[1]
+        count, full = -(-width // size), width // size
+        firsts = [(width - len(prompt)) // size for prompt in unique]
+        wanted = sum(count - first for first in firsts)
+        wanted += sum(count - (full if self.share_pages else firsts[src])
+                      for slot, src in zip(slots, source) if slot != owner[src])
+        if wanted > pool.free:
+            raise MemoryError(f"rollout engine: prefill needs {wanted} KV pages, {pool.free} free")
+        owned = [[0] * first + pool.take(count - first) for first in firsts]
+        logits = []
+        for start in range(0, len(unique), chunk):
+            rows = min(chunk, len(unique) - start)
+            scratch = torch.zeros(spec.num_layers, 2, rows, spec.num_kv_heads, count * size, spec.head_dim,
+                                  dtype=self.dtype, device=self.device)
+            logits.append(llama.prefill(self.weights, spec, scratch, torch.arange(rows, device=self.device),
+                                        ids[start:start + rows], mask[start:start + rows], self.cos, self.sin,
+                                        padded=padded))
+            pairs = [(r, j, owned[start + r][j]) for r in range(rows) for j in range(firsts[start + r], count)]
+            at_row, at_page, dest = (torch.tensor(column, dtype=torch.long, device=self.device)
+                                     for column in zip(*pairs))
+            blocks = scratch.view(spec.num_layers, 2, rows, spec.num_kv_heads, count, size, spec.head_dim)
+            self.cache[:, :, dest] = blocks[:, :, at_row, :, at_page].permute(1, 2, 0, 3, 4, 5)
+            del scratch, blocks
+        copy_from, copy_to = [], []
+        table = torch.zeros(len(slots), self.state.table.shape[1], dtype=torch.int32)
+        for index, (slot, src) in enumerate(zip(slots, source)):
+            if self.slot_pages[slot]:
+                pool.drop(self.slot_pages[slot])
+            mine = owned[src]
+            if slot != owner[src]:
+                keep = full if self.share_pages else firsts[src]
+                fresh = pool.take(count - keep)
+                for page in mine[:keep]:
+                    pool.share(page)
+                copy_from += mine[keep:]
+                copy_to += fresh
+                mine = mine[:keep] + fresh
+            self.slot_pages[slot] = list(mine)
+            table[index, :count] = torch.tensor(mine, dtype=torch.int32)
+        if copy_to:
+            self.cache[:, :, torch.tensor(copy_to, device=self.device)] = \
+                self.cache[:, :, torch.tensor(copy_from, device=self.device)]
+        self.state.table[torch.tensor(slots, dtype=torch.long, device=self.device)] = table.to(self.device)
+        return torch.cat(logits)
+
+    def _add_pages(self, slots: list[int]) -> None:
+        """One more page at the end of each of ``slots``' columns (the caller made sure enough are free)."""
+        fresh = self.pool.take(len(slots))
+        at = []
+        for slot, page in zip(slots, fresh):
+            at.append(len(self.slot_pages[slot]))
+            self.slot_pages[slot].append(page)
+        dev = self.device
+        self.state.table[torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(at, device=dev)] = \
+            torch.tensor(fresh, dtype=torch.int32, device=dev)
+
+    def _release(self, slots: list[int]) -> None:
         """Freed slots keep decoding (their output is ignored) until reused: give each a valid
-        key in column 0 so that attention over a short length never sees an all-masked row."""
+        key in column 0 so that attention over a short length never sees an all-masked row.
+        With pages, the slots' pages go back to the pool and their table rows to the null page
+        (which their idle steps then write to and read from). ``slots``: host indices (no device read)."""
+        rows = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.state.bias[rows, 0] = 0.0
+        if self.paged:
+            for slot in slots:
+                self.pool.drop(self.slot_pages[slot])
+                self.slot_pages[slot] = []
+            self.state.table[rows] = 0
 
     def _compact(self, live: list[int]) -> None:
         """Move live slots ``live`` (sorted) to rows ``0..len(live)-1``."""
         m = len(live)
         perm = torch.tensor(live, dtype=torch.long, device=self.device)
-        self.cache[:, :, :m] = self.cache.index_select(2, perm)
         st = self.state
+        if self.paged:  # the pages stay where they are: only the table rows move
+            st.table[:m] = st.table.index_select(0, perm)
+            st.table[m:] = 0
+            self.slot_pages = [self.slot_pages[s] for s in live] + [[] for _ in range(self.max_batch_size - m)]
+        else:
+            self.cache[:, :, :m] = self.cache.index_select(2, perm)
         for buf in (st.tokens, st.positions, st.cache_index, st.bias):
             buf[:m] = buf.index_select(0, perm)
         st.bias[m:, 0] = 0.0  # rows past the live ones are free (see _release)

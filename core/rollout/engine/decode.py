@@ -7,7 +7,7 @@ A step is split around the attention of each layer into three functions of tenso
   every layer has the same shapes, so one compiled graph serves them all);
 * ``last`` — the tail of the last layer, the final norm and the LM head;
 
-where head = RMSNorm, fused q/k/v projection, RoPE; tail = o-projection + residual, RMSNorm,
+where head = RMSNorm, fused q/k/v projection, (Qwen3) per-head q/k RMSNorm, RoPE; tail = o-projection + residual, RMSNorm,
 SiLU-gated MLP + residual. Between them the eager part writes the new keys/values into the
 static cache and attends over its filled columns. With the Triton attention kernel the head
 stops at the projection (``rope_in_attention``): one kernel per layer then rotates the queries
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from rlcore.kernels import decode_attention
 from rlcore.kernels import step_kernels
-from rlcore.rollout.engine.llama import DecoderSpec, DecoderWeights, LayerWeights, linear_group, rms_norm, rotate
+from rlcore.rollout.engine.llama import (DecoderSpec, DecoderWeights, LayerWeights, linear_group, norm_heads, rms_norm,
+                                         rotate)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class DecodeState:
     ``share_source``, ``share_end``: ``[B]`` int32, the Triton attention kernel reads a slot's
     columns below ``share_end`` from cache row ``share_source`` (the samples of one prompt reading
     its keys/values at one place; ``None``: every slot reads its own row); ``share_active``: use
-    them in this step (off when no prompt repeats).
+    them in this step (off when no prompt repeats); ``table``: ``[B, S / page_size]`` int32, with a
+    paged cache the page of each slot's columns (``None``: the static cache), ``page_size`` its columns.
     """
 
     tokens: torch.Tensor
@@ -65,6 +67,8 @@ class DecodeState:
     share_source: torch.Tensor | None = None
     share_end: torch.Tensor | None = None
     share_active: bool = False
+    table: torch.Tensor | None = None
+    page_size: int = 0
 
 
 # ----------------------------------------------------------------------------- the pieces
@@ -84,17 +88,33 @@ def _project(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, ep
     return _sum(_partials(h, qkv[0], qkv_bias[0], splits)).to(x.dtype)
 
 
-def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, cos: torch.Tensor, sin: torch.Tensor,
-          eps: float, heads: int, kv_heads: int, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [n, H]`` -> ``(q [n, KVH, G, D], kv [2, n, KVH, D])`` with RoPE applied to q and k.
+def _head(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, qk_norm: tuple, cos: torch.Tensor,
+          sin: torch.Tensor, eps: float, heads: int, kv_heads: int, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [n, H]`` -> ``(q [n, KVH, G, D], kv [2, n, KVH, D])`` with the per-head q/k norms
+    ``qk_norm`` (Qwen3; ``()``: none) and then RoPE applied to q and k.
 
     ``cos``, ``sin`` ``[n, 1, D]`` (``sin`` signed, see :func:`rlcore.rollout.engine.llama.signed_sin`)."""
     n, dim = x.shape[0], cos.shape[-1]
     proj = _project(x, ln1, qkv, qkv_bias, eps, splits)
-    qk = rotate(proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), cos, sin)
+    qk = norm_heads(proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), qk_norm, heads, eps)
+    qk = rotate(qk, cos, sin)
     v = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
     q = qk[:, :heads].reshape(n, kv_heads, heads // kv_heads, dim)
     return q, torch.stack((qk[:, heads:], v))
+
+
+def _project_normed(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, qk_norm: tuple, eps: float,
+                    heads: int, kv_heads: int, splits: int = 1) -> torch.Tensor:
+    """The projection the attention kernel reads when it applies RoPE (:func:`_project` with
+    ``parts``), with the per-head q/k norms ``qk_norm`` (Qwen3) already applied: then one
+    ``[n, (heads + 2·kv_heads)·D]`` tensor (the norm needs the summed projection, so no partial products)."""
+    if not qk_norm:
+        return _project(x, ln1, qkv, qkv_bias, eps, splits, parts=True)
+    n = x.shape[0]
+    proj = _project(x, ln1, qkv, qkv_bias, eps, splits)
+    dim = qk_norm[0].shape[0]
+    qk = norm_heads(proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim), qk_norm, heads, eps)
+    return torch.cat((qk.view(n, -1), proj[:, (heads + kv_heads) * dim:]), dim=-1)
 
 
 def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: torch.Tensor, gate_up: tuple,
@@ -162,7 +182,7 @@ def _sum(parts: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor
 
 
 def head_args(lw: LayerWeights) -> tuple:
-    return lw.ln1, tuple(lw.qkv), tuple(lw.qkv_bias)
+    return lw.ln1, tuple(lw.qkv), tuple(lw.qkv_bias), tuple(lw.qk_norm)
 
 
 def tail_args(lw: LayerWeights) -> tuple:
@@ -184,6 +204,7 @@ class StepFunctions:
     spec: DecoderSpec
     rope_in_attention: bool = False
     qkv_parts: bool = False  # the head's projection is [splits, n, ·] partial products without the bias
+    # (never with q/k norms: they need the summed projection)
 
 
 SPLIT_K_KEYS = ("o", "gate_up", "down", "qkv")
@@ -234,7 +255,7 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_a
 
     ``split_k``: slices of the inner dimension for the o, gate/up, down and q/k/v products
     (:func:`_partials`; with ``rope_in_attention`` the attention kernel adds the q/k/v slices and the
-    bias). ``mlp_transposed``: the gate/up product as ``weight @ norm(x)^T`` (see :func:`_tail`).
+    bias, unless the model norms its queries and keys: then the head sums them and applies the norms). ``mlp_transposed``: the gate/up product as ``weight @ norm(x)^T`` (see :func:`_tail`).
 
     Compilation is lazy (first call); the caller falls back to the plain pieces if it raises.
     The model constants are closed over, so each model shape gets its own compiled graphs.
@@ -246,22 +267,24 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_a
     # first: (tokens, positions, tables, embed, layer 0 head weights) -> (x, head, rope);
     # middle: (x, attn, rope, layer i tail weights, layer i+1 head weights) -> (x, head).
     # head is (q, kv) with RoPE applied, or (projection,) for the attention kernel to rotate.
-    def first(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias):
+    # The head weights are (ln1, qkv, qkv_bias, qk_norm), qk_norm () unless the model has q/k norms.
+    def first(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias, qk_norm):
         cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
         x = F.embedding(tokens, embed)
-        return x, _head(x, ln1, qkv, qkv_bias, cos, sin, eps, heads, kv_heads, qkv_split), (cos, sin)
+        return x, _head(x, ln1, qkv, qkv_bias, qk_norm, cos, sin, eps, heads, kv_heads, qkv_split), (cos, sin)
 
-    def middle(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
+    def middle(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias, qk_norm):
         x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split, turned)
-        return x, _head(x, ln1, qkv, qkv_bias, *rope, eps, heads, kv_heads, qkv_split)
+        return x, _head(x, ln1, qkv, qkv_bias, qk_norm, *rope, eps, heads, kv_heads, qkv_split)
 
-    def first_projected(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias):
+    def first_projected(tokens, positions, cos_table, sin_table, embed, ln1, qkv, qkv_bias, qk_norm):
         x = F.embedding(tokens, embed)
-        return x, (_project(x, ln1, qkv, qkv_bias, eps, qkv_split, parts=True),), ()
+        return x, (_project_normed(x, ln1, qkv, qkv_bias, qk_norm, eps, heads, kv_heads, qkv_split),), ()
 
-    def middle_projected(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias):
+    def middle_projected(x, attn, rope, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, ln1, qkv, qkv_bias,
+                         qk_norm):
         x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split, turned)
-        return x, (_project(x, ln1, qkv, qkv_bias, eps, qkv_split, parts=True),)
+        return x, (_project_normed(x, ln1, qkv, qkv_bias, qk_norm, eps, heads, kv_heads, qkv_split),)
 
     def last(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, norm, lm_head):
         x = _tail(x, attn, o, o_bias, ln2, gate_up, gate_up_bias, down, down_bias, eps, split, turned)
@@ -269,7 +292,7 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_a
 
     if rope_in_attention:
         first, middle = first_projected, middle_projected
-    parts = bool(rope_in_attention and qkv_split > 1)
+    parts = bool(rope_in_attention and qkv_split > 1 and not spec.qk_norm)
     if compile_mode is None:
         return StepFunctions(first, middle, last, compiled=False, spec=spec, rope_in_attention=rope_in_attention,
                              qkv_parts=parts)
@@ -322,7 +345,7 @@ def check_attention_tuning(tuning) -> dict:
 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, kind: str,
-           tuning: dict | None = None) -> torch.Tensor:
+           tuning: dict | None = None, pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Grouped-query attention of one new token per slot over cache columns ``0..length-1``.
 
     Args:
@@ -333,12 +356,16 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         kind: ``"sdpa"`` (one fused attention kernel), ``"matmul"`` (two matmuls and a softmax)
             or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`: reads each key/value block
             once for the ``G`` query rows, needs CUDA or Triton's interpreter).
+        pages: ``(table, page_size)`` for a paged cache (``layer`` ``[2, pages, KVH, page_size, D]``,
+            see :func:`rlcore.kernels.decode_attention.attend`); the other kinds gather the pages first.
     Returns:
         ``[n, KVH·G·D]``.
     """
     if kind == "triton":
-        return decode_attention.attend(q, layer, bias, length, **(tuning or {}))
+        return decode_attention.attend(q, layer, bias, length, pages=pages, **(tuning or {}))
     n, dim = q.shape[0], q.shape[-1]
+    if pages is not None:
+        layer = decode_attention.gather_pages(layer, pages[0], n, length)
     keys, values = layer[0, :n, :, :length], layer[1, :n, :, :length]
     mask = bias[:, None, None, :length]
     if kind == "sdpa":
@@ -362,14 +389,16 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
     ``positions`` and ``cache_index`` (clamped to ``S-1`` so idle slots stay in bounds).
 
     Args:
-        cache: ``[L, 2, B, KVH, S, D]``. cos_table, sin_table: ``[S, D]`` (``sin_table`` signed), in
+        cache: ``[L, 2, B, KVH, S, D]``, or with ``state.table`` a pool of pages ``[L, 2, pages, KVH,
+            page_size, D]``. cos_table, sin_table: ``[S, D]`` (``sin_table`` signed), in
             the compute dtype for the separate RoPE, any float dtype for ``fns.rope_in_attention``
             (which needs ``attention="triton"``). fns: :func:`step_functions`.
         attention_tuning: for ``attention="triton"``, see :func:`check_attention_tuning`.
     Returns:
         ``[n, V]`` next-token logits in the compute dtype.
     """
-    last_column = cache.shape[4] - 1
+    last_column = state.bias.shape[1] - 1
+    pages = (state.table, state.page_size) if state.table is not None else None
     positions, cache_index = state.positions[:n], state.cache_index[:n]
     bias = state.bias[:n]
     tuning = dict(attention_tuning or {})
@@ -396,15 +425,23 @@ def decode(weights: DecoderWeights, cache: torch.Tensor, state: DecodeState, n: 
             # q/k/v slices come without the bias: the kernel adds both
             proj_bias = lw.qkv_bias[0] if fns.qkv_parts and len(lw.qkv) == 1 else None
             return decode_attention.attend_new(head[0], layer, bias, length, *rotary, columns, spec.num_heads,
-                                               spec.num_kv_heads, proj_bias=proj_bias, **tuning)
+                                               spec.num_kv_heads, proj_bias=proj_bias, pages=pages, **tuning)
     else:
         dim = cache.shape[-1]
-        flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
+        if pages is None:
+            flat = (state.flat_base[:, :n] + cache_index[None, :, None]).reshape(-1)  # [2*n*KVH]
+        else:  # row of each slot's new column in its page, for keys and values of every head
+            count, kv_heads, size = cache.shape[2], cache.shape[3], state.page_size
+            page = state.table[:n].gather(1, (cache_index // size)[:, None]).long()  # [n, 1]
+            heads = torch.arange(kv_heads, device=cache.device)[None, None]
+            halves = torch.arange(2, device=cache.device)[:, None, None]
+            flat = (((halves * count + page[None]) * kv_heads + heads) * size
+                    + (cache_index % size)[None, :, None]).reshape(-1)
 
         def attend_layer(layer, head, lw):
             q, kv = head
             layer.view(-1, dim).index_copy_(0, flat, kv.view(-1, dim))
-            return attend(q, layer, bias, length, attention, tuning)
+            return attend(q, layer, bias, length, attention, tuning, pages)
 
     layers = weights.layers
     x, head, rope = fns.first(state.tokens[:n], positions, cos_table, sin_table, weights.embed,

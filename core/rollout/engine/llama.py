@@ -1,7 +1,8 @@
-"""A Llama-family decoder forward (Llama, Mistral, Qwen2) over weights read from a HF model.
+"""A Llama-family decoder forward (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over weights read from a HF model.
 
 The engine does not call the Hugging Face module: it reads its parameters (RMSNorm, RoPE
-tables, GQA attention, SiLU-gated MLP, Qwen2's q/k/v biases, tied embeddings) and runs its own
+tables, GQA attention, SiLU-gated MLP, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm
+applied before RoPE, tied embeddings) and runs its own
 passes over a pre-allocated KV cache:
 
 * :func:`prefill` (here) — left-padded prompts of some slots, positions taken from the attention mask;
@@ -20,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 #: RoPE variants whose cos/sin depend on the position alone (a table can be precomputed).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -38,6 +39,8 @@ class DecoderSpec:
     vocab_size: int
     rms_eps: float
     sliding_window: int | None
+    #: per-head RMSNorm of the queries and keys (weights ``[head_dim]``) before RoPE, as Qwen3 has
+    qk_norm: bool = False
 
     @property
     def group(self) -> int:
@@ -53,7 +56,7 @@ def _sliding_window(config) -> int | None:
     window = getattr(config, "sliding_window", None)
     if window is None:
         return None
-    if getattr(config, "model_type", "") == "qwen2":
+    if getattr(config, "model_type", "") in ("qwen2", "qwen3"):
         layer_types = getattr(config, "layer_types", None)
         if layer_types is not None:
             return int(window) if "sliding_attention" in layer_types else None
@@ -77,8 +80,6 @@ def decoder_spec(model) -> DecoderSpec:
     if layers is None or getattr(inner, "rotary_emb", None) is None or getattr(model, "lm_head", None) is None:
         raise ValueError("rollout engine: expected model.model.layers, model.model.rotary_emb and model.lm_head")
     attn = layers[0].self_attn
-    if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
-        raise ValueError("rollout engine: per-head q/k norms are not supported")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -88,7 +89,21 @@ def decoder_spec(model) -> DecoderSpec:
         num_layers=len(layers), hidden_size=config.hidden_size, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, vocab_size=model.lm_head.weight.shape[0],
         rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), sliding_window=_sliding_window(config),
+        qk_norm=_qk_norm(attn, head_dim),
     )
+
+
+def _qk_norm(attn, head_dim: int) -> bool:
+    """Whether the attention has per-head q/k RMSNorms (Qwen3); ``ValueError`` for q/k norms of
+    another form (one of the two, or over more than one head)."""
+    norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+    if norms == [None, None]:
+        return False
+    shapes = [tuple(getattr(getattr(norm, "weight", None), "shape", ())) for norm in norms]
+    if shapes != [(head_dim,), (head_dim,)]:
+        raise ValueError(f"rollout engine: q/k norms must both be per-head RMSNorms of weight [{head_dim}], "
+                         f"got weights {shapes}")
+    return True
 
 
 def supports(model, max_seq_len: int | None = None) -> bool:
@@ -145,6 +160,8 @@ class LayerWeights:
     gate_up_bias: list[torch.Tensor | None]
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    #: ``(q_norm, k_norm)`` per-head RMSNorm weights ``[D]`` (Qwen3), or ``()``
+    qk_norm: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
@@ -183,7 +200,7 @@ class DecoderWeights:
         out = [self.embed, self.norm, self.lm_head]
         for lw in self.layers:
             out += [lw.ln1, lw.ln2, *lw.qkv, *lw.qkv_bias, lw.o, lw.o_bias, *lw.gate_up, *lw.gate_up_bias,
-                    lw.down, lw.down_bias]
+                    lw.down, lw.down_bias, *lw.qk_norm]
         return out
 
     def pointers(self) -> list[int]:
@@ -192,6 +209,9 @@ class DecoderWeights:
 
 def _layer_weights(layer, dtype, device, share: bool) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
+    qk_norm = ()
+    if getattr(attn, "q_norm", None) is not None:
+        qk_norm = (_param(attn.q_norm.weight, dtype, device, share), _param(attn.k_norm.weight, dtype, device, share))
     projs = [attn.q_proj, attn.k_proj, attn.v_proj]
     ups = [mlp.gate_proj, mlp.up_proj]
     if share:
@@ -212,6 +232,7 @@ def _layer_weights(layer, dtype, device, share: bool) -> LayerWeights:
         gate_up=gate_up, gate_up_bias=gate_up_bias,
         down=_param(mlp.down_proj.weight, dtype, device, share),
         down_bias=_param(_bias(mlp.down_proj), dtype, device, share),
+        qk_norm=qk_norm,
     )
 
 
@@ -241,6 +262,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     ``x [..., D]``; ``cos`` and ``sin_signed`` (see :func:`signed_sin`) broadcast to it.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def norm_heads(x: torch.Tensor, qk_norm: Sequence[torch.Tensor], heads: int, eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of the queries and keys: ``x [..., H + KVH, D]`` (query heads, then
+    key heads) with the first ``heads`` normed by ``qk_norm[0]`` and the rest by ``qk_norm[1]``;
+    ``x`` itself when ``qk_norm`` is empty. Runs before RoPE, as the model does."""
+    if not qk_norm:
+        return x
+    q, k = x.split([heads, x.shape[-2] - heads], dim=-2)
+    return torch.cat((rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)), dim=-2)
 
 
 def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -311,8 +342,11 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
     x = F.embedding(ids, weights.embed)
     for index, lw in enumerate(weights.layers):
         q, k, v = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
-        q = rotate(q.view(n, width, heads, dim), cos, sin).transpose(1, 2)
-        k = rotate(k.view(n, width, kv_heads, dim), cos, sin).transpose(1, 2)
+        q, k = q.view(n, width, heads, dim), k.view(n, width, kv_heads, dim)
+        if lw.qk_norm:
+            q, k = rms_norm(q, lw.qk_norm[0], spec.rms_eps), rms_norm(k, lw.qk_norm[1], spec.rms_eps)
+        q = rotate(q, cos, sin).transpose(1, 2)
+        k = rotate(k, cos, sin).transpose(1, 2)
         v = v.view(n, width, kv_heads, dim).transpose(1, 2)
         cache[index, 0, slots, :, :width] = k
         cache[index, 1, slots, :, :width] = v

@@ -8,12 +8,20 @@ queue is empty the live slots are compacted to the front so that a smaller batch
 The host keeps its own copy of what it needs per step (which slots are live, how many tokens
 each has, the widest cache column), so a decode step reads nothing back from the device; only
 the EOS flags are read, every ``eos_check_interval`` steps.
+
+With the paged cache (:mod:`rlcore.rollout.engine.pages`) admission also waits for free pages
+(the prompts' pages, with the live slots' next page kept in reserve), a slot gets its next page a
+few steps before its sequence reaches it, and when the pool has none left, the slots whose EOS is
+already out are finished first and then the youngest live slot is *preempted*: its pages go back,
+its request returns to the front of the queue and is sampled afresh when it is admitted again
+(``rollout/preemptions`` counts them).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -24,6 +32,12 @@ from rlcore.rollout.sampling import Sampler
 if TYPE_CHECKING:
     from rlcore.rollout.engine import RolloutEngine
 
+#: a slot gets its next page when its sequence is this many columns from the end of its pages
+PAGE_LOOKAHEAD = 4
+#: ... together with every slot within this many more columns of its end, so that one table update
+#: serves the slots reaching a page boundary in the next steps (a page update every ~16 steps at most)
+PAGE_BATCH = 16
+
 
 class Scheduler:
     """Slots, queue and outputs of one ``generate`` call.
@@ -33,8 +47,10 @@ class Scheduler:
     ``col0[s]`` (its next cache column is ``col0[s] + steps``).
     """
 
-    def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams):
+    def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None):
         self.eng, self.params = engine, params
+        self.on_finished = on_finished
         self.prompts = [list(p) for p in prompts]
         dev, cap, width = engine.device, engine.max_batch_size, params.max_new_tokens
         self.sample = Sampler(params, dev, fused=engine.fused_sampling)
@@ -55,6 +71,11 @@ class Scheduler:
         self.one_kernel = step_kernels.available(dev)
         self.steps = 0
         self.prefills = 0
+        self.preempted = 0
+        self.reserve = 1  # pages kept free per live slot at admission; doubles with each preemption
+        self.grow_due = 0
+        if engine.paged:
+            engine.pool.peak = engine.pool.used
         self.bucket_steps: dict[int, int] = {}
 
     # -- host bookkeeping
@@ -67,6 +88,10 @@ class Scheduler:
         self.max_col0 = max((self.col0[s] for s in self.live), default=0)
         limit = self.params.max_new_tokens
         self.due = min((self.born[s] + limit - 1 for s in self.live), default=0)
+        if self.eng.paged:  # the first step at which some live slot wants its next page
+            size, cap, pages = self.eng.page_size, self.eng.max_seq_len, self.eng.slot_pages
+            self.grow_due = min((len(pages[s]) * size - self.col0[s] - PAGE_LOOKAHEAD for s in self.live
+                                 if len(pages[s]) * size < cap), default=self.steps + (1 << 30))
 
     # -- device bookkeeping
     def _record(self, n: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
@@ -83,14 +108,48 @@ class Scheduler:
         reqs = torch.tensor([self.slot_req[s] for s in slots], dtype=torch.long, device=self.eng.device)
         self.res_tokens.index_copy_(0, reqs, self.out_tokens.index_select(0, rows))
         self.res_logprobs.index_copy_(0, reqs, self.out_logprobs.index_select(0, rows))
-        self.eng._release(rows)
+        self._report(rows, [self.slot_req[s] for s in slots])
+        self.eng._release(slots)
         for s in slots:
             self.slot_req[s] = None
         self._relive()
 
+    def _page_fit(self, limit: int) -> int:
+        """How many of the first ``limit`` waiting requests fit in the free pages (an upper bound of
+        their pages: each distinct prompt one more page than its length fills, each repeat one page,
+        or all of them without page sharing), keeping ``reserve`` pages per live slot free for their
+        growth: one, doubled at each preemption (a pool too small for what was admitted admits less)."""
+        eng = self.eng
+        size, room = eng.page_size, eng.pool.free - self.reserve * len(self.live)
+        seen: set[tuple[int, ...]] = set()
+        cost = fit = 0
+        for req in itertools.islice(self.queue, limit):
+            prompt = tuple(self.prompts[req])
+            whole = -(-len(prompt) // size) + 1
+            cost += 1 if prompt in seen and eng.share_pages else whole
+            if cost > room:
+                break
+            seen.add(prompt)
+            fit += 1
+        return fit
+
+    def _report(self, rows: torch.Tensor, reqs: list[int]) -> None:
+        """Hand finished requests to ``on_finished``: their indices and response tokens up to and
+        including the first EOS (what :meth:`result` keeps of them)."""
+        if self.on_finished is None:
+            return
+        eos = set(self.params.eos_token_ids)
+        responses = []
+        for row in self.out_tokens.index_select(0, rows).tolist():
+            end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+            responses.append(row[:end])
+        self.on_finished(list(reqs), responses)
+
     def _admit(self) -> None:
         free = [s for s, r in enumerate(self.slot_req) if r is None]
         take = min(len(free), len(self.queue))
+        if self.eng.paged:
+            take = self._page_fit(take)
         slots = free[:take]
         reqs = [self.queue.popleft() for _ in range(take)]
         logits, width = self.eng._prefill(slots, [self.prompts[r] for r in reqs], self.params.pad_token_id)
@@ -115,7 +174,43 @@ class Scheduler:
         free = len(self.slot_req) - len(self.live)
         if free == 0:
             return False
-        return not self.live or free >= max(1, int(self.eng.admit_fraction * len(self.slot_req)))
+        if self.live and free < max(1, int(self.eng.admit_fraction * len(self.slot_req))):
+            return False
+        return not self.eng.paged or self._page_fit(1) == 1
+
+    def _grow(self) -> None:
+        """Give every live slot whose sequence is about to run past its pages one more page; when the
+        pool is short, finish the slots whose EOS is already out, then preempt the youngest."""
+        eng = self.eng
+        size, cap, pages = eng.page_size, eng.max_seq_len, eng.slot_pages
+        horizon = self.steps + PAGE_LOOKAHEAD + PAGE_BATCH
+        checked = False
+        while True:
+            need = [s for s in self.live if len(pages[s]) * size <= self.col0[s] + horizon
+                    and len(pages[s]) * size < cap]
+            if len(need) <= eng.pool.free:
+                break
+            if not checked and self.eos.numel():
+                checked = True
+                flags = self.done[:len(self.slot_req)].tolist()
+                self._finish([s for s in self.live if flags[s]])
+                continue
+            if len(self.live) <= 1:
+                raise RuntimeError(f"rollout engine: the KV page pool ({eng.pool.pages} pages) cannot hold one "
+                                   f"sequence")
+            self._preempt(max(self.live, key=lambda s: (self.born[s], s)))
+        if need:
+            eng._add_pages(need)
+        self._relive()
+
+    def _preempt(self, slot: int) -> None:
+        """Free ``slot`` and put its request back at the front of the queue (sampled afresh later)."""
+        self.queue.appendleft(self.slot_req[slot])
+        self.eng._release([slot])
+        self.slot_req[slot] = None
+        self.preempted += 1
+        self.reserve = min(2 * self.reserve, -(-self.eng.max_seq_len // self.eng.page_size))
+        self._relive()
 
     def _maybe_compact(self) -> None:
         live = self.live
@@ -150,6 +245,10 @@ class Scheduler:
                 self._finish([s for s in self.live if self._count(s) >= limit])
                 continue
             self._maybe_compact()
+            if self.eng.paged and self.steps >= self.grow_due:
+                self._grow()
+                if not self.live:  # the slots it finished were the last ones
+                    continue
             n = self.eng._bucket(self.live[-1] + 1)
             length = self.eng._length_bucket(self.max_col0 + self.steps + 1)
             logits = self.eng._decode(n, length)
@@ -167,6 +266,11 @@ class Scheduler:
         tokens = self.res_tokens.masked_fill(mask == 0, self.params.pad_token_id)[:, :width]
         logprobs = (self.res_logprobs * mask)[:, :width]
         stats = {"rollout/decode_steps": float(self.steps), "rollout/prefill_calls": float(self.prefills),
-                 "rollout/new_tokens": float(mask.sum().item())}
+                 "rollout/new_tokens": float(mask.sum().item()), "rollout/kv_bytes": float(eng.kv_bytes)}
+        if eng.paged:
+            per_page = eng.kv_bytes / eng.pool.pages
+            stats.update({"rollout/preemptions": float(self.preempted),
+                          "rollout/kv_pages_peak": float(eng.pool.peak),
+                          "rollout/kv_bytes_peak": float(eng.pool.peak * per_page)})
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens,
                             response_mask=mask[:, :width], logprobs=logprobs, stats=stats)

@@ -1,0 +1,271 @@
+"""Training forwards without padding: sequence packing and token-budget micro-batches.
+
+A micro-batch of ``B`` samples arrives padded (left-padded prompts, right-padded responses,
+``[B, T]``). Packed, its real tokens are concatenated into one row ``[1, L]`` (``L`` = the sum of
+the sequence lengths) with ``position_ids`` restarting at 0 at each sequence. Attention must then
+stay inside each sequence; Hugging Face models do this from the positions when no 2-D attention
+mask is given:
+
+- ``sdpa`` / ``eager`` / ``flex_attention``: ``create_causal_mask`` finds the sequences where
+  the positions do not step by one and ANDs the causal mask with a block-diagonal one;
+- ``flash_attention_*``: the variable-length kernel is called with ``cu_seqlens``; we pass
+  ``cu_seq_lens_q/k`` and ``max_length_q/k`` ourselves (no guessing from the positions).
+
+Only the logits that predict a response token are computed (``logits_to_keep`` given as the
+positions), so the packed forward also skips the prompt positions' vocabulary projection.
+:func:`packing_isolates` checks on the real model that packed sequences do not see each other;
+``ppo.pack_sequences=auto`` packs only where it passes and the attention is variable-length
+(flash or flex): with ``sdpa``/``eager`` the packed row's mask is dense, so a packed forward costs
+``L^2`` attention instead of the sum of the sequences' squares (``true`` packs there too).
+
+Token budgets: :func:`token_groups` cuts an ordered list of samples into micro-batches of at
+most ``max_tokens`` tokens (real tokens when packed, rows x padded width otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PackedRows:
+    """One micro-batch packed into a single row (see the module docstring).
+
+    ``input_ids``/``position_ids`` ``[1, L]``; ``index [K]``: the packed positions whose logits predict
+    the ``K`` response tokens ``labels [K]``, which sit at ``(rows[k], cols[k])`` of the ``[B, R]``
+    response layout; ``cu_seqlens [n + 1]`` (int32) and ``max_len``: the sequence boundaries.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    index: torch.Tensor
+    labels: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_len: int
+    shape: tuple[int, int]
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """``values [K]`` (one per response token) -> ``[B, R]``, 0 elsewhere; keeps the autograd graph."""
+        out = values.new_zeros(self.shape)
+        return out.index_put((self.rows, self.cols), values)
+
+    def forward_kwargs(self, model: torch.nn.Module) -> dict:
+        """Keyword arguments of the model's forward for the packed row (no attention mask)."""
+        kw = dict(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None)
+        if "flash" in attention_implementation(model):
+            kw.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
+                      max_length_q=self.max_len, max_length_k=self.max_len)
+        return kw
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The Hugging Face attention implementation of ``model`` ('' when it has none)."""
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_attn_implementation", "") or "")
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> PackedRows:
+    """Pack ``B`` padded sequences ``[B, T]`` whose last ``R`` columns are the response (``response_mask [B, R]``).
+
+    A row's real tokens (``attention_mask``) must be contiguous (left-padded prompt, then the
+    response, then right padding); every response token must follow at least one token of its
+    own sequence (prompts are not empty).
+    """
+    keep = attention_mask.bool()
+    batch, width = keep.shape
+    response_len = response_mask.shape[1]
+    prompt_cols = width - response_len
+    lengths = keep.sum(-1)
+    positions = (keep.long().cumsum(-1) - 1).clamp(min=0)
+    flat = keep.reshape(-1).long().cumsum(0).view(batch, width) - 1  # packed position of each real token
+    resp = response_mask.bool() & keep[:, prompt_cols:]
+    rows, cols = resp.nonzero(as_tuple=True)
+    index = flat[:, prompt_cols:][rows, cols] - 1
+    labels = input_ids[:, prompt_cols:][rows, cols]
+    used = lengths[lengths > 0]
+    cu = torch.zeros(len(used) + 1, dtype=torch.int32, device=input_ids.device)
+    cu[1:] = used.cumsum(0)
+    return PackedRows(input_ids=input_ids[keep][None], position_ids=positions[keep][None], index=index,
+                      labels=labels, rows=rows, cols=cols, cu_seqlens=cu,
+                      max_len=int(used.max()) if len(used) else 0, shape=(batch, response_len))
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-budget micro-batches
+# ---------------------------------------------------------------------------------------------
+
+
+def sequence_lengths(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``(prompt tokens, response tokens)`` of each sample, as host lists (one copy each)."""
+    response_len = response_mask.shape[1]
+    total = attention_mask.sum(-1)
+    resp = attention_mask[:, attention_mask.shape[1] - response_len:].sum(-1)
+    return (total - resp).cpu().tolist(), resp.cpu().tolist()
+
+
+def group_cost(prompt: Sequence[int], response: Sequence[int], packed: bool) -> int:
+    """Tokens one forward over these samples processes: their sum packed, else rows x padded width."""
+    if packed:
+        return int(sum(prompt) + sum(response))
+    return len(prompt) * (max(prompt, default=0) + max(response, default=0))
+
+
+def token_groups(prompt: Sequence[int], response: Sequence[int], max_tokens: int, packed: bool) -> list[list[int]]:
+    """Cut samples ``0..n-1`` (in this order) into consecutive micro-batches of at most ``max_tokens``
+    tokens each (:func:`group_cost`). A sample longer than the budget is a micro-batch of its own."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for i in range(len(prompt)):
+        trial = cur + [i]
+        if cur and group_cost([prompt[j] for j in trial], [response[j] for j in trial], packed) > max_tokens:
+            groups.append(cur)
+            cur = [i]
+        else:
+            cur = trial
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def split_to(groups: list[list[int]], count: int, prompt: Sequence[int], response: Sequence[int],
+             packed: bool) -> list[list[int]]:
+    """Split the costliest groups in halves until there are ``count`` (at most one per sample)."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [k for k, g in enumerate(groups) if len(g) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda k: group_cost([prompt[j] for j in groups[k]],
+                                                      [response[j] for j in groups[k]], packed))
+        g = groups[k]
+        groups[k:k + 1] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+def agreed_count(count: int) -> int:
+    """The largest ``count`` over the ranks of the default process group (``count`` without one).
+
+    Sharded models gather their weights in every forward, so all ranks must run as many."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return count
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([count], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def micro_batches(attention_mask: torch.Tensor, response_mask: torch.Tensor, order: torch.Tensor, micro: int,
+                  max_tokens: int, packed: bool) -> list[torch.Tensor]:
+    """Indices of the micro-batches of the samples ``order`` (in that order): ``micro`` samples each,
+    or, with ``max_tokens > 0``, token-budget groups (:func:`token_groups`), as many on every rank."""
+    order = order.cpu()
+    if max_tokens <= 0:
+        return list(torch.split(order, max(1, micro)))
+    prompt, response = sequence_lengths(attention_mask[order.to(attention_mask.device)],
+                                        response_mask[order.to(response_mask.device)])
+    groups = token_groups(prompt, response, max_tokens, packed)
+    groups = split_to(groups, agreed_count(len(groups)), prompt, response, packed)
+    return [order[torch.tensor(g, dtype=torch.long)] for g in groups]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking the model
+# ---------------------------------------------------------------------------------------------
+
+
+def _tolerance(model: torch.nn.Module) -> float:
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    return 1e-3 if dtype == torch.float32 else 5e-2
+
+
+@torch.no_grad()
+def packing_isolates(model: torch.nn.Module) -> tuple[bool, str]:
+    """Whether ``model`` keeps packed sequences apart: a short sequence's log-probs packed after a
+    longer one equal its log-probs alone. ``(ok, why not)``; any error of the packed forward is a no."""
+    from rlcore.trainer.models import ValueModel, response_logprobs, response_values
+
+    def run(ids, mask, response_len, **kw):
+        if isinstance(model, ValueModel):
+            return response_values(model, ids, mask, response_len, **kw)
+        return response_logprobs(model, ids, mask, response_len, **kw)[0]
+
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    if vocab < 4:
+        return False, "the model has no config.vocab_size"
+    g = torch.Generator().manual_seed(1234)
+    first = torch.randint(2, vocab, (24,), generator=g)
+    second = torch.randint(2, vocab, (8,), generator=g)
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    mask = torch.zeros(2, 24, dtype=torch.long)
+    ids[0], mask[0] = first, 1
+    ids[1, -8:], mask[1, -8:] = second, 1
+    response_len = 6
+    resp = torch.ones(2, response_len)
+    ids, mask, resp = ids.to(device), mask.to(device), resp.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        alone = run(ids[1:], mask[1:], response_len)
+        packed = run(ids, mask, response_len, response_mask=resp, packed=True)
+    except Exception as e:  # noqa: BLE001 - any failure means: do not pack this model
+        return False, f"a packed forward failed ({type(e).__name__}: {e})"
+    finally:
+        model.train(was_training)
+    diff = float((packed[1] - alone[0]).abs().max())
+    tol = _tolerance(model)
+    if not diff <= tol:
+        return False, (f"a sequence packed after another differs from the same sequence alone by {diff:.3g} "
+                       f"(> {tol}) in its output: its attention ({attention_implementation(model) or 'custom'}) "
+                       "sees the other sequence")
+    return True, ""
+
+
+#: Attention implementations whose packed form costs what the sequences cost (a variable-length
+#: kernel, or a block-sparse mask); with the others (sdpa, eager) a packed row is one dense
+#: ``[L, L]`` masked attention, quadratic in the packed length.
+VARLEN_ATTENTION = ("flash_attention", "flex_attention")
+
+
+def resolve_packing(setting, models: Sequence[Optional[torch.nn.Module]]) -> bool:
+    """``ppo.pack_sequences`` (true | false | auto) -> whether the training forwards pack.
+
+    ``auto`` packs when every model runs a variable-length attention (:data:`VARLEN_ATTENTION`)
+    and passes :func:`packing_isolates`; ``true`` packs with any attention that passes the check.
+
+    :raises ConfigError: ``true`` and a model does not keep packed sequences apart.
+    """
+    from rlcore.errors import ConfigError
+
+    if setting is False or str(setting).lower() == "false":
+        return False
+    auto = not (setting is True or str(setting).lower() == "true")
+    for model in models:
+        if model is None:
+            continue
+        impl = attention_implementation(model)
+        if auto and not any(impl.startswith(k) for k in VARLEN_ATTENTION):
+            log.info("ppo.pack_sequences=auto: training forwards stay padded (%s attention '%s' would run a packed "
+                     "row as one dense masked attention; ppo.pack_sequences=true packs anyway)",
+                     type(model).__name__, impl or "custom")
+            return False
+        ok, why = packing_isolates(model)
+        if not ok:
+            if not auto:
+                raise ConfigError([f"'ppo.pack_sequences' = true: {type(model).__name__}: {why}; set "
+                                   "ppo.pack_sequences=false (padded forwards) or auto"])
+            log.info("ppo.pack_sequences=auto: training forwards stay padded (%s: %s)", type(model).__name__, why)
+            return False
+    return True

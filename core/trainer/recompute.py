@@ -1,0 +1,126 @@
+"""Activation checkpointing chosen per micro-batch by memory (``<role>.gradient_checkpointing=auto``).
+
+Checkpointing (recomputing each decoder layer's activations in the backward pass) saves memory and
+costs about a third more compute. With ``auto`` a micro-batch recomputes only when the estimated
+activation memory of its forward (:func:`activation_bytes_per_token` x its tokens) exceeds the
+memory free at that moment: the free memory of the device plus what PyTorch's caching allocator
+holds unused (CUDA), the available physical memory (CPU). Short micro-batches run at full speed,
+long ones fit. ``true``/``false`` keep checkpointing on/off for every micro-batch.
+
+The switch is the ``gradient_checkpointing`` flag of Hugging Face decoder layers
+(``GradientCheckpointingLayer``), read at every forward; a model without such layers cannot be
+switched per micro-batch and trains without checkpointing under ``auto`` (logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Share of the free memory a micro-batch's activations may take before checkpointing turns on.
+FREE_SHARE = 0.9
+
+
+def activation_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Estimated bytes of activations one token keeps for the backward pass, without checkpointing.
+
+    Per decoder layer: the layer input, both norms' outputs, the query, key and value, the
+    attention output and the output projection's input (``6 h + 2 kv`` elements with the norms'
+    float32 copies counted as ``2 h`` more float32), and the gated MLP's gate, up, activation and
+    product (``4 i``); then one row of logits. Memory-efficient attention (flash, SDPA) keeps no
+    ``[T, T]`` scores, so none are counted. A planning estimate, not an exact count.
+    """
+    h = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
+    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * h)
+    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(config, "head_dim", 0) or (h // max(1, heads)))
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    elt = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    per_layer = (6 * h + 2 * kv_heads * head_dim + 4 * inter) * elt + (2 * h * 4 if elt < 4 else 0)
+    return layers * per_layer + vocab * elt
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a new allocation can use now on ``device``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + max(0, cached))
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # unknown: assume plenty
+
+
+def switchable_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Hugging Face decoder layers of ``model`` whose checkpointing can be switched per forward."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class Recompute:
+    """The activation-checkpointing policy of one trained role (``true`` | ``false`` | ``auto``).
+
+    :param model: the role's module, with checkpointing already enabled for ``true`` and ``auto``
+        (:func:`rlcore.distributed.fsdp.enable_gradient_checkpointing`).
+    :param setting: the role's ``gradient_checkpointing`` value.
+    :param config: the model config (for :func:`activation_bytes_per_token`).
+    :param device: where the role trains.
+    """
+
+    def __init__(self, model: torch.nn.Module, setting: Any, config: Any, device: torch.device, role: str = "actor"):
+        self.role = role
+        self.auto = str(setting).lower() == "auto"
+        self.device = torch.device(device)
+        self.layers = switchable_layers(model) if self.auto else []
+        if self.auto and not self.layers:
+            log.info("%s.gradient_checkpointing=auto: %s has no switchable decoder layers; training without "
+                     "activation checkpointing", role, type(model).__name__)
+            self.auto = False
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.bytes_per_token = activation_bytes_per_token(config, dtype)
+        self.decisions: list[bool] = []
+        if self.auto:
+            self._set(False)
+
+    def _set(self, on: bool) -> None:
+        for layer in self.layers:
+            layer.gradient_checkpointing = on
+
+    def needed(self, tokens: int) -> bool:
+        """Whether a micro-batch of ``tokens`` tokens should recompute (its activations would not fit)."""
+        return tokens * self.bytes_per_token > FREE_SHARE * free_bytes(self.device)
+
+    @contextlib.contextmanager
+    def for_tokens(self, tokens: int) -> Iterator[None]:
+        """Run one micro-batch's forward and backward with checkpointing as its size needs (``auto``)."""
+        if not self.auto:
+            yield
+            return
+        on = self.needed(tokens)
+        self.decisions.append(on)
+        self._set(on)
+        try:
+            yield
+        finally:
+            self._set(False)
+
+    def take_metrics(self) -> dict[str, float]:
+        """``<role>/recompute_frac``: share of the micro-batches since the last call that recomputed."""
+        if not self.decisions:
+            return {}
+        out = {f"{self.role}/recompute_frac": sum(self.decisions) / len(self.decisions)}
+        self.decisions = []
+        return out

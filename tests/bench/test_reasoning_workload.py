@@ -1,0 +1,42 @@
+"""The reasoning benchmark's stop rule: the number of stop tokens for a target mean length."""
+
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+
+from bench_reasoning import capped_mean, length_stats, make_prompts, stop_count, stop_ids  # noqa: E402
+
+
+def test_stop_count_gives_the_target_mean_under_the_cap():
+    k = stop_count(151936, 1500, 8192)
+    assert 95 <= k <= 110  # about V / 1500
+    assert abs(capped_mean(k / 151936, 8192) - 1500) < 20
+    assert capped_mean(k / 151936, 8192) <= 8192
+    assert stop_count(512, 12, 32) >= 1
+
+
+def test_sampled_geometric_lengths_match_the_formula():
+    """Drawing each step's stop with probability k / V gives the mean the rule was sized for."""
+    vocab, cap = 4096, 256
+    k = stop_count(vocab, 60, cap)
+    rng = random.Random(0)
+    lengths = []
+    for _ in range(4000):
+        length = 1
+        while length < cap and rng.random() >= k / vocab:
+            length += 1
+        lengths.append(length)
+    stats = length_stats(lengths, cap)
+    assert abs(stats["mean"] - capped_mean(k / vocab, cap)) < 3
+    assert stats["p90"] > 2 * stats["p50"] - 10  # a long tail
+
+
+def test_prompts_avoid_the_stop_ids_and_span_the_lengths():
+    stops = stop_ids(1000, 20)
+    assert stops[0] == 0 and len(set(stops)) == 20
+    prompts = make_prompts(200, 64, 512, 1000, stops)
+    assert all(64 <= len(p) <= 512 for p in prompts)
+    assert not set(stops) & {t for p in prompts for t in p}
+    assert min(map(len, prompts)) < 100 and max(map(len, prompts)) > 470
