@@ -151,9 +151,10 @@ class RolloutSource(Protocol):
     """Where the trainer's rollouts come from, step by step (the default generates them in place;
     ``async`` receives them from the rollout ranks)."""
 
-    def next(self, step: int) -> tuple[Any, dict[str, list]]:
-        """``(rollout, extras)`` for optimizer step ``step``: a :class:`~rlcore.rollout.base.RolloutBatch`
-        of this rank's samples and the dataset columns of each sample (``prompt_text`` among them)."""
+    def next(self, step: int) -> tuple[Any, Any, dict[str, float]]:
+        """``(rollout, scores, reward metrics)`` for optimizer step ``step``: a
+        :class:`~rlcore.rollout.base.RolloutBatch` of this rank's samples, their rewards ``[B]`` and
+        the reward's metrics (``reward/...``)."""
         ...
 
     def data_state(self) -> Stateful:
@@ -162,11 +163,12 @@ class RolloutSource(Protocol):
         ...
 
     def metrics(self) -> dict[str, float]:
-        """Numbers about the last :meth:`next` (e.g. ``async/staleness_mean``); may be empty."""
+        """Numbers about the last :meth:`next` (e.g. ``async/staleness``); may be empty."""
         ...
 
-    def close(self) -> None:
-        """The run ended (completed, interrupted or failed): release peers and threads."""
+    def close(self, failed: bool = False) -> None:
+        """The run ended (completed, interrupted, or ``failed``: then a peer that cannot be reached is
+        no further error): release peers and threads."""
         ...
 
 

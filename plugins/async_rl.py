@@ -10,19 +10,48 @@ the training ranks only; see :mod:`rlcore.distributed.split`). Settings (``plugi
   weights may be (default 1: one-step off-policy; 0: synchronous, for comparison);
 * ``bucket_mb`` — the size of the flat buffers the weights travel in.
 
-How a step goes, for step ``k`` with staleness ``s``:
+The protocol
+------------
+Bridge rank 0 is training rank 0; bridge ranks ``1 .. R`` are the rollout ranks. A gloo send
+completes only once its receiver has posted the receive, so the two sides never wait on each other
+in a send: a rollout rank receives in a thread of its own (always ready for the next request), sends
+its results in another, and generates in its main thread; training rank 0 does everything in order
+in the training loop. Per rank, in order:
 
-1. the training ranks send the weights of version ``k - 1`` to the rollout ranks (gathered from the
-   training shards once, broadcast in buckets over the bridge; the rollout ranks take them between
-   two generation calls, so generation stops no longer than the copy);
-2. the training ranks draw the prompts of step ``k + s`` and queue them at the rollout ranks;
-3. they receive the samples of step ``k`` (generated with weights of version ``k - 1 - s`` or
-   newer), each carrying its policy version and its rollout log-probs;
-4. they score and train on them while the rollout ranks already generate step ``k + 1``.
+*training rank 0* (the other training ranks take part in the collectives marked ``[T]`` only)::
 
-The update corrects for the staleness with the rollout importance weight (``ppo.rollout_is``, the
-same correction as for the rollout/trainer mismatch), whose behaviour policy is the one that
-generated each sample. The queue is bounded by construction: at most ``s + 1`` steps are in flight.
+    first step:   -> init (model config, dtype, backend)                  to every rollout rank
+    step k:       for each step j not yet queued, k <= j <= min(k + s, max_steps):
+                      [T] gather the full weights (FSDP all-gather)           once per version
+                      -> ("weights", k - 1, plan); [bridge broadcast] buckets once per version
+                      [T] gather the prompts of step j on rank 0
+                      -> ("generate", j, prompts of rollout rank i, params)  to rollout rank i
+                  <- ("result", k, version, samples)                       from every rollout rank, in order
+                  [T] scatter each training rank's rows
+    end of run:   -> ("stop",)                                            to every rollout rank
+                  <- one ("result" | "dropped", j) per queued step j       from every rollout rank
+
+*rollout rank* (receiver thread: the messages above into a FIFO inbox, the weights' buckets taken by
+the broadcast as they arrive; main thread: the inbox in order; sender thread: the replies in order)::
+
+    init -> build the model on the meta device (every tensor comes from the trainers)
+    weights -> copy the buckets into the model (between two generation calls) and refresh the backend
+    generate j -> generate (one generation micro-batch at a time); reply ("result", j, version, samples),
+                  or ("dropped", j) once "stop" has arrived
+    stop -> reply "dropped" to every generate still queued, then exit 0
+
+Every collective is entered by all its members in the same order: the ``[T]`` steps depend only on
+``k``, ``s`` and ``max_steps``, the same on every training rank; the bridge broadcasts follow their
+"weights" message on both sides. Shutdown is a message: the trainers answer every queued step, so
+no send is left without its receive. A rollout rank ignores SIGINT/SIGTERM (the trainers finish
+their step, save and stop it); one that dies fails training rank 0's next bridge operation with an
+error naming it.
+
+Staleness: the samples of step ``k`` were generated with the weights of version ``k - 1 - s`` (or
+``0`` for the first ``s`` steps), while step ``k`` trains the policy of version ``k - 1``: the
+staleness is ``min(s, k - 1)``, and at most ``s + 1`` steps are in flight. The update corrects for it
+with the rollout importance weight (``ppo.rollout_is``, required when ``max_staleness > 0``), whose
+behaviour policy is the one that generated each sample (the samples carry its log-probs).
 
 Checkpoints: the data position saved is the one before the oldest step drawn but not yet trained
 on, so a resumed run draws the queued prompts again — none is lost or trained twice — and the
@@ -34,6 +63,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import queue
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -67,14 +99,31 @@ def settings_from(config: dict[str, Any]) -> AsyncSettings:
     if problems:
         raise ConfigError(problems)
     s = AsyncSettings(**raw)
-    checks = [(isinstance(s.rollout_ranks, int) and s.rollout_ranks >= 0, "rollout_ranks", "an integer >= 0"),
-              (0.0 < float(s.rollout_fraction) < 1.0, "rollout_fraction", "a number in (0, 1)"),
-              (isinstance(s.max_staleness, int) and s.max_staleness >= 0, "max_staleness", "an integer >= 0"),
-              (isinstance(s.bucket_mb, int) and s.bucket_mb >= 1, "bucket_mb", "an integer >= 1")]
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    checks = [(is_int(s.rollout_ranks) and s.rollout_ranks >= 0, "rollout_ranks", "an integer >= 0"),
+              (isinstance(s.rollout_fraction, (int, float)) and 0.0 < float(s.rollout_fraction) < 1.0,
+               "rollout_fraction", "a number in (0, 1)"),
+              (is_int(s.max_staleness) and s.max_staleness >= 0, "max_staleness", "an integer >= 0"),
+              (is_int(s.bucket_mb) and s.bucket_mb >= 1, "bucket_mb", "an integer >= 1")]
     bad = [f"'plugin_config.{NAME}.{key}' = {getattr(s, key)!r} must be {want}" for ok, key, want in checks if not ok]
     if bad:
         raise ConfigError(bad)
     return s
+
+
+def check_run(config: dict[str, Any], s: AsyncSettings) -> None:
+    """What the rest of the config must be for an asynchronous run."""
+    ppo = config.get("ppo") or {}
+    if s.max_staleness > 0 and str(ppo.get("rollout_is", "none")) == "none":
+        raise ConfigError(f"plugin '{NAME}' with 'plugin_config.{NAME}.max_staleness' = {s.max_staleness} trains on "
+                          "samples of an older policy: set 'ppo.rollout_is' to token or sequence (the clipped "
+                          "importance weight that corrects for it), or max_staleness to 0")
+    nproc = int((config.get("trainer") or {}).get("nproc_per_node", 1) or 1)
+    if nproc > 1:  # rlcore's own launcher: the world size is known before any process starts
+        rollout_rank_count(nproc, s)
 
 
 def rollout_rank_count(world_size: int, s: AsyncSettings) -> int:
@@ -92,7 +141,7 @@ def rollout_rank_count(world_size: int, s: AsyncSettings) -> int:
 @hookimpl
 def rlcore_preflight(config, plugins):
     if NAME in plugins:
-        settings_from(config)
+        check_run(config, settings_from(config))
 
 
 @hookimpl
@@ -108,7 +157,7 @@ class AsyncSplit:
         self.settings, self.rollout_ranks = settings, rollout_ranks
 
     def run_rollout_rank(self, config: Any, split: Any) -> int:
-        return RolloutWorker(config, split).run()
+        return RolloutWorker(split).run()
 
     def rollout_source(self, trainer: Any, split: Any) -> "AsyncSource":
         return AsyncSource(trainer, split, self.settings)
@@ -172,8 +221,18 @@ def send_weights(bridge: Any, items: list[tuple[str, torch.Tensor]], version: in
     return time.perf_counter() - t0
 
 
-def receive_weights(bridge: Any, plan: list[tuple[str, list[tuple]]], model: torch.nn.Module) -> None:
-    """A rollout rank: take the buckets announced by ``plan`` into ``model``'s parameters and buffers."""
+def receive_buckets(bridge: Any, plan: list[tuple[str, list[tuple]]]) -> list[torch.Tensor]:
+    """A rollout rank: the flat buckets announced by ``plan``, taken from the bridge's broadcast."""
+    flats = []
+    for dtype, entries in plan:
+        flat = torch.empty(sum(int(torch.Size(shape).numel()) for _, shape in entries), dtype=getattr(torch, dtype))
+        bridge.broadcast([flat], src=0)
+        flats.append(flat)
+    return flats
+
+
+def load_buckets(plan: list[tuple[str, list[tuple]]], flats: list[torch.Tensor], model: torch.nn.Module) -> None:
+    """Copy received buckets into ``model``'s parameters and buffers (names as :func:`full_weights`'s)."""
     own = {_clean(k): v for k, v in model.named_buffers()}
     own.update({_clean(k): v for k, v in model.state_dict().items()})
     missing = [name for _, entries in plan for name, _ in entries if name not in own]
@@ -181,10 +240,8 @@ def receive_weights(bridge: Any, plan: list[tuple[str, list[tuple]]], model: tor
         raise RuntimeError(f"plugin '{NAME}': the rollout model has no tensor named {missing[0]!r} "
                            f"({len(missing)} missing): the training and rollout models differ")
     with torch.no_grad():
-        for dtype, entries in plan:
+        for (_, entries), flat in zip(plan, flats):
             numel = [int(torch.Size(shape).numel()) for _, shape in entries]
-            flat = torch.empty(sum(numel), dtype=getattr(torch, dtype))
-            bridge.broadcast([flat], src=0)
             for (name, shape), part in zip(entries, torch.split(flat, numel)):
                 own[name].copy_(part.view(shape))
 
@@ -212,7 +269,7 @@ class _Position:
 
 class AsyncSource:
     """A training rank's :class:`~rlcore.protocols.RolloutSource`: prompts go to the rollout ranks,
-    samples come back one step later (see the module docstring)."""
+    samples come back up to ``max_staleness`` steps later (the protocol is in the module docstring)."""
 
     def __init__(self, trainer: Any, split: Any, settings: AsyncSettings):
         self.trainer, self.split, self.settings = trainer, split, settings
@@ -220,37 +277,41 @@ class AsyncSource:
         self.bridge = split.bridge  # training rank 0 only
         self.staleness = int(settings.max_staleness)
         self.max_steps = int(trainer.tcfg.max_steps)
-        #: step -> (data position before its prompts, their extras); on every training rank
+        #: step -> (data position before its prompts, their extras), for the steps queued and not yet
+        #: trained on; on every training rank
         self.pending: dict[int, tuple[dict[str, Any], dict[str, list]]] = {}
-        self.counts: dict[int, list[int]] = {}  # training rank 0: step -> prompts per training rank
-        self.submitted = 0
-        self.version: Optional[int] = None  # the weights the rollout ranks hold
+        self.counts: dict[int, list[int]] = {}  # training rank 0: queued step -> prompts per training rank
+        self.submitted = 0  # the newest queued step
+        self.started = False
+        self.sent_version: Optional[int] = None  # the newest weights sent to the rollout ranks
         self._metrics: dict[str, float] = {}
         self._weights_s = 0.0
 
-    # -- the protocol ----------------------------------------------------------------------------
     def next(self, step: int):
-        if self.version is None:
-            self._start(step)
-        elif self.version != step - 1:
-            self._push_weights(step - 1)
+        t = self.trainer
+        if not self.started:
+            self._start()
         for j in range(max(self.submitted + 1, step), min(step + self.staleness, self.max_steps) + 1):
+            if self.sent_version != step - 1:
+                self._publish(step - 1)
             self._submit(j)
         t0 = time.perf_counter()
-        rollout, version = self._receive(step)
+        with t.timer("generate"):  # the wait for the samples: generation time not hidden behind training
+            rollout, version = self._receive(step)
         wait = time.perf_counter() - t0
         _, extras = self.pending.pop(step)
-        self.trainer.hook.rlcore_after_generation(step=step, rollout=rollout)
-        self.trainer._times["generate"] = self.trainer._times.get("generate", 0.0) + wait
+        t.hook.rlcore_after_generation(step=step, rollout=rollout)
         lag = (step - 1) - version
-        if lag > self.staleness:  # cannot happen by construction; a sample past the bound must not train
-            raise RuntimeError(f"plugin '{NAME}': samples of step {step} come from policy version {version}, "
-                               f"{lag} steps old, beyond max_staleness={self.staleness}")
+        if not 0 <= lag <= self.staleness:  # cannot happen by construction; such samples must not train
+            raise RuntimeError(f"plugin '{NAME}': the samples of step {step} come from policy version {version}, "
+                               f"{lag} steps old, outside 0..max_staleness={self.staleness}")
+        with t.timer("reward"):
+            scores, m_reward = t.score(rollout, extras)
         self._metrics = {"async/staleness": float(lag), "async/policy_version": float(version),
                          "async/wait_s": wait, "async/weights_sync_s": self._weights_s,
                          "async/queued_steps": float(len(self.pending))}
         self._weights_s = 0.0
-        return rollout, extras
+        return rollout, scores, m_reward
 
     def data_state(self) -> _Position:
         return _Position(self)
@@ -258,36 +319,47 @@ class AsyncSource:
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
-    def close(self) -> None:
-        """Take the samples still queued (they are dropped: their prompts are drawn again on resume)
-        and stop the rollout ranks."""
-        if self.bridge is None or self.version is None:
+    def close(self, failed: bool = False) -> None:
+        """Stop the rollout ranks: send "stop", then take one answer per queued step from each (the
+        samples are dropped: their prompts are drawn again on resume). After a failure, a rollout
+        rank that cannot be reached is logged, not raised (the run's own error goes on)."""
+        if self.bridge is None or not self.started:
             return
-        for step in sorted(self.counts):
+        self.started = False
+        try:
             for peer in range(1, self.bridge.size):
-                self.bridge.recv(peer)
-        self.counts.clear()
-        for peer in range(1, self.bridge.size):
-            self.bridge.send(("stop",), peer)
-        self.version = None
+                self.bridge.send(("stop",), peer)
+            for step in sorted(self.counts):
+                for peer in range(1, self.bridge.size):
+                    kind, got, *_ = self.bridge.recv(peer)
+                    if got != step:
+                        raise RuntimeError(f"plugin '{NAME}': {self.bridge.names[peer]} answered step {got} while "
+                                           f"stopping, expected step {step}")
+            self.counts.clear()
+        except Exception:
+            if not failed:
+                raise
+            log.exception("plugin '%s': the rollout ranks could not be stopped cleanly", NAME)
 
     # -- steps -----------------------------------------------------------------------------------
-    def _start(self, step: int) -> None:
+    def _start(self) -> None:
         t, c = self.trainer, self.trainer.c
-        if self.bridge is not None:
-            model = c.actor_module
-            init = {"config": model.config, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                    "backend": str(t.cfg.actor.rollout_backend), "engine": _engine_kwargs(t.cfg),
-                    "micro_batch": int(t.gen_cfg.batch_size)}
-            for peer in range(1, self.bridge.size):
-                self.bridge.send(("init", init), peer)
-        self._push_weights(step - 1)
+        self.started = True
+        if self.bridge is None:
+            return
+        model = c.actor_module
+        init = {"config": model.config, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                "backend": str(t.cfg.actor.rollout_backend), "engine": _engine_kwargs(t.cfg),
+                "micro_batch": int(t.gen_cfg.batch_size)}
+        for peer in range(1, self.bridge.size):
+            self.bridge.send(("init", init), peer)
 
-    def _push_weights(self, version: int) -> None:
-        items = full_weights(self.trainer.c.actor_module)  # a collective over the training ranks
-        if self.bridge is not None:
-            self._weights_s = send_weights(self.bridge, items, version, int(self.settings.bucket_mb) << 20)
-        self.version = version
+    def _publish(self, version: int) -> None:
+        with self.trainer.timer("weights_sync"):
+            items = full_weights(self.trainer.c.actor_module)  # a collective over the training ranks
+            if self.bridge is not None:
+                self._weights_s += send_weights(self.bridge, items, version, int(self.settings.bucket_mb) << 20)
+        self.sent_version = version
 
     def _submit(self, step: int) -> None:
         from rlcore.distributed.init import gather_object
@@ -298,7 +370,7 @@ class AsyncSource:
         prompts, extras = t.expand(rows)
         t.hook.rlcore_before_generation(step=step, prompts=prompts)
         self.pending[step] = (before, extras)
-        everyone = gather_object(prompts, 0)
+        everyone = gather_object(prompts, 0)  # a collective over the training ranks
         self.submitted = step
         if self.bridge is None:
             return
@@ -318,21 +390,22 @@ class AsyncSource:
         parts = None
         if self.bridge is not None:
             got = [self.bridge.recv(peer) for peer in range(1, self.bridge.size)]
-            for kind, got_step, *_ in got:
+            for peer, (kind, got_step, *_) in enumerate(got, start=1):
                 if kind != "result" or got_step != step:
-                    raise RuntimeError(f"plugin '{NAME}': expected the samples of step {step}, got {kind} {got_step}")
+                    raise RuntimeError(f"plugin '{NAME}': expected the samples of step {step} from "
+                                       f"{self.bridge.names[peer]}, got {kind} of step {got_step}")
             version = min(g[2] for g in got)
             pad = int(self.trainer.c.tokenizer.pad_token_id)
-            batch = concat_batches([g[3] for g in got if g[3].batch_size], pad)
+            batch = concat_batches([g[3] for g in got if g[3] is not None], pad)
             counts, parts, start = self.counts.pop(step), [], 0
             for n in counts:
-                parts.append((_rows(batch, start, start + n), version))
+                parts.append((_take(batch, start, start + n), version))
                 start += n
-        rollout, version = scatter_object(parts, 0)
-        return rollout, version
+        return scatter_object(parts, 0)  # a collective over the training ranks
 
 
-def _rows(batch: Any, a: int, b: int) -> Any:
+def _take(batch: Any, a: int, b: int) -> Any:
+    """Rows ``a:b`` of a rollout batch."""
     return dataclasses.replace(batch, prompt_ids=batch.prompt_ids[a:b], prompt_mask=batch.prompt_mask[a:b],
                                response_ids=batch.response_ids[a:b], response_mask=batch.response_mask[a:b],
                                logprobs=batch.logprobs[a:b], stats=dict(batch.stats))
@@ -351,38 +424,88 @@ def _engine_kwargs(cfg: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
+class _Stopped(Exception):
+    """A generation cut short: "stop" arrived while it ran."""
+
+
 class RolloutWorker:
     """A rollout rank: wait for the model, then generate whatever training rank 0 queues, taking new
-    weights between two generation calls, until told to stop."""
+    weights between two generation calls, until told to stop (see the module docstring)."""
 
-    def __init__(self, config: Any, split: Any):
-        self.config, self.split, self.bridge = config, split, split.bridge
+    def __init__(self, split: Any):
+        self.split, self.bridge = split, split.bridge
         self.device = split.dist.device
         self.model: Optional[torch.nn.Module] = None
         self.backend: Any = None
+        self.init: dict[str, Any] = {}
         self.version = -1
         self.micro = 1
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
 
     def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the trainers stop this rank once they have saved
+            signal.signal(sig, lambda *_: log.info("rollout rank: signal noted; the trainers will stop this rank"))
         log.info("rollout rank %d of %d: waiting for the model", self.split.dist.rank, self.split.rollout_ranks)
+        receiver = threading.Thread(target=self._receive_loop, name="rlcore-async-recv", daemon=True)
+        sender = threading.Thread(target=self._send_loop, name="rlcore-async-send", daemon=True)
+        receiver.start()
+        sender.start()
         while True:
-            msg = self.bridge.recv(0)
+            msg = self.inbox.get()
             kind = msg[0]
+            if kind == "error":
+                raise msg[1]
             if kind == "init":
                 self._build(msg[1])
             elif kind == "weights":
-                receive_weights(self.bridge, msg[2], self.model)
+                load_buckets(msg[2], msg[3], self.model)
                 self.version = int(msg[1])
                 if self.backend is None:
                     self._make_backend()
                 else:
                     self.backend.sync_weights()
             elif kind == "generate":
-                self.bridge.send(("result", msg[1], self.version, self._generate(msg[2], msg[3])), 0)
+                step = msg[1]
+                try:
+                    if self.stopping.is_set():
+                        raise _Stopped
+                    self.outbox.put(("result", step, self.version, self._generate(msg[2], msg[3])))
+                except _Stopped:
+                    self.outbox.put(("dropped", step))
             elif kind == "stop":
+                self.outbox.put(None)
+                sender.join()
+                if self.inbox.qsize() and self.inbox.queue[0][0] == "error":
+                    raise self.inbox.get()[1]
+                log.info("rollout rank %d: stopped", self.split.dist.rank)
                 return 0
             else:
                 raise RuntimeError(f"plugin '{NAME}': rollout rank got an unknown message {kind!r}")
+
+    def _receive_loop(self) -> None:
+        try:
+            while True:
+                msg = self.bridge.recv(0, timeout=None)  # the trainers take as long as they need
+                if msg[0] == "weights":
+                    msg = (*msg, receive_buckets(self.bridge, msg[2]))
+                elif msg[0] == "stop":
+                    self.stopping.set()
+                self.inbox.put(msg)
+                if msg[0] == "stop":
+                    return
+        except Exception as error:
+            self.stopping.set()
+            self.inbox.put(("error", error))
+
+    def _send_loop(self) -> None:
+        try:
+            while (item := self.outbox.get()) is not None:
+                self.bridge.send(item, 0, timeout=None)  # training rank 0 takes the samples when its step needs them
+        except Exception as error:
+            self.stopping.set()
+            self.inbox.put(("error", error))
 
     def _build(self, init: dict[str, Any]) -> None:
         from transformers import AutoModelForCausalLM
@@ -403,17 +526,17 @@ class RolloutWorker:
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], params: Any) -> Any:
+        """Samples of ``prompts`` on the host (``None`` for none), one generation micro-batch at a time.
+
+        :raises _Stopped: "stop" arrived between two micro-batches."""
         from rlcore.rollout.base import concat_batches
 
         parts = []
         for i in range(0, len(prompts), self.micro):
+            if self.stopping.is_set():
+                raise _Stopped
             out = self.backend.generate(prompts[i:i + self.micro], params)
             parts.append(dataclasses.replace(out, prompt_ids=out.prompt_ids.cpu(), prompt_mask=out.prompt_mask.cpu(),
                                              response_ids=out.response_ids.cpu(),
                                              response_mask=out.response_mask.cpu(), logprobs=out.logprobs.cpu()))
-        if not parts:
-            from rlcore.rollout.base import RolloutBatch
-
-            empty = torch.zeros(0, 0, dtype=torch.long)
-            return RolloutBatch(empty, empty, empty, empty, torch.zeros(0, 0))
-        return concat_batches(parts, int(params.pad_token_id))
+        return concat_batches(parts, int(params.pad_token_id)) if parts else None

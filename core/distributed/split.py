@@ -14,9 +14,10 @@ process-group start, before anything else uses ``torch.distributed``:
   ``1 .. R``) — carries requests, samples and weights between the two groups (:class:`Bridge`).
 
 All three groups are built from the launcher's rendezvous store under distinct prefixes, so no
-process joins a group it does not belong to, and every operation has the job's collective timeout
-(``RLCORE_DIST_TIMEOUT_S``): a rank that dies makes its peers fail with an error naming it
-instead of waiting forever.
+process joins a group it does not belong to. Collectives and the bridge's operations have the
+job's collective timeout (``RLCORE_DIST_TIMEOUT_S``), and a rank that dies closes its connections:
+its peers fail with an error naming it instead of waiting forever. (A rollout rank's wait for its
+next request has no limit: the trainers may take as long as they need between two requests.)
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ import logging
 import os
 import pickle
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as tdist
 
+from rlcore.distributed.init import ENV_TIMEOUT, collective_timeout, env_int
 from rlcore.errors import PlacementError
 from rlcore.protocols import DistInfo
+
+#: ``timeout`` of :meth:`Bridge.send` and :meth:`Bridge.recv` when not given: the bridge's own
+_BRIDGE_TIMEOUT: Any = object()
 
 log = logging.getLogger(__name__)
 
@@ -44,40 +50,57 @@ class Bridge:
     """Point-to-point objects and broadcast tensors between training rank 0 and the rollout ranks.
 
     ``group`` is a gloo process group of ``1 + R`` members (bridge rank 0 is training rank 0). Objects
-    travel pickled as byte tensors (a length, then the bytes); tensors are broadcast in place.
+    travel pickled as byte tensors (a length, then the bytes) under two tags of their sender's own
+    (``2 * sender`` and ``2 * sender + 1``), so one thread may send while another receives on the same
+    pair; tensors are broadcast in place.
+
+    A gloo send completes only once its receiver has posted the matching receive: a protocol over
+    the bridge must never have two members sending to each other with neither receiving.
+
+    :param timeout: how long an operation may wait for its peer before the peer counts as lost
+        (``None``: as long as it takes; a peer that dies still fails it at once).
     """
 
-    def __init__(self, group: Any, rank: int, size: int, names: Sequence[str]):
+    def __init__(self, group: Any, rank: int, size: int, names: Sequence[str], timeout: Optional[timedelta] = None):
         self.group, self.rank, self.size = group, rank, size
         self.names = list(names)  # who each bridge rank is, for error messages
+        self.timeout = timeout
 
-    def _wait(self, work: Any, what: str, peer: Optional[int]) -> None:
+    def _wait(self, work: Any, what: str, peer: Optional[int], timeout: Optional[timedelta]) -> None:
         try:
-            work.wait()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
         except Exception as error:  # gloo raises RuntimeError on timeouts and closed connections
-            who = self.names[peer] if peer is not None else "a rollout rank"
-            raise BridgeError(f"{what} {who} failed: {error}. The rank may have died (its own error is in "
+            who = self.names[peer] if peer is not None else "the bridge"
+            limit = f" (limit {timeout.total_seconds():.0f} s, {ENV_TIMEOUT})" if timeout is not None else ""
+            raise BridgeError(f"{what} {who} failed{limit}: {error}. The rank may have died (its own error is in "
                               "the launcher's summary) or stopped answering") from error
 
-    def send(self, obj: Any, dst: int) -> None:
+    def send(self, obj: Any, dst: int, timeout: Any = _BRIDGE_TIMEOUT) -> None:
+        timeout = self.timeout if timeout is _BRIDGE_TIMEOUT else timeout
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
-        self._wait(self.group.send([size], dst, 0), "sending to", dst)
-        self._wait(self.group.send([data], dst, 1), "sending to", dst)
+        self._wait(self.group.send([size], dst, 2 * self.rank), "sending to", dst, timeout)
+        self._wait(self.group.send([data], dst, 2 * self.rank + 1), "sending to", dst, timeout)
 
-    def recv(self, src: int) -> Any:
+    def recv(self, src: int, timeout: Any = _BRIDGE_TIMEOUT) -> Any:
+        """The next object from bridge rank ``src``; ``timeout`` ``None`` waits as long as it takes."""
+        timeout = self.timeout if timeout is _BRIDGE_TIMEOUT else timeout
         size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.group.recv([size], src, 0), "waiting for", src)
+        self._wait(self.group.recv([size], src, 2 * src), "waiting for", src, timeout)
         data = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(self.group.recv([data], src, 1), "waiting for", src)
+        self._wait(self.group.recv([data], src, 2 * src + 1), "waiting for", src, timeout)
         return pickle.loads(data.numpy().tobytes())
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        """Bridge rank ``src``'s ``tensors`` into every member's (same shapes and dtypes, CPU)."""
+        """Bridge rank ``src``'s ``tensors`` into every member's (same shapes and dtypes, CPU): a
+        collective every member enters, in the same order."""
         opts = tdist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         for t in tensors:
-            self._wait(self.group.broadcast([t], opts), "broadcasting weights with", None)
+            self._wait(self.group.broadcast([t], opts), "broadcasting weights over", None, self.timeout)
 
 
 @dataclass
@@ -97,8 +120,6 @@ class SplitInfo:
 
 
 def _store(rank: int, world: int) -> Any:
-    from rlcore.distributed.init import collective_timeout
-
     store, _, _ = next(tdist.rendezvous("env://", rank, world, timeout=collective_timeout()))
     return store
 
@@ -110,8 +131,6 @@ def split_world(rollout_ranks: int, device: torch.device) -> SplitInfo:
     :param device: this process's device (its local GPU, or the CPU).
     :raises PlacementError: the split leaves no training rank, or no rollout rank.
     """
-    from rlcore.distributed.init import collective_timeout, env_int
-
     world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     if not 1 <= rollout_ranks < world:
         raise PlacementError(f"{rollout_ranks} rollout rank(s) out of a job of {world}: the rollout group needs at "
@@ -137,7 +156,7 @@ def split_world(rollout_ranks: int, device: torch.device) -> SplitInfo:
         pg = tdist.ProcessGroupGloo(tdist.PrefixStore("rlcore/bridge/", store), bridge_rank, rollout_ranks + 1,
                                     timeout)
         names = ["training rank 0"] + [f"rollout rank {i} (job rank {train + i})" for i in range(rollout_ranks)]
-        bridge = Bridge(pg, bridge_rank, rollout_ranks + 1, names)
+        bridge = Bridge(pg, bridge_rank, rollout_ranks + 1, names, timeout)
     info = DistInfo(rank=group_rank, world_size=group_size, local_rank=env_int("LOCAL_RANK", 0), device=device)
     if rank == 0:
         log.info("job split: %d training rank(s), %d rollout rank(s), bridge over gloo, timeout %.0f s", train,

@@ -102,7 +102,7 @@ class Trainer:
                 log.exception("a plugin failed in rlcore_train_end")
             raise
         finally:
-            self.source.close()
+            self.source.close(failed=status == "failed")
             c.gpu_monitor.stop()
             if status != "failed":
                 with self.timer("checkpoint"):
@@ -331,5 +331,5 @@ class InPlaceSource:
     def metrics(self) -> dict[str, float]:
         return {}
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass

@@ -75,7 +75,7 @@ def test_bridge_objects_and_weights_reach_the_rollout_model():
     def rollout_side():
         msg = b.recv(0)
         got["msg"] = msg
-        async_rl.receive_weights(b, msg[2], rollout_model)
+        async_rl.load_buckets(msg[2], async_rl.receive_buckets(b, msg[2]), rollout_model)
 
     th = threading.Thread(target=rollout_side)
     th.start()
