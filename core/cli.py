@@ -269,9 +269,9 @@ def _world_split(cfg, pm):
 
     from rlcore.distributed.init import env_int, init_split
 
-    answer = pm.hook.rlcore_world_split(world_size=env_int("WORLD_SIZE", 1),
-                                        config=OmegaConf.to_container(cfg, resolve=True))
-    if answer is None:
+    answer = pm.build("rlcore_world_split", world_size=env_int("WORLD_SIZE", 1),
+                      config=OmegaConf.to_container(cfg, resolve=True))
+    if not int(answer.rollout_ranks):
         return None
     return answer, init_split(cfg.trainer.device, int(answer.rollout_ranks))
 

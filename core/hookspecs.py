@@ -48,6 +48,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: Hooks that build a component; the plugin manager enforces "one answer".
 FACTORY_HOOKS = (
+    "rlcore_world_split",
     "rlcore_dataset_provider",
     "rlcore_placement_policy",
     "rlcore_reshard_policy",
@@ -73,16 +74,16 @@ def rlcore_preflight(config: dict[str, Any], plugins: list[str]) -> None:
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def rlcore_world_split(world_size: int, config: dict[str, Any]) -> Optional[WorldSplit]:
-    """Split the job's ranks into a training group and a rollout group (``async``), or ``None`` to
-    train on every rank (the default). Called by ``rlcore train`` before any process group starts;
-    the first non-``None`` answer wins.
+    """Split the job's ranks into a training group and a rollout group (``async``); the default
+    answer trains on every rank (``rollout_ranks`` 0). Called by ``rlcore train`` once the workers
+    run, before any process group starts.
 
     :param world_size: the number of processes the launcher started.
     :param config: the resolved configuration as a plain ``dict`` (read only).
     :returns: a :class:`~rlcore.protocols.WorldSplit`: how many of the last ranks generate, what those
-        ranks run, and the trainer's source of rollouts.
+        ranks run, and the trainer's source of rollouts; or ``None`` to pass.
     """
 
 

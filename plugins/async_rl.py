@@ -118,9 +118,9 @@ def check_run(config: dict[str, Any], s: AsyncSettings) -> None:
     """What the rest of the config must be for an asynchronous run."""
     ppo = config.get("ppo") or {}
     if s.max_staleness > 0 and str(ppo.get("rollout_is", "none")) == "none":
-        raise ConfigError(f"plugin '{NAME}' with 'plugin_config.{NAME}.max_staleness' = {s.max_staleness} trains on "
-                          "samples of an older policy: set 'ppo.rollout_is' to token or sequence (the clipped "
-                          "importance weight that corrects for it), or max_staleness to 0")
+        raise ConfigError([f"plugin '{NAME}' with 'plugin_config.{NAME}.max_staleness' = {s.max_staleness} trains "
+                           "on samples of an older policy: set 'ppo.rollout_is' to token or sequence (the clipped "
+                           "importance weight that corrects for it), or max_staleness to 0"])
     nproc = int((config.get("trainer") or {}).get("nproc_per_node", 1) or 1)
     if nproc > 1:  # rlcore's own launcher: the world size is known before any process starts
         rollout_rank_count(nproc, s)

@@ -58,6 +58,13 @@ def rlcore_checkpoint_policy(trainer, dist):
 
 
 @hookimpl
+def rlcore_world_split(world_size, config):
+    from rlcore.trainer.loop import WholeWorld
+
+    return WholeWorld()
+
+
+@hookimpl
 def rlcore_metrics(step, metrics, split):
     from rlcore.observe.console import print_metrics
 

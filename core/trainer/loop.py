@@ -298,6 +298,19 @@ class Trainer:
         return out
 
 
+class WholeWorld:
+    """The default :class:`~rlcore.protocols.WorldSplit`: no rollout rank, every rank trains and
+    generates its own rollouts."""
+
+    rollout_ranks = 0
+
+    def run_rollout_rank(self, config: Any, split: Any) -> int:
+        raise RuntimeError("no rank generates on its own in an unsplit job")
+
+    def rollout_source(self, trainer: Trainer, split: Any) -> InPlaceSource:
+        return InPlaceSource(trainer)
+
+
 class InPlaceSource:
     """The default rollout source: draw this rank's prompts, generate them here in the actor's
     generation layout and score them (finished samples while the rest decode, with ``reward.stream``)."""

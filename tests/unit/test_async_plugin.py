@@ -92,3 +92,41 @@ def test_a_dead_peer_is_an_error_naming_it():
     a, _ = _bridges(2, timeout_s=1.0)
     with pytest.raises(BridgeError, match="waiting for rollout rank 0 failed"):
         a.recv(1)
+
+
+def test_stale_samples_need_the_rollout_importance_weight():
+    with pytest.raises(ConfigError, match=r"set 'ppo.rollout_is' to token or sequence"):
+        async_rl.check_run({"ppo": {"rollout_is": "none"}}, async_rl.AsyncSettings(max_staleness=1))
+    async_rl.check_run({"ppo": {"rollout_is": "none"}}, async_rl.AsyncSettings(max_staleness=0))
+    async_rl.check_run({"ppo": {"rollout_is": "token"}}, async_rl.AsyncSettings(max_staleness=2))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ([], "plugin 'async' runs generation and training on separate ranks: start at least 2 processes"),
+    (["trainer.nproc_per_node=2", "plugin_config.async.rollout_ranks=2"],
+     "'plugin_config.async.rollout_ranks' = 2 leaves no training rank in a job of 2 processes"),
+    (["plugin_config.async.max_staleness=0", "plugin_config.async.bucket_mb=0"],
+     "'plugin_config.async.bucket_mb' = 0 must be an integer >= 1"),
+])
+def test_rlcore_train_refuses_bad_async_settings_before_any_process_starts(tmp_path, capsys, monkeypatch, overrides,
+                                                                            message):
+    """One process, or a split without trainers, fails with exit status 2 and names the setting; no
+    worker is launched and no model is built."""
+    from rlcore import cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = cli.main(["train", "--plugins", "async", "trainer.device=cpu", "ppo.rollout_is=token",
+                     f"trainer.output_dir={tmp_path / 'run'}", *overrides])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_rlcore_world_split_is_answered_by_async_when_selected_else_by_the_default():
+    from rlcore.plugin_manager import build_plugin_manager
+
+    config = {"plugin_config": {"async": {"rollout_fraction": 0.5}}}
+    split = build_plugin_manager(["async"]).build("rlcore_world_split", world_size=4, config=config)
+    assert isinstance(split, async_rl.AsyncSplit) and split.rollout_ranks == 2
+    whole = build_plugin_manager([]).build("rlcore_world_split", world_size=4, config=config)
+    assert whole.rollout_ranks == 0
