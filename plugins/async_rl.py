@@ -336,10 +336,10 @@ class AsyncSource:
                         raise RuntimeError(f"plugin '{NAME}': {self.bridge.names[peer]} answered step {got} while "
                                            f"stopping, expected step {step}")
             self.counts.clear()
-        except Exception:
+        except Exception as error:
             if not failed:
                 raise
-            log.exception("plugin '%s': the rollout ranks could not be stopped cleanly", NAME)
+            log.warning("plugin '%s': the rollout ranks could not be stopped cleanly: %s", NAME, error)
 
     # -- steps -----------------------------------------------------------------------------------
     def _start(self) -> None:

@@ -66,15 +66,17 @@ class Bridge:
         self.names = list(names)  # who each bridge rank is, for error messages
         self.timeout = timeout
 
-    def _wait(self, work: Any, what: str, peer: Optional[int], timeout: Optional[timedelta]) -> None:
+    def _run(self, op: Any, what: str, peer: Optional[int], timeout: Optional[timedelta]) -> None:
+        """Start ``op()`` (a gloo operation) and wait for it; any failure is a :class:`BridgeError` naming the peer."""
         try:
+            work = op()
             if timeout is None:
                 work.wait()
             else:
                 work.wait(timeout)
         except Exception as error:  # gloo raises RuntimeError on timeouts and closed connections
             who = self.names[peer] if peer is not None else "the bridge"
-            limit = f" (limit {timeout.total_seconds():.0f} s, {ENV_TIMEOUT})" if timeout is not None else ""
+            limit = f" (bridge timeout {timeout.total_seconds():.0f} s, {ENV_TIMEOUT})" if timeout is not None else ""
             raise BridgeError(f"{what} {who} failed{limit}: {error}. The rank may have died (its own error is in "
                               "the launcher's summary) or stopped answering") from error
 
@@ -82,16 +84,16 @@ class Bridge:
         timeout = self.timeout if timeout is _BRIDGE_TIMEOUT else timeout
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
-        self._wait(self.group.send([size], dst, 2 * self.rank), "sending to", dst, timeout)
-        self._wait(self.group.send([data], dst, 2 * self.rank + 1), "sending to", dst, timeout)
+        self._run(lambda: self.group.send([size], dst, 2 * self.rank), "sending to", dst, timeout)
+        self._run(lambda: self.group.send([data], dst, 2 * self.rank + 1), "sending to", dst, timeout)
 
     def recv(self, src: int, timeout: Any = _BRIDGE_TIMEOUT) -> Any:
         """The next object from bridge rank ``src``; ``timeout`` ``None`` waits as long as it takes."""
         timeout = self.timeout if timeout is _BRIDGE_TIMEOUT else timeout
         size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.group.recv([size], src, 2 * src), "waiting for", src, timeout)
+        self._run(lambda: self.group.recv([size], src, 2 * src), "waiting for", src, timeout)
         data = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(self.group.recv([data], src, 2 * src + 1), "waiting for", src, timeout)
+        self._run(lambda: self.group.recv([data], src, 2 * src + 1), "waiting for", src, timeout)
         return pickle.loads(data.numpy().tobytes())
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
@@ -100,7 +102,7 @@ class Bridge:
         opts = tdist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         for t in tensors:
-            self._wait(self.group.broadcast([t], opts), "broadcasting weights over", None, self.timeout)
+            self._run(lambda: self.group.broadcast([t], opts), "broadcasting weights over", None, self.timeout)
 
 
 @dataclass

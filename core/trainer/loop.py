@@ -102,12 +102,12 @@ class Trainer:
                 log.exception("a plugin failed in rlcore_train_end")
             raise
         finally:
-            self.source.close(failed=status == "failed")
             c.gpu_monitor.stop()
             if status != "failed":
                 with self.timer("checkpoint"):
                     c.checkpoint.save(self.state.step, self.stateful())
                 getattr(c.checkpoint, "wait", lambda: None)()  # an asynchronous save must land before exit
+            self.source.close(failed=status == "failed")  # after the save: a peer lost on the way out costs no step
             c.profiler.close()
         after = self.evaluate("after") if status == "completed" else {}
         summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},

@@ -31,6 +31,8 @@ CASES = {
     "stream_reward": ["bench_stream_reward.py", "--tiny", "--prompts", "2", "--n", "2", "--max-new-tokens", "12",
                       "--reward-ms", "1", "--repeats", "1", "--out", "{out}"],
     "mismatch": ["bench_mismatch.py", "--tiny", "--prompts", "2", "--max-new-tokens", "8", "--out", "{out}"],
+    "async": ["bench_async.py", "--nproc", "2", "--steps", "3", "--warmup", "1", "--gen-ms", "20", "--train-ms", "20",
+              "--staleness", "0,1", "--out", "{out}"],
     "data": ["bench_data.py", "all", "--dir", "{tmp}/data", "--shard-mib", "2", "--shards", "4", "--batches", "5",
              "--batch-size", "16", "--json", "{out}"],
 }
