@@ -273,7 +273,7 @@ def _world_split(cfg, pm):
                       config=OmegaConf.to_container(cfg, resolve=True))
     if not int(answer.rollout_ranks):
         return None
-    return answer, init_split(cfg.trainer.device, int(answer.rollout_ranks))
+    return answer, init_split(cfg.trainer.device, int(answer.rollout_ranks), str(answer.weights_backend))
 
 
 def print_summary(summary: dict, run_dir: str) -> None:

@@ -177,6 +177,8 @@ class WorldSplit(Protocol):
     """A plugin's answer to ``rlcore_world_split``: the last ``rollout_ranks`` ranks of the job generate."""
 
     rollout_ranks: int
+    #: what the weights travel over from the trainers to the rollout ranks: ``gloo``, ``nccl`` or ``auto``
+    weights_backend: str
 
     def run_rollout_rank(self, config: Any, split: Any) -> int:
         """The whole life of a rollout rank (``split`` is its :class:`~rlcore.distributed.split.SplitInfo`);

@@ -8,7 +8,8 @@ the training ranks only; see :mod:`rlcore.distributed.split`). Settings (``plugi
 * ``rollout_fraction`` — the share of ranks that generate when ``rollout_ranks`` is 0 (0.25);
 * ``max_staleness`` — how many optimizer steps older than the policy being trained a sample's
   weights may be (default 1: one-step off-policy; 0: synchronous, for comparison);
-* ``bucket_mb`` — the size of the flat buffers the weights travel in.
+* ``bucket_mb`` — the size of the flat buffers the weights travel in;
+* ``weights_backend`` — ``auto`` (NCCL on GPUs, gloo through the host on CPUs), ``gloo`` or ``nccl``.
 
 The protocol
 ------------
@@ -88,6 +89,7 @@ class AsyncSettings:
     rollout_fraction: float = 0.25
     max_staleness: int = 1
     bucket_mb: int = 64
+    weights_backend: str = "auto"
 
 
 def settings_from(config: dict[str, Any]) -> AsyncSettings:
@@ -107,7 +109,8 @@ def settings_from(config: dict[str, Any]) -> AsyncSettings:
               (isinstance(s.rollout_fraction, (int, float)) and 0.0 < float(s.rollout_fraction) < 1.0,
                "rollout_fraction", "a number in (0, 1)"),
               (is_int(s.max_staleness) and s.max_staleness >= 0, "max_staleness", "an integer >= 0"),
-              (is_int(s.bucket_mb) and s.bucket_mb >= 1, "bucket_mb", "an integer >= 1")]
+              (is_int(s.bucket_mb) and s.bucket_mb >= 1, "bucket_mb", "an integer >= 1"),
+              (s.weights_backend in ("auto", "gloo", "nccl"), "weights_backend", "auto, gloo or nccl")]
     bad = [f"'plugin_config.{NAME}.{key}' = {getattr(s, key)!r} must be {want}" for ok, key, want in checks if not ok]
     if bad:
         raise ConfigError(bad)
@@ -155,6 +158,7 @@ class AsyncSplit:
 
     def __init__(self, settings: AsyncSettings, rollout_ranks: int):
         self.settings, self.rollout_ranks = settings, rollout_ranks
+        self.weights_backend = settings.weights_backend
 
     def run_rollout_rank(self, config: Any, split: Any) -> int:
         return RolloutWorker(split).run()
@@ -216,7 +220,7 @@ def send_weights(bridge: Any, items: list[tuple[str, torch.Tensor]], version: in
         bridge.send(("weights", version, plan), peer)
     tensors = dict(items)
     for _, entries in plan:
-        flat = torch.cat([tensors[name].reshape(-1).to("cpu") for name, _ in entries])
+        flat = torch.cat([tensors[name].reshape(-1).to(bridge.weights_device) for name, _ in entries])
         bridge.broadcast([flat], src=0)
     return time.perf_counter() - t0
 
@@ -225,7 +229,8 @@ def receive_buckets(bridge: Any, plan: list[tuple[str, list[tuple]]]) -> list[to
     """A rollout rank: the flat buckets announced by ``plan``, taken from the bridge's broadcast."""
     flats = []
     for dtype, entries in plan:
-        flat = torch.empty(sum(int(torch.Size(shape).numel()) for _, shape in entries), dtype=getattr(torch, dtype))
+        flat = torch.empty(sum(int(torch.Size(shape).numel()) for _, shape in entries), dtype=getattr(torch, dtype),
+                           device=bridge.weights_device)
         bridge.broadcast([flat], src=0)
         flats.append(flat)
     return flats
@@ -485,6 +490,8 @@ class RolloutWorker:
                 raise RuntimeError(f"plugin '{NAME}': rollout rank got an unknown message {kind!r}")
 
     def _receive_loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
         try:
             while True:
                 msg = self.bridge.recv(0, timeout=None)  # the trainers take as long as they need

@@ -150,7 +150,7 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     return info
 
 
-def init_split(device_pref: str, rollout_ranks: int) -> Any:
+def init_split(device_pref: str, rollout_ranks: int, weights_backend: str = "auto") -> Any:
     """Join a job split into training and rollout groups (``rlcore_world_split``): this process's
     :class:`~rlcore.distributed.split.SplitInfo`. Its ``dist`` describes the process's own group, and
     every helper of this module works inside that group."""
@@ -160,7 +160,7 @@ def init_split(device_pref: str, rollout_ranks: int) -> Any:
     device = _pick_device(device_pref, local_rank, distributed=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    info = split_world(rollout_ranks, device)
+    info = split_world(rollout_ranks, device, weights_backend)
     _install_error_file_hook()
     quiet_other_ranks(info.global_rank)
     return info

@@ -11,7 +11,8 @@ process-group start, before anything else uses ``torch.distributed``:
   to those values too);
 * the rollout ranks form a default group of their own (ranks ``0 .. R-1``);
 * a *bridge* — a gloo group of training rank 0 (bridge rank 0) and every rollout rank (bridge ranks
-  ``1 .. R``) — carries requests, samples and weights between the two groups (:class:`Bridge`).
+  ``1 .. R``) — carries requests, samples and weights between the two groups (:class:`Bridge`); on
+  GPUs the weights take an NCCL group of the same members instead.
 
 All three groups are built from the launcher's rendezvous store under distinct prefixes, so no
 process joins a group it does not belong to. Collectives and the bridge's operations have the
@@ -59,12 +60,18 @@ class Bridge:
 
     :param timeout: how long an operation may wait for its peer before the peer counts as lost
         (``None``: as long as it takes; a peer that dies still fails it at once).
+    :param weights_group: an NCCL group of the same members for :meth:`broadcast` (GPU jobs), whose
+        tensors then live on ``weights_device``; ``None``: broadcast over ``group``, on the CPU.
     """
 
-    def __init__(self, group: Any, rank: int, size: int, names: Sequence[str], timeout: Optional[timedelta] = None):
+    def __init__(self, group: Any, rank: int, size: int, names: Sequence[str], timeout: Optional[timedelta] = None,
+                 weights_group: Any = None, weights_device: Optional[torch.device] = None):
         self.group, self.rank, self.size = group, rank, size
         self.names = list(names)  # who each bridge rank is, for error messages
         self.timeout = timeout
+        self.weights_group = weights_group
+        #: where :meth:`broadcast`'s tensors must be
+        self.weights_device = weights_device if weights_group is not None else torch.device("cpu")
 
     def _run(self, op: Any, what: str, peer: Optional[int], timeout: Optional[timedelta]) -> None:
         """Start ``op()`` (a gloo operation) and wait for it; any failure is a :class:`BridgeError` naming the peer."""
@@ -97,12 +104,16 @@ class Bridge:
         return pickle.loads(data.numpy().tobytes())
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        """Bridge rank ``src``'s ``tensors`` into every member's (same shapes and dtypes, CPU): a
-        collective every member enters, in the same order."""
+        """Bridge rank ``src``'s ``tensors`` into every member's (same shapes and dtypes, on
+        :attr:`weights_device`): a collective every member enters, in the same order. The tensors are
+        ready when it returns (an NCCL broadcast is waited for on the host)."""
         opts = tdist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
+        group = self.weights_group if self.weights_group is not None else self.group
         for t in tensors:
-            self._run(lambda: self.group.broadcast([t], opts), "broadcasting weights over", None, self.timeout)
+            self._run(lambda: group.broadcast([t], opts), "broadcasting weights over", None, self.timeout)
+        if self.weights_device.type == "cuda":
+            torch.cuda.current_stream(self.weights_device).synchronize()
 
 
 @dataclass
@@ -126,17 +137,31 @@ def _store(rank: int, world: int) -> Any:
     return store
 
 
-def split_world(rollout_ranks: int, device: torch.device) -> SplitInfo:
+def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """An NCCL process group of the bridge's members, outside the default group (for the weights)."""
+    options = tdist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return tdist.ProcessGroupNCCL(tdist.PrefixStore("rlcore/bridge-nccl/", store), rank, size, options)
+
+
+def split_world(rollout_ranks: int, device: torch.device, weights_backend: str = "auto") -> SplitInfo:
     """Build the training group, the rollout group and the bridge (see the module docstring).
 
     :param rollout_ranks: how many of the job's last ranks generate (at least 1, fewer than the job).
     :param device: this process's device (its local GPU, or the CPU).
-    :raises PlacementError: the split leaves no training rank, or no rollout rank.
+    :param weights_backend: what the bridge broadcasts weights over: ``gloo`` (through the host),
+        ``nccl`` (GPU to GPU) or ``auto`` (``nccl`` on GPUs).
+    :raises PlacementError: the split leaves no training rank, or no rollout rank; ``nccl`` without GPUs.
     """
     world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     if not 1 <= rollout_ranks < world:
         raise PlacementError(f"{rollout_ranks} rollout rank(s) out of a job of {world}: the rollout group needs at "
                              "least one rank and the training group at least one (start more processes)")
+    if weights_backend not in ("auto", "gloo", "nccl"):
+        raise PlacementError(f"weights backend {weights_backend!r}: use auto, gloo or nccl")
+    if weights_backend == "nccl" and device.type != "cuda":
+        raise PlacementError(f"weights over nccl need GPUs; this job runs on {device.type} (use gloo)")
+    nccl = device.type == "cuda" and weights_backend != "gloo"
     train = world - rollout_ranks
     store = _store(rank, world)
     role = "train" if rank < train else "rollout"
@@ -158,10 +183,11 @@ def split_world(rollout_ranks: int, device: torch.device) -> SplitInfo:
         pg = tdist.ProcessGroupGloo(tdist.PrefixStore("rlcore/bridge/", store), bridge_rank, rollout_ranks + 1,
                                     timeout)
         names = ["training rank 0"] + [f"rollout rank {i} (job rank {train + i})" for i in range(rollout_ranks)]
-        bridge = Bridge(pg, bridge_rank, rollout_ranks + 1, names, timeout)
+        weights = _nccl_group(store, bridge_rank, rollout_ranks + 1, timeout) if nccl else None
+        bridge = Bridge(pg, bridge_rank, rollout_ranks + 1, names, timeout, weights, device)
     info = DistInfo(rank=group_rank, world_size=group_size, local_rank=env_int("LOCAL_RANK", 0), device=device)
     if rank == 0:
-        log.info("job split: %d training rank(s), %d rollout rank(s), bridge over gloo, timeout %.0f s", train,
-                 rollout_ranks, timeout.total_seconds())
+        log.info("job split: %d training rank(s), %d rollout rank(s), bridge over gloo (weights over %s), timeout "
+                 "%.0f s", train, rollout_ranks, "nccl" if nccl else "gloo", timeout.total_seconds())
     return SplitInfo(role=role, dist=info, global_rank=rank, world_size=world, rollout_ranks=rollout_ranks,
                      bridge=bridge)

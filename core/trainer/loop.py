@@ -303,6 +303,7 @@ class WholeWorld:
     generates its own rollouts."""
 
     rollout_ranks = 0
+    weights_backend = "auto"
 
     def run_rollout_rank(self, config: Any, split: Any) -> int:
         raise RuntimeError("no rank generates on its own in an unsplit job")
