@@ -38,7 +38,7 @@ def test_wheel_declares_console_script_and_plugins(wheel):
     (ep,) = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
     text = wheel.read(ep).decode()
     assert "rlcore = rlcore.cli:main" in text
-    for name in ("defaults", "streaming", "remesh", "rm-offload", "sparse-logging"):
+    for name in ("defaults", "streaming", "remesh", "rm-offload", "sparse-logging", "async"):
         assert f"{name} = rlcore.plugins." in text
     assert "[pytest11]" in text
 
