@@ -208,9 +208,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from rlcore.plugin_manager import available_names, build_plugin_manager
+    from rlcore.plugin_manager import DEFAULT_PLUGINS, available_names, build_plugin_manager
 
-    names = [n for n in available_names() if n != "defaults"]
+    names = [n for n in available_names() if n not in DEFAULT_PLUGINS]
     pm = build_plugin_manager(names)
     rows = [(i.name, i.distribution, i.version, "yes" if i.default else "", ", ".join(
         h.replace("rlcore_", "") for h in i.hooks)) for i in pm.infos()]

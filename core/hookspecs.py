@@ -247,5 +247,7 @@ def rlcore_train_end(step: int, status: str, summary: dict[str, float]) -> None:
 
     :param step: the last completed step.
     :param status: ``"completed"``, ``"interrupted"`` or ``"failed"``.
-    :param summary: final evaluation numbers.
+    :param summary: final evaluation numbers; an implementation may add to it in place (it is what
+        ``Trainer.train`` returns). One that records it and wants every addition uses
+        ``@hookimpl(trylast=True)``.
     """

@@ -26,10 +26,13 @@ log = logging.getLogger(__name__)
 
 GROUP = "rlcore.plugins"
 #: Built-in plugins registered before any selected one, like pytest's default plugins.
-DEFAULT_PLUGINS = ("defaults",)
-#: Built-in plugins and their modules: available even when entry-point autoload is disabled.
+DEFAULT_PLUGINS = ("defaults", "gpu-monitor", "profiler")
+#: Built-in plugins and their modules (``module`` or ``module:Class``): available even when entry-point
+#: autoload is disabled.
 BUILTIN_MODULES = {
     "defaults": "rlcore.plugins.defaults",
+    "gpu-monitor": "rlcore.plugins.gpu_monitor:GPUMonitorPlugin",
+    "profiler": "rlcore.plugins.profiler:ProfilerPlugin",
     "streaming": "rlcore.plugins.streaming",
     "remesh": "rlcore.plugins.remesh",
     "rm-offload": "rlcore.plugins.rm_offload",
@@ -161,12 +164,18 @@ class RLCorePluginManager(pluggy.PluginManager):
             ep = eps.get(n)  # installed after stevedore's path cache was filled in this process
             dist = _distribution_of(ep)
             try:
-                loaded[n] = (ep.load() if ep is not None else importlib.import_module(BUILTIN_MODULES[n]), dist)
+                loaded[n] = (ep.load() if ep is not None else _import_builtin(BUILTIN_MODULES[n]), dist)
             except Exception as err:
                 raise PluginError(f'Error importing plugin "{n}" (distribution {dist[0]}): '
                                   f"{type(err).__name__}: {err}") from err
         for n in names:
             plugin, dist = loaded[n]
+            if isinstance(plugin, type):  # a plugin class: one instance per manager holds its per-run state
+                try:
+                    plugin = plugin()
+                except Exception as err:
+                    raise PluginError(f'plugin "{n}" (distribution {dist[0]}): creating {plugin.__name__}() '
+                                      f"failed: {type(err).__name__}: {err}") from err
             try:
                 self.register_plugin(plugin, n, default=default, distribution=dist)
             except pluggy.PluginValidationError as err:
@@ -230,6 +239,13 @@ class RLCorePluginManager(pluggy.PluginManager):
             if result:
                 out.append((self.get_name(impl.plugin) or repr(impl.plugin), result[0]))
         return out
+
+
+def _import_builtin(spec: str) -> Any:
+    """``module`` or ``module:attribute``."""
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
 
 
 def build_plugin_manager(selected: Sequence[str] = ()) -> RLCorePluginManager:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, ru
 
 import torch
 
+from rlcore.rollout.base import RolloutBackend, RolloutBatch, SamplingParams, slice_rollout
+
 if TYPE_CHECKING:
     from rlcore.config.schema import FSDPConfig
 
@@ -66,21 +68,44 @@ class PlacementPolicy(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class GenerationShare:
+    """What one rank generates inside :meth:`ReshardPolicy.generation`: ``prompts`` sampled with
+    ``params``; the rows ``rows = (start, stop)`` of the result are this rank's own (``None``: all)."""
+
+    prompts: Sequence[Sequence[int]]
+    params: SamplingParams
+    rows: Optional[tuple[int, int]] = None
+
+    def own(self, batch: RolloutBatch) -> RolloutBatch:
+        """This rank's rows of ``batch`` (generated from :attr:`prompts`)."""
+        return batch if self.rows is None else slice_rollout(batch, *self.rows)
+
+
 @runtime_checkable
 class ReshardPolicy(Protocol):
-    """Switches the actor between its training layout and its generation layout."""
+    """Switches the actor between its training layout and its generation layout.
+
+    The trainer calls exactly these four methods: ``prepare`` once per trained role,
+    then per rollout ``generation`` (a context manager) and, inside it, ``generation_share``;
+    ``stats`` after every step."""
 
     def prepare(self, model: torch.nn.Module, role: str, fsdp: Optional[FSDPConfig] = None) -> torch.nn.Module:
         """Wrap ``model`` for training (e.g. ``fully_shard``) and return the module to train.
 
         ``fsdp`` is the role's own effective sharding settings (``<role>.fsdp`` over the top-level
-        ``fsdp``); ``None`` means the settings the policy was built with (the actor's). A policy
-        whose ``prepare`` takes no ``fsdp`` keeps its own settings for every role (with a warning
-        when the critic's differ)."""
+        ``fsdp``); ``None`` means the settings the policy was built with (the actor's)."""
         ...
 
     def generation(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[torch.nn.Module]:
         """Context manager yielding a module that generates; on exit the training layout is restored."""
+        ...
+
+    def generation_share(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationShare:
+        """Which prompts this rank generates (inside :meth:`generation`) and which rows of the result
+        are its own. A policy where every rank generates its own prompts returns
+        ``GenerationShare(prompts, params)``; one whose generation module spans several ranks pools
+        their prompts (every rank of the group generates the pool with one seed) and names this rank's rows."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -129,7 +154,9 @@ class CheckpointPolicy(Protocol):
     """When to save, what to keep, how to resume."""
 
     def should_save(self, step: int, *, final: bool = False) -> bool:
-        """Whether to save after optimizer step ``step``."""
+        """Whether to save after optimizer step ``step``; ``final=True`` is asked once when the run
+        ends (completed or interrupted), after the last step. The default policy answers yes to it
+        (a run always leaves a resumable checkpoint); a policy may answer no."""
         ...
 
     def save(self, step: int, state: Mapping[str, Stateful]) -> Optional[str]:
@@ -143,4 +170,13 @@ class CheckpointPolicy(Protocol):
     def export(self, model: torch.nn.Module, tokenizer: Any, name: str = "final") -> Optional[str]:
         """Write ``model`` and ``tokenizer`` as a Hugging Face directory; return its path."""
         ...
+
+    def wait(self) -> None:
+        """Block until every save started so far has landed (a policy that saves synchronously
+        returns at once). Called before the run ends."""
+        ...
+
+
+__all__ = ["CheckpointPolicy", "DistInfo", "GenerationShare", "PlacementPolicy", "PlacementRequest",
+           "ReshardPolicy", "RewardBackend", "RewardInput", "RewardOutput", "RolloutBackend", "Stateful"]
 

@@ -14,13 +14,10 @@ one), enough for the CPU demo and tests, small enough to keep a 2-core machine r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
-
-from rlcore.rollout.base import RolloutBatch, SamplingParams, concat_batches
 
 log = logging.getLogger(__name__)
 
@@ -133,45 +130,3 @@ def auto_rollout_batch_size(*, device: torch.device | str | None = None, n: int 
     log.info("ppo.rollout_batch_size=auto -> %d prompts x %d samples (free %.1f GiB x %.2f / %.1f MiB per sample)",
              size, n, free_bytes / 2**30, fraction, per_sample / 2**20)
     return size
-
-
-def _is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
-class AdaptiveMicroBatch:
-    """Generate in micro-batches, halving the micro-batch on out-of-memory.
-
-    The chunk that failed is retried at half the size (down to ``minimum``), so every prompt gets
-    its sample; the reduced size is kept for later calls. Seeded runs give each chunk its own seed
-    (``seed + first prompt index``) so repeated prompts in different chunks do not share noise.
-    """
-
-    def __init__(self, micro_batch: int, *, minimum: int = 1):
-        if micro_batch < 1 or minimum < 1:
-            raise ValueError(f"AdaptiveMicroBatch: micro_batch ({micro_batch}) and minimum ({minimum}) must be >= 1")
-        self.micro_batch = int(micro_batch)
-        self.minimum = int(minimum)
-        self.retries = 0
-
-    def generate(self, generate: Callable[[Sequence[Sequence[int]], SamplingParams], RolloutBatch],
-                 prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
-        """Run ``generate`` over all ``prompts`` chunk by chunk; results keep the prompts' order."""
-        parts: list[RolloutBatch] = []
-        start = 0
-        while start < len(prompts):
-            size = min(self.micro_batch, len(prompts) - start)
-            chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
-            try:
-                parts.append(generate(prompts[start:start + size], chunk_params))
-            except (torch.OutOfMemoryError, RuntimeError) as error:
-                if not _is_oom(error) or self.micro_batch <= self.minimum:
-                    raise
-                self.micro_batch = max(self.minimum, self.micro_batch // 2)
-                self.retries += 1
-                log.warning("rollout out of memory at micro-batch %d; retrying at %d", size, self.micro_batch)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                continue
-            start += size
-        return concat_batches(parts, params.pad_token_id)

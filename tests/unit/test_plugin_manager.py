@@ -9,6 +9,7 @@ import pytest
 from rlcore.errors import PluginError
 from rlcore.hookspecs import FACTORY_HOOKS, hookimpl
 from rlcore.plugin_manager import (
+    DEFAULT_PLUGINS,
     ENV_DISABLE_AUTOLOAD,
     RLCorePluginManager,
     available_names,
@@ -20,8 +21,8 @@ from rlcore.protocols import DistInfo, PlacementRequest
 def test_defaults_are_registered_first_and_flagged():
     pm = build_plugin_manager(["sparse-logging"])
     infos = pm.infos()
-    assert [i.name for i in infos] == ["defaults", "sparse-logging"]
-    assert infos[0].default and not infos[1].default
+    assert [i.name for i in infos] == [*DEFAULT_PLUGINS, "sparse-logging"]
+    assert all(i.default for i in infos[:-1]) and not infos[-1].default
     assert "rlcore_dataset_provider" in infos[0].hooks
     assert infos[0].distribution == "rlcore"
 
