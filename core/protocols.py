@@ -51,6 +51,23 @@ class PlacementRequest:
     rank_groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What the trainer asks of a rollout backend (``rlcore_rollout_backend``)."""
+
+    #: ``actor.rollout_backend``: ``auto``, ``engine``, ``hf`` or the name a backend plugin answers to.
+    backend: str = "auto"
+    #: the most prompts one ``generate`` call receives (``ppo.generation.batch_size``); None: not known.
+    max_batch_size: Optional[int] = None
+    #: the longest sequence, prompt plus new tokens (``data.max_prompt_length + ppo.generation.max_new_tokens``);
+    #: None: not known.
+    max_seq_len: Optional[int] = None
+    #: ``actor.rollout_engine``: the built-in engine's settings.
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    #: the model has DTensor weights (a tensor-parallel replica of the ``remesh`` plugin).
+    tensor_parallel: bool = False
+
+
 @runtime_checkable
 class PlacementPolicy(Protocol):
     """Decides where each role (actor, critic, ref, reward) lives."""
@@ -115,7 +132,14 @@ class ReshardPolicy(Protocol):
 
 @dataclass
 class RewardInput:
-    """One batch to score. Lists have one entry per sample."""
+    """One batch to score. Lists have one entry per sample.
+
+    ``prompts`` and ``responses`` are decoded alike: each from its own tokens (``prompt_ids``,
+    ``response_ids``, without padding) by the actor's tokenizer with ``skip_special_tokens=True``, so
+    special tokens (EOS, chat-template markers that are special tokens) are left out of both and
+    spacing follows the tokenizer's decoder for both. The dataset's own prompt text, as written in
+    the data, is in ``extras`` under ``data.prompt_key`` (with every other column of the row).
+    """
 
     prompts: list[str]
     responses: list[str]
@@ -178,5 +202,6 @@ class CheckpointPolicy(Protocol):
 
 
 __all__ = ["CheckpointPolicy", "DistInfo", "GenerationShare", "PlacementPolicy", "PlacementRequest",
-           "ReshardPolicy", "RewardBackend", "RewardInput", "RewardOutput", "RolloutBackend", "Stateful"]
+           "ReshardPolicy", "RewardBackend", "RewardInput", "RewardOutput", "RolloutBackend", "RolloutRequest",
+           "Stateful"]
 

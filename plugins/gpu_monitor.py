@@ -9,8 +9,10 @@ one plugin manager.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
+from rlcore.config.schema import TrainerConfig
 from rlcore.hookspecs import hookimpl
 from rlcore.observe.gpu import GPUMonitor
 
@@ -24,7 +26,7 @@ class GPUMonitorPlugin:
     @hookimpl
     def rlcore_train_start(self, config: dict[str, Any]) -> None:
         self._stop()
-        trainer = config["trainer"]
+        trainer = {**dataclasses.asdict(TrainerConfig()), **(config.get("trainer") or {})}
         self.interval_s = float(trainer["gpu_monitor_interval"]) if trainer["gpu_monitor"] else 0.0
         self.log_steps, self.max_steps = int(trainer["log_steps"]), int(trainer["max_steps"])
         self.monitor = GPUMonitor(self.interval_s)

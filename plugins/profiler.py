@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rlcore.config.schema import TrainerConfig
 from rlcore.hookspecs import hookimpl
 from rlcore.observe.profiler import StepProfiler
 
@@ -20,9 +21,10 @@ class ProfilerPlugin:
     @hookimpl
     def rlcore_train_start(self, run_dir: str, dist: Any, config: dict[str, Any]) -> None:
         self._close()
-        trainer = config["trainer"]
-        if trainer["enable_profiling"]:
-            self.profiler = StepProfiler(True, int(trainer["profile_steps"]), run_dir, dist.rank)
+        trainer = config.get("trainer") or {}
+        if trainer.get("enable_profiling"):
+            self.profiler = StepProfiler(True, int(trainer.get("profile_steps", TrainerConfig().profile_steps)),
+                                         run_dir, dist.rank)
 
     @hookimpl(tryfirst=True)  # the step's other hooks are part of the step
     def rlcore_step_start(self, step: int) -> None:

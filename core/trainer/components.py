@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from rlcore.config.schema import resolve_fsdp, trains_critic
 from rlcore.data.collate import BatchFiller
 from rlcore.data.loader import PromptLoader
 from rlcore.protocols import CheckpointPolicy, DistInfo, PlacementPolicy, PlacementRequest, ReshardPolicy
-from rlcore.protocols import RewardBackend, Stateful
+from rlcore.protocols import RewardBackend, RolloutBackend, RolloutRequest, Stateful
 from rlcore.trainer import models
 from rlcore.trainer.checkpoint import RNGState
 from rlcore.trainer.generation import ActorGeneration
@@ -126,7 +127,7 @@ def build_reward(cfg: DictConfig, pm: Any, placement: Any, tokenizer: Any, dist:
         pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
         return pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
                         reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
-                        placement=placement, tokenizer=tokenizer, rewards=rewards)
+                        placement=placement, tokenizer=tokenizer, rewards=rewards, run_dir=cfg.trainer.output_dir)
 
     return build_routed_reward(build, placement, dist)
 
@@ -141,7 +142,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement),
                                 uses_critic=trains_critic(algo.adv_estimator))
     device = placement.device_for("actor")
-    model_path = actor_cfg.model_path or _demo_model(tcfg.output_dir, dist)
+    model_path = actor_cfg.model_path or demo_model(tcfg.output_dir, dist)
     if not actor_cfg.model_path and (data_cfg.train_files or data_cfg.custom_cls.path) and dist.is_main:
         log.warning("actor.model_path is not set: the policy is the demo's tiny model (%s, a word tokenizer of "
                     "the demo's 12 letters) trained on your data; set actor.model_path to a Hugging Face model "
@@ -177,7 +178,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     return Components(
         tokenizer=tokenizer, policy=actor_module, actor=Trained(actor, actor_opt, actor_sched),
         critic=Trained(critic, critic_opt, critic_sched) if critic is not None else None, ref=ref, kl_ctrl=kl_ctrl,
-        prompts=prompts, generation=_generation(actor, actor_module, reshard, actor_cfg, data_cfg, ppo, dist),
+        prompts=prompts, generation=_generation(pm, actor, actor_module, reshard, actor_cfg, data_cfg, ppo, dist),
         reward=reward, checkpoint=checkpoint, reshard=reshard, placement=placement, rng=RNGState(),
         train_device=device, micro_batch=Batching.from_config(n, ppo, tcfg.gradient_accumulation_steps).micro,
         eos_ids=[eos] if isinstance(eos, int) else list(eos or []))
@@ -234,25 +235,24 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     return actor, ref, critic
 
 
-def _generation(actor: torch.nn.Module, actor_module: torch.nn.Module, reshard: ReshardPolicy, actor_cfg: Any,
-                data_cfg: Any, ppo: Any, dist: DistInfo) -> ActorGeneration:
-    """The actor's rollout: backends of its generation layouts, built on first use."""
-    from rlcore.rollout import make_backend
+def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, reshard: ReshardPolicy,
+                actor_cfg: Any, data_cfg: Any, ppo: Any, dist: DistInfo) -> ActorGeneration:
+    """The actor's rollout: backends of its generation layouts from ``rlcore_rollout_backend``, built on first use."""
+    request = RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
+                             max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
+                             engine=dict(actor_cfg.rollout_engine))
 
-    engine_kw = dict(actor_cfg.rollout_engine, max_batch_size=ppo.generation.batch_size,
-                     max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
-
-    def build(module: torch.nn.Module, tensor_parallel: bool) -> Any:
-        # a tensor-parallel replica runs its DTensor layers through Hugging Face generate
-        return make_backend(module, "hf" if tensor_parallel else actor_cfg.rollout_backend, **engine_kw)
+    def build(module: torch.nn.Module, tensor_parallel: bool) -> RolloutBackend:
+        return pm.build("rlcore_rollout_backend", model=module,
+                        request=dataclasses.replace(request, tensor_parallel=tensor_parallel), dist=dist)
 
     prebuilt = {}
     if not dist.distributed:  # single process: the backend reads the training module directly
-        prebuilt[id(actor)] = make_backend(actor_module, actor_cfg.rollout_backend, **engine_kw)
+        prebuilt[id(actor)] = build(actor_module, False)
     return ActorGeneration(actor, reshard, build, int(ppo.generation.batch_size), prebuilt=prebuilt)
 
 
-def _demo_model(output_dir: str, dist: DistInfo) -> str:
+def demo_model(output_dir: str, dist: DistInfo) -> str:
     from rlcore.demo import ensure_demo_model
 
     root = os.path.join(output_dir, "_demo")

@@ -50,6 +50,7 @@ class Trainer:
         from rlcore.config import check_config
 
         check_config(cfg)  # values set after load_config (Python API) get the same checks
+        pm.configure(OmegaConf.to_container(cfg.plugin_config, resolve=True))  # each plugin's own settings
         self.cfg, self.pm, self.dist = cfg, pm, dist
         self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
         self.hook = pm.hook
@@ -169,31 +170,30 @@ class Trainer:
                               eos_token_ids=tuple(self.c.eos_ids), pad_token_id=int(self.c.tokenizer.pad_token_id))
 
     def expand(self, rows: list[dict], n: int) -> tuple[list[list[int]], dict[str, list]]:
-        """Prompt ids and extra columns of ``rows``, each row repeated ``n`` times."""
-        key = self.cfg.data.prompt_key
+        """Prompt ids and the other columns of ``rows`` (for the reward), each row repeated ``n`` times."""
         prompts = [list(r["input_ids"]) for r in rows for _ in range(n)]
         cols = sorted({k for r in rows for k in r if k not in ("input_ids",)})
         extras = {k: [r.get(k) for r in rows for _ in range(n)] for k in cols}
-        extras["prompt_text"] = [r[key] if isinstance(r.get(key), str) else self.c.tokenizer.decode(r["input_ids"])
-                                 for r in rows for _ in range(n)]
         return prompts, extras
 
     def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scores of ``rollout``. Prompt and response texts are decoded alike, from their tokens with
+        ``skip_special_tokens=True`` (see :class:`~rlcore.protocols.RewardInput`)."""
         tok = self.c.tokenizer
         # one device-to-host copy per tensor, then per-row work on the host (not 4 syncs per sample)
+        prompt_ids = _rows(rollout.prompt_ids, rollout.prompt_mask)
         resp_ids = _rows(rollout.response_ids, rollout.response_mask)
+        prompts = tok.batch_decode(prompt_ids, skip_special_tokens=True)
         responses = tok.batch_decode(resp_ids, skip_special_tokens=True)
-        prompt_text = extras["prompt_text"]
-        batch = RewardInput(prompts=prompt_text, responses=responses,
-                            prompt_ids=_rows(rollout.prompt_ids, rollout.prompt_mask),
-                            response_ids=resp_ids, extras={k: v for k, v in extras.items() if k != "prompt_text"})
+        batch = RewardInput(prompts=prompts, responses=responses, prompt_ids=prompt_ids, response_ids=resp_ids,
+                            extras=dict(extras))
         out = self.c.reward.score(batch)
         scores = out.scores.float().cpu()
         if not torch.isfinite(scores).all():
             bad = int((~torch.isfinite(scores)).nonzero()[0])
             from rlcore.errors import RewardError
             raise RewardError(f"reward backend returned {float(scores[bad])} for sample {bad}: "
-                              f"prompt={prompt_text[bad]!r} response={responses[bad]!r}")
+                              f"prompt={prompts[bad]!r} response={responses[bad]!r}")
         return scores, dict(out.metrics)
 
     def make_experience(self, rollout: RolloutBatch, scores: torch.Tensor) -> Experience:

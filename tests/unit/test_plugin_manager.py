@@ -5,6 +5,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from rlcore.errors import PluginError
 from rlcore.hookspecs import FACTORY_HOOKS, hookimpl
@@ -76,8 +77,28 @@ def test_third_party_plugin_by_entry_point(tmp_path, monkeypatch):
     assert m["seen_by_fake"] == 4
 
 
+class Placement:
+    """A placement policy written to the protocol (subclassing nothing)."""
+
+    def __init__(self, label):
+        self.label = label
+
+    def device_for(self, role):
+        return torch.device("cpu")
+
+    def ranks_for(self, role):
+        return [0]
+
+    def offload(self, role):
+        return False
+
+    def __eq__(self, other):
+        return getattr(other, "label", other) == self.label
+
+
 def _factory_plugin(name, value):
     mod = types.ModuleType(name)
+    value = Placement(value) if isinstance(value, str) else value
 
     @hookimpl
     def rlcore_placement_policy(request, dist):
