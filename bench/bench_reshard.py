@@ -143,7 +143,10 @@ class Layout:
 
     def generate(self, fn, prompts, params):
         """Through the policy, as the trainer does (tensor-parallel replicas pool their ranks' prompts)."""
-        return self.policy.generate_distributed(fn, prompts, params) if self.policy is not None else fn(prompts, params)
+        if self.policy is None:
+            return fn(prompts, params)
+        share = self.policy.generation_share(prompts, params)
+        return share.own(fn(share.prompts, share.params))
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats() if self.policy is not None else dict(self.timer.values)

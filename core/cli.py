@@ -22,24 +22,36 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotlist overrides, e.g. ppo.kl_coeff=0.05")
 
 
-def is_demo(config_files: Sequence[str], overrides: Sequence[str]) -> bool:
-    """No config file, no data and no model given: ``rlcore train`` runs the built-in demo."""
+def is_demo(config_files: Sequence[str], overrides: Sequence[str], plugins: Sequence[str] = ()) -> bool:
+    """No config file, no data, no model and no plugin that provides data: ``rlcore train`` runs the
+    built-in demo. A selected plugin implementing ``rlcore_dataset_provider`` is a data source even
+    when it reads no files."""
     keys = {o.split("=", 1)[0] for o in overrides}
-    return not config_files and not {"data.train_files", "actor.model_path", "data.custom_cls.path"} & keys
+    if config_files or {"data.train_files", "actor.model_path", "data.custom_cls.path"} & keys:
+        return False
+    if plugins:
+        from rlcore.plugin_checks import provides_data
+        from rlcore.plugin_manager import build_plugin_manager
+
+        return not provides_data(build_plugin_manager(plugins))
+    return True
 
 
 def resolve(args: argparse.Namespace, *, demo_allowed: bool = True):
-    """Load the config (with the demo preset when applicable) and the list of plugin names."""
+    """Load the config (with the demo preset when applicable) and the list of plugin names; sets
+    ``args.demo``."""
     from rlcore.config import load_config
     from rlcore.plugin_manager import parse_plugin_names
 
     overrides = list(args.overrides)
-    if demo_allowed and is_demo(args.config, overrides):
+    given = [n for spec in args.plugins for n in parse_plugin_names(spec)]
+    args.demo = demo_allowed and is_demo(args.config, overrides, given)
+    if args.demo:
         from rlcore.demo import DEMO_OVERRIDES
 
         overrides = list(DEMO_OVERRIDES) + overrides
     cfg = load_config(args.config, overrides)
-    names = parse_plugin_names(list(cfg.plugins) + [n for spec in args.plugins for n in parse_plugin_names(spec)])
+    names = parse_plugin_names(list(cfg.plugins) + given)
     return cfg, names
 
 
@@ -53,9 +65,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def preflight(cfg, names):
-    """Every check that can run before a model loads: plugins, data files, model and reward-model
-    paths, role devices, output directory, the checkpoint to resume from, the reward function,
-    plugin requirements, rank groups and shard sizes. Every problem found is reported together.
+    """Every check that can run before a model loads: plugins and their settings, data files, model and
+    reward-model paths, role devices, output directory, the checkpoint to resume from, the reward
+    function, each plugin's own checks (``rlcore_preflight``), rank groups, and — when the rest is
+    sound — two selected plugins answering the same factory hook. Every problem found is reported together.
 
     :raises RLCoreError: the one problem found, or an :class:`~rlcore.errors.PreflightError` listing all.
     """
@@ -91,13 +104,18 @@ def preflight(cfg, names):
     attempt(check_output_dir, _to_object(cfg.trainer))
     attempt(check_resume, _to_object(cfg.trainer))
     attempt(_check_reward_function, cfg, train_files)
-    attempt(_check_plugin_needs, cfg, names)
     from omegaconf import OmegaConf
 
+    from rlcore.plugin_checks import check_conflicts, check_rollout_backend, check_settings
+
+    attempt(check_settings, pm, cfg)
+    attempt(check_rollout_backend, pm, cfg)
     given = {"config": OmegaConf.to_container(cfg, resolve=True), "plugins": list(names)}
     for impl in pm.hook.rlcore_preflight.get_hookimpls():  # each plugin's checks, all reported
         attempt(_plugin_check, impl, given)
     attempt(_check_rank_groups, cfg)
+    if not problems:  # two plugins answering one factory hook, found as train would find it
+        attempt(check_conflicts, pm, cfg, _world_size(cfg), lambda: _tokenizer(cfg))
     if len(problems) == 1:
         raise problems[0]
     if problems:
@@ -135,22 +153,13 @@ def _check_reward_function(cfg, train_files) -> None:
         check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
 
 
-def _check_plugin_needs(cfg, names) -> None:
-    """Settings that only work with a plugin selected, and the plugins' size rules."""
-    if cfg.reward_model.enable and cfg.reward_model.offload and "rm-offload" not in names:
-        from rlcore.errors import PlacementError
-        from rlcore.rewards.backend import OFFLOAD_NEEDS_PLUGIN
+def _tokenizer(cfg):
+    """The actor's tokenizer, as the trainer loads it (the demo's when no model is given)."""
+    from rlcore.protocols import DistInfo
+    from rlcore.trainer.components import demo_model
+    from rlcore.trainer.models import load_tokenizer
 
-        raise PlacementError(OFFLOAD_NEEDS_PLUGIN)
-    if cfg.actor.remeshing.enabled and "remesh" not in names:
-        from rlcore.errors import PluginError
-
-        raise PluginError("actor.remeshing.enabled=true needs the 'remesh' plugin: add --plugins remesh "
-                          "(or plugins: [remesh] in the config)")
-    if "remesh" in names and cfg.actor.remeshing.enabled and _world_known(cfg):
-        from rlcore.distributed.remesh import check_sizes
-
-        check_sizes(_to_object(cfg.actor.remeshing), _world_size(cfg))
+    return load_tokenizer(cfg.actor.model_path or demo_model(cfg.trainer.output_dir, DistInfo()))
 
 
 def _check_devices(cfg) -> None:
@@ -179,14 +188,6 @@ def _check_rank_groups(cfg) -> None:
                             world)
 
 
-def _world_known(cfg) -> bool:
-    """Whether the number of processes is known before any starts (torchrun's ``WORLD_SIZE`` or
-    ``trainer.nproc_per_node`` > 1); a plain one-process command may still be started by a launcher."""
-    from rlcore.distributed.init import env_int
-
-    return env_int("WORLD_SIZE", 0) > 0 or int(cfg.trainer.nproc_per_node or 1) > 1
-
-
 def _world_size(cfg) -> int:
     """Processes of the run as known before any starts: torchrun's ``WORLD_SIZE``, else ``trainer.nproc_per_node``."""
     from rlcore.distributed.init import env_int
@@ -208,12 +209,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    """Every installed plugin, one row each; one that cannot be imported or registered is a row with
+    its error (the command still succeeds: it is how a broken plugin is diagnosed)."""
+    from rlcore.errors import PluginError
     from rlcore.plugin_manager import available_names, build_plugin_manager
 
-    names = [n for n in available_names() if n != "defaults"]
-    pm = build_plugin_manager(names)
+    pm = build_plugin_manager([])
+    rows = []
+    for name in [n for n in available_names() if not pm.has_plugin(n)]:
+        try:
+            pm.load([name])
+        except PluginError as e:
+            rows.append((name, "", "", "", f"ERROR: {e}"))
     rows = [(i.name, i.distribution, i.version, "yes" if i.default else "", ", ".join(
-        h.replace("rlcore_", "") for h in i.hooks)) for i in pm.infos()]
+        h.replace("rlcore_", "") for h in i.hooks)) for i in pm.infos()] + rows
     head = ("name", "distribution", "version", "default", "hooks")
     widths = [max(len(str(r[k])) for r in rows + [head]) for k in range(4)]
     for r in [head] + rows:
@@ -222,29 +231,29 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from rlcore.config.inert import idle_plugins, inert_keys
+    from rlcore.config.inert import inert_keys
     from rlcore.distributed.init import init_distributed
     from rlcore.distributed.launch import maybe_launch
+
+    from rlcore.plugin_checks import provides_data
 
     cfg, names = resolve(args)
     pm = preflight(cfg, names)
     if maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv)):
         return 0
     dist = init_distributed(cfg.trainer.device)
-    demo = is_demo(args.config, args.overrides)
+    demo = args.demo
     if dist.is_main:
         preset = set()
         if demo:  # keys the demo preset set, unless the user set them too
             from rlcore.demo import DEMO_OVERRIDES
 
             preset = {o.split("=", 1)[0] for o in DEMO_OVERRIDES} - {o.split("=", 1)[0] for o in args.overrides}
-        for key, why in inert_keys(cfg, names, dist.world_size, ignore=preset):
+        for key, why in inert_keys(cfg, dist.world_size, ignore=preset):
             log.warning("config key '%s' has no effect in this run: %s", key, why)
-        for name, why in idle_plugins(cfg, names):
-            log.warning("plugin '%s' is selected but does nothing in this run: %s", name, why)
         if demo:
             log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
-        elif not cfg.data.train_files and not cfg.data.custom_cls.path:
+        elif not cfg.data.train_files and not cfg.data.custom_cls.path and not provides_data(pm):
             log.warning("data.train_files is not set: the run trains on the built-in demo task (the alphabet "
                         "prompts)%s", "" if cfg.actor.model_path else " with the demo's tiny model")
     from rlcore.trainer.loop import Trainer

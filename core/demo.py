@@ -138,15 +138,15 @@ def alphabet_score(prompts: Sequence[str], responses: Sequence[str], **_: Any) -
     The letter before the first one is the prompt's last letter, so a perfect answer to ``"c k a f"`` is
     ``"g h i j"``. Each position is judged on its own (``"g x i j"`` scores 0.5: ``x`` and ``i`` are wrong,
     ``j`` follows ``i``). Letters are single characters, so the score does not depend on how a tokenizer
-    joins them when decoding.
+    joins them when decoding (``"ckaf"`` and ``"c k a f"`` are the same prompt).
     """
     scores = []
     for prompt, response in zip(prompts, responses):
-        words = prompt.split()
-        if not words or words[-1] not in LETTERS:
+        letters = [c for c in prompt if not c.isspace()]
+        if not letters or letters[-1] not in LETTERS:
             scores.append(0.0)
             continue
-        prev, hits = words[-1], 0
+        prev, hits = letters[-1], 0
         for ch in [c for c in response if not c.isspace()][:ANSWER_LEN]:
             if prev in LETTERS and ch == LETTERS[(LETTERS.index(prev) + 1) % len(LETTERS)]:
                 hits += 1

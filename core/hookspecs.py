@@ -9,7 +9,9 @@ Three shapes of hook:
 * **event** hooks are broadcast to every plugin; their return values are ignored.
 
 All arguments are keyword-only. An implementation may accept any subset of a spec's arguments,
-so specs can grow without breaking plugins.
+so specs can grow without breaking plugins. Every implementation may also ask for ``settings``:
+its own plugin's ``plugin_config.<name>`` section, checked against the dataclass the plugin
+declares as ``settings_schema`` (see :mod:`rlcore.plugin_settings`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
         PlacementRequest,
         ReshardPolicy,
         RewardBackend,
+        RolloutBackend,
+        RolloutRequest,
     )
     from rlcore.rollout.base import RolloutBatch
 
@@ -52,6 +56,7 @@ FACTORY_HOOKS = (
     "rlcore_reshard_policy",
     "rlcore_reward_backend",
     "rlcore_checkpoint_policy",
+    "rlcore_rollout_backend",
 )
 
 
@@ -144,6 +149,7 @@ def rlcore_reward_backend(
     placement: PlacementPolicy,
     tokenizer: Any,
     rewards: dict[str, Callable[..., Any]],
+    run_dir: str,
 ) -> Optional[RewardBackend]:
     """Build the scorer of rollouts.
 
@@ -157,6 +163,7 @@ def rlcore_reward_backend(
     :param placement: where the reward role lives.
     :param tokenizer: the actor's tokenizer (to decode or re-tokenize).
     :param rewards: named reward functions collected by :func:`rlcore_register_rewards`.
+    :param run_dir: the run directory (``trainer.output_dir``), e.g. for a scorer's own log or cache.
     :returns: a :class:`~rlcore.protocols.RewardBackend`, or None.
     """
 
@@ -168,6 +175,26 @@ def rlcore_checkpoint_policy(trainer: TrainerConfig, dist: DistInfo) -> Optional
     :param trainer: the ``trainer`` section (``save_steps``, ``save_total_limit``, ``resume``, ``output_dir`` …).
     :param dist: rank and world size.
     :returns: a :class:`~rlcore.protocols.CheckpointPolicy`, or None.
+    """
+
+
+@hookspec
+def rlcore_rollout_backend(model: torch.nn.Module, request: RolloutRequest, dist: DistInfo) -> Optional[RolloutBackend]:
+    """Build the generator of rollouts for ``model``.
+
+    Called once per generation module the reshard policy yields (in a single process: once, for the
+    training model, after the models load), inside the generation layout; afterwards the trainer
+    calls ``sync_weights()`` before every rollout that follows an update. The built-in ``defaults``
+    plugin answers with Hugging Face ``generate`` (``request.backend`` ``auto`` or ``hf``, and every
+    tensor-parallel replica); the built-in ``engine`` plugin with the in-process engine for the models
+    it supports (``auto`` or ``engine``). A backend plugin answers for its own name (``actor.rollout_backend``).
+    Check it with :func:`rlcore.testing.check_rollout_backend`.
+
+    :param model: the Hugging Face causal LM to generate with (the live training weights, or a
+        gathered or tensor-parallel copy of them).
+    :param request: ``actor.rollout_backend``, the largest batch and sequence, the engine's settings.
+    :param dist: rank, world size and the local device.
+    :returns: a :class:`~rlcore.protocols.RolloutBackend`, or None to pass.
     """
 
 
@@ -247,5 +274,7 @@ def rlcore_train_end(step: int, status: str, summary: dict[str, float]) -> None:
 
     :param step: the last completed step.
     :param status: ``"completed"``, ``"interrupted"`` or ``"failed"``.
-    :param summary: final evaluation numbers.
+    :param summary: final evaluation numbers; an implementation may add to it in place (it is what
+        ``Trainer.train`` returns). One that records it and wants every addition uses
+        ``@hookimpl(trylast=True)``.
     """

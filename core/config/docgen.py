@@ -293,10 +293,11 @@ def hooks_reference() -> str:
                 out.append(f"Returns an object satisfying [`{proto.__name__}`](#{proto.__name__.lower()}), "
                            "or `None` to pass.\n")
     out.append("### Protocols returned by factory hooks\n")
-    out.append("Defined in `rlcore.protocols`; all are `typing.runtime_checkable`. An object satisfies one by "
-               "having its methods; it need not inherit from it.\n")
+    out.append("Exported by `rlcore.protocols` (`RolloutBackend` is defined in `rlcore.rollout.base`); all are "
+               "`typing.runtime_checkable`. An object satisfies one by having its methods; it need not inherit "
+               "from it.\n")
     protos = [p for p in vars(protocols).values() if isinstance(p, type) and getattr(p, "_is_protocol", False)
-              and p.__module__ == protocols.__name__]
+              and (p.__module__ == protocols.__name__ or p.__name__ in protocols.__all__)]
     for proto in protos:
         out.extend(_protocol_block(proto))
     out.append("### Value types\n")

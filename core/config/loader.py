@@ -35,7 +35,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "critic.dtype": ("fp32", "bf16"),
     "actor.lr_scheduler": ("constant", "cosine", "linear"),
     "critic.lr_scheduler": ("constant", "cosine", "linear"),
-    "actor.rollout_backend": ("auto", "engine", "hf"),
     "reward_model.dtype": ("fp32", "bf16", "fp16"),
 }
 

@@ -140,7 +140,7 @@ class ModelRoleConfig:
 class ActorConfig(ModelRoleConfig):
     #: Generation vs training layouts of the actor.
     remeshing: RemeshingConfig = field(default_factory=RemeshingConfig)
-    #: Rollout backend: auto (fast engine where supported, else HF generate) | engine | hf.
+    #: Rollout backend: auto (fast engine where supported, else HF generate) | engine | hf | the name a selected backend plugin answers to (``rlcore_rollout_backend``).
     rollout_backend: str = "auto"
     #: Settings of the rollout engine (ignored by the HF backend), e.g. ``{attention_tuning: {num_warps: 4}, kv_memory_fraction: 0.3}`` (the paged KV cache's share of the free GPU memory): keyword arguments of ``RolloutEngine`` (docs/rollout.md) except the model, batch size, sequence length, device and dtype, which the trainer sets. Checked when the config loads.
     rollout_engine: dict[str, Any] = field(default_factory=dict)

@@ -34,6 +34,15 @@ DEFAULT_TIMEOUT_S = 600.0
 DEVICE_PREFS = ("auto", "cpu", "cuda")
 
 
+def known_world_size(nproc_per_node: int | None) -> int | None:
+    """The number of processes of a run when known before any starts (torchrun's ``WORLD_SIZE``, or
+    ``trainer.nproc_per_node`` > 1); None for a plain command, which a launcher may still start."""
+    world = env_int("WORLD_SIZE", 0)
+    if world > 0:
+        return world
+    return int(nproc_per_node) if int(nproc_per_node or 1) > 1 else None
+
+
 def env_int(name: str, default: int) -> int:
     """The integer in environment variable ``name`` (``default`` when unset or empty).
 

@@ -9,6 +9,9 @@ import time
 from typing import Any, Iterator, Mapping, Optional
 
 
+#: The run record every run writes in its run directory (the built-in ``metrics-file`` plugin).
+METRICS_FILE = "metrics.jsonl"
+
 def _clean(value: Any) -> Any:
     """Strict JSON: numbers stay numbers, NaN and infinities become null, tensors become floats."""
     if hasattr(value, "item") and callable(value.item):

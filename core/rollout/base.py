@@ -121,6 +121,21 @@ def mask_after_eos(response_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> 
     return (before == 0).long()
 
 
+def slice_rollout(batch: RolloutBatch, start: int, stop: int) -> RolloutBatch:
+    """Rows ``[start, stop)`` of ``batch``, without the padding columns no kept row needs.
+
+    Shapes: ``[B, P]``/``[B, R]`` -> ``[stop - start, P']``/``[stop - start, R']``.
+    """
+    pm, rm = batch.prompt_mask[start:stop], batch.response_mask[start:stop]
+    used = pm.bool().any(0).nonzero()
+    p0 = int(used[0]) if len(used) else pm.shape[1] - 1
+    used = rm.bool().any(0).nonzero()
+    r1 = int(used[-1]) + 1 if len(used) else 1
+    return RolloutBatch(prompt_ids=batch.prompt_ids[start:stop, p0:], prompt_mask=pm[:, p0:],
+                        response_ids=batch.response_ids[start:stop, :r1], response_mask=rm[:, :r1],
+                        logprobs=batch.logprobs[start:stop, :r1], stats=dict(batch.stats))
+
+
 def concat_batches(parts: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
     """Join batches whose prompt/response widths differ (prompts re-left-padded, responses right-padded)."""
     if len(parts) == 1:

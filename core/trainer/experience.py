@@ -163,23 +163,25 @@ def compute_advantages(exp: Experience, algo: AlgorithmConfig, ppo: PPOConfig, k
         seq_kl = kl.sum(-1)
         metrics["kl/mean"] = float(seq_kl.mean())
     use_kl_reward = kl is not None and ppo.kl_in_reward and kl_coef > 0
-    if algo.adv_estimator == "gae":
-        if exp.values is None:
-            raise ValueError("GAE needs values from a critic")
-        rewards = rlmath.token_level_rewards(exp.scores, mask, kl if use_kl_reward else None, kl_coef)
-        adv, ret = rlmath.compute_gae(rewards, exp.values, mask, algo.gamma, algo.lam)
-        if algo.whiten_advantages:
-            adv = rlmath.masked_whiten(adv, mask)
-        exp.advantages, exp.returns = adv, ret
-        metrics["critic/returns_mean"] = float(rlmath.masked_mean(ret, mask))
-        metrics["critic/values_mean"] = float(rlmath.masked_mean(exp.values, mask))
-    else:
-        seq_scores = exp.scores - (kl_coef * kl.sum(-1) if use_kl_reward else 0.0)
-        if algo.adv_estimator == "grpo":
+    seq_scores = exp.scores - (kl_coef * kl.sum(-1) if use_kl_reward else 0.0)
+    match algo.adv_estimator:
+        case "gae":
+            if exp.values is None:
+                raise ValueError("GAE needs values from a critic")
+            rewards = rlmath.token_level_rewards(exp.scores, mask, kl if use_kl_reward else None, kl_coef)
+            adv, ret = rlmath.compute_gae(rewards, exp.values, mask, algo.gamma, algo.lam)
+            if algo.whiten_advantages:
+                adv = rlmath.masked_whiten(adv, mask)
+            exp.advantages, exp.returns = adv, ret
+            metrics["critic/returns_mean"] = float(rlmath.masked_mean(ret, mask))
+            metrics["critic/values_mean"] = float(rlmath.masked_mean(exp.values, mask))
+        case "grpo":
             seq_adv = rlmath.grpo_advantages(seq_scores, group_size, norm_by_std=algo.norm_adv_by_std)
-        else:
-            seq_adv = rlmath.rloo_advantages(seq_scores, group_size)
-        exp.advantages = rlmath.broadcast_sequence_advantages(seq_adv, mask)
+            exp.advantages = rlmath.broadcast_sequence_advantages(seq_adv, mask)
+        case "rloo":
+            exp.advantages = rlmath.broadcast_sequence_advantages(rlmath.rloo_advantages(seq_scores, group_size), mask)
+        case other:
+            raise ValueError(f"unknown algorithm.adv_estimator {other!r}; valid names: gae, grpo, rloo")
     metrics["advantages/mean"] = float(rlmath.masked_mean(exp.advantages, mask))
     metrics["advantages/abs_mean"] = float(rlmath.masked_mean(exp.advantages.abs(), mask))
     return metrics

@@ -11,10 +11,11 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlcore.distributed.init import all_gather_object
+from rlcore.distributed.init import all_gather_object, all_reduce_mean
+from rlcore.observe.progress import ProgressBar
 from rlcore.protocols import DistInfo
-from rlcore.rollout.base import FinishedCallback, RolloutBatch, SamplingParams
-from rlcore.trainer.checkpoint import archive_previous_run
+from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.trainer.checkpoint import GracefulExit, archive_previous_run
 from rlcore.trainer.components import Components, build_components
 from rlcore.trainer.experience import (
     Experience,
@@ -51,6 +52,7 @@ class Trainer:
         from rlcore.config import check_config
 
         check_config(cfg)  # values set after load_config (Python API) get the same checks
+        pm.configure(OmegaConf.to_container(cfg.plugin_config, resolve=True))  # each plugin's own settings
         self.cfg, self.pm, self.dist = cfg, pm, dist
         self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
         self.hook = pm.hook
@@ -61,8 +63,6 @@ class Trainer:
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
-        #: the rollout's on_finished callback during a training step's generation (see train_step)
-        self._on_finished: Optional[FinishedCallback] = None
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
 
@@ -77,9 +77,8 @@ class Trainer:
                                      config=OmegaConf.to_container(self.cfg, resolve=True))
         before = self.evaluate("before") if start == 0 else {}
         status = "completed"
-        c.gpu_monitor.start()
         try:
-            with c.graceful_exit() as stop, c.progress(start, self.tcfg.max_steps) as bar:
+            with GracefulExit() as stop, self.progress(start) as bar:
                 for step in range(start + 1, self.tcfg.max_steps + 1):
                     metrics = self.train_step(step)
                     bar.update(metrics)
@@ -94,20 +93,18 @@ class Trainer:
                 log.exception("a plugin failed in rlcore_train_end")
             raise
         finally:
-            c.gpu_monitor.stop()
             if status != "failed":
-                with self.timer("checkpoint"):
-                    c.checkpoint.save(self.state.step, c.stateful(self.state))
-                getattr(c.checkpoint, "wait", lambda: None)()  # an asynchronous save must land before exit
-            c.profiler.close()
+                if c.checkpoint.should_save(self.state.step, final=True):
+                    with self.timer("checkpoint"):
+                        c.checkpoint.save(self.state.step, c.stateful(self.state))
+                c.checkpoint.wait()  # an asynchronous save must land before exit
         after = self.evaluate("after") if status == "completed" else {}
-        summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},
-                   **c.gpu_monitor.summary()}
+        summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()}}
         if status == "completed" and self.tcfg.export_final:
-            path = c.checkpoint.export(c.actor_module, c.tokenizer, "final")
+            path = c.checkpoint.export(c.policy, c.tokenizer, "final")
             if path:
                 log.info("final policy exported to %s", path)
-        self.hook.rlcore_train_end(step=self.state.step, status=status, summary=summary)
+        self.hook.rlcore_train_end(step=self.state.step, status=status, summary=summary)  # plugins may add to it
         self.status = status
         return summary
 
@@ -115,23 +112,21 @@ class Trainer:
         c, m = self.c, {}
         self._times = {}
         t0 = time.perf_counter()
-        c.profiler.step_start(step)
         self.hook.rlcore_step_start(step=step)
         # 1. Prompts: this rank's share, each repeated n times.
-        rows = c.ensure_ids(c.train_loader.next_batch())
-        prompts, extras = self.expand(rows)
+        rows = c.prompts.fill(c.prompts.loader.next_batch())
+        prompts, extras = self.expand(rows, self.n)
         # 2. Rollout in the generation layout; 3. reward: finished samples are scored while the rest
         # decode (reward.stream), and what is left once the rollout ends.
         self.hook.rlcore_before_generation(step=step, prompts=prompts)
-        scorer = self._on_finished = self.streaming_scorer(prompts, extras)
+        scorer = self.streaming_scorer(prompts, extras)
         try:
             with self.timer("generate"):
-                rollout = self.generate(prompts, self.sampling(step))
+                rollout = c.generation.generate(prompts, self.sampling(step), on_finished=scorer)
             self.hook.rlcore_after_generation(step=step, rollout=rollout)
             with self.timer("reward"):
                 scores, m_reward = scorer.finish(rollout) if scorer is not None else self.score(rollout, extras)
         finally:
-            self._on_finished = None
             if scorer is not None:
                 scorer.close()
         if scorer is not None:
@@ -156,15 +151,12 @@ class Trainer:
         m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
         m.update({f"time/{k}_s": v for k, v in self._times.items()})
         m["time/step_s"] = time.perf_counter() - t0
-        m.update(c.perf_metrics(rollout, m["time/step_s"]))
+        m.update(self.perf_metrics(rollout, m["time/step_s"]))
         m["actor/kl_coef"] = c.kl_ctrl.value
         self.hook.rlcore_step_end(step=step, metrics=m)
-        c.profiler.step_end(step)
-        logged = step % self.tcfg.log_steps == 0 or step == self.tcfg.max_steps
-        if logged:
-            m.update(c.gpu_monitor.interval_summary())
-        m = c.reduce_metrics(m)  # averaged over ranks: what the log, the progress bar and the summary show
-        if logged:
+        if self.dist.distributed:  # averaged over ranks: what the log, the progress bar and the summary show
+            m = all_reduce_mean(m)
+        if step % self.tcfg.log_steps == 0 or step == self.tcfg.max_steps:
             self.hook.rlcore_metrics(step=step, metrics=m, split="train")
         if self.tcfg.eval_steps and step % self.tcfg.eval_steps == 0:
             self.evaluate("step")  # every rank takes part, also one without held-out rows
@@ -186,22 +178,18 @@ class Trainer:
                               seed=int(self.tcfg.seed) * 100003 + step * 101 + self.dist.rank,
                               eos_token_ids=tuple(self.c.eos_ids), pad_token_id=int(self.c.tokenizer.pad_token_id))
 
-    def expand(self, rows: list[dict]) -> tuple[list[list[int]], dict[str, list]]:
-        key = self.cfg.data.prompt_key
-        prompts = [list(r["input_ids"]) for r in rows for _ in range(self.n)]
+    def expand(self, rows: list[dict], n: int) -> tuple[list[list[int]], dict[str, list]]:
+        """Prompt ids and the other columns of ``rows`` (for the reward), each row repeated ``n`` times."""
+        prompts = [list(r["input_ids"]) for r in rows for _ in range(n)]
         cols = sorted({k for r in rows for k in r if k not in ("input_ids",)})
-        extras = {k: [r.get(k) for r in rows for _ in range(self.n)] for k in cols}
-        extras["prompt_text"] = [r[key] if isinstance(r.get(key), str) else self.c.tokenizer.decode(r["input_ids"])
-                                 for r in rows for _ in range(self.n)]
+        extras = {k: [r.get(k) for r in rows for _ in range(n)] for k in cols}
         return prompts, extras
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-        # the training step's streaming scorer, if any, takes the samples as they finish
-        return self.c.generate(prompts, params, on_finished=self._on_finished)
-
     def _request(self, prompts: list[list[int]], extras: dict[str, list]) -> RolloutRequest:
-        extras = dict(extras)
-        return RolloutRequest(extras.pop("prompt_text"), prompts, extras)
+        """The reward's view of the prompts: texts decoded from their tokens with
+        ``skip_special_tokens=True``, as the responses are (see :class:`~rlcore.protocols.RewardInput`)."""
+        texts = self.c.tokenizer.batch_decode(prompts, skip_special_tokens=True)
+        return RolloutRequest(texts, prompts, dict(extras))
 
     def streaming_scorer(self, prompts: list[list[int]], extras: dict[str, list]) -> Optional[StreamingScorer]:
         """A scorer that takes finished samples during the rollout, where ``reward.stream`` is on and
@@ -212,6 +200,8 @@ class Trainer:
         return StreamingScorer(self.c.reward, self.c.tokenizer, self._request(prompts, extras))
 
     def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scores of ``rollout``, in one reward call. Prompt and response texts are decoded alike, from
+        their tokens with ``skip_special_tokens=True`` (see :class:`~rlcore.protocols.RewardInput`)."""
         prompts = _rows(rollout.prompt_ids, rollout.prompt_mask)
         return score_rollout(self.c.reward, self.c.tokenizer, self._request(prompts, extras), rollout)
 
@@ -224,12 +214,12 @@ class Trainer:
         # cut each chunk to its used columns (a token budget and packing read the response mask too)
         trim = exp.response_mask if (self.ppo.trim_padding or c.packed or max_tokens > 0) else None
         cut = dict(max_tokens=max_tokens, packed=c.packed)
-        c.actor_module.eval()
+        c.policy.eval()
         if c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps)):
             exp.old_logprobs = None  # one optimizer step over the rollout: the update's forward gives them
         else:
             with self.timer("old_logprob"):
-                exp.old_logprobs = batched_logprobs(c.actor, exp.input_ids, exp.attention_mask,
+                exp.old_logprobs = batched_logprobs(c.actor.model, exp.input_ids, exp.attention_mask,
                                                     exp.response_len, temp, micro, trim, **cut)
         if c.ref is not None:
             with self.timer("ref_logprob"):
@@ -237,22 +227,45 @@ class Trainer:
                                                     temp, micro, trim, **cut)
         if c.critic is not None:
             with self.timer("values"):
-                exp.values = batched_values(c.critic, exp.input_ids, exp.attention_mask, exp.response_len, micro,
-                                            trim, **cut)
+                exp.values = batched_values(c.critic.model, exp.input_ids, exp.attention_mask, exp.response_len,
+                                            micro, trim, **cut)
         return exp
 
     def update(self, exp: Experience) -> dict[str, float]:
         c = self.c
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
-        out = ppo_update(exp, actor=c.actor, actor_opt=c.actor_opt, actor_sched=c.actor_sched,
-                         actor_grad_clip=self.cfg.actor.grad_clip, critic=c.critic, critic_opt=c.critic_opt,
-                         critic_sched=c.critic_sched, critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
+        critic = c.critic
+        out = ppo_update(exp, actor=c.actor.model, actor_opt=c.actor.optimizer, actor_sched=c.actor.scheduler,
+                         actor_grad_clip=self.cfg.actor.grad_clip, critic=critic and critic.model,
+                         critic_opt=critic and critic.optimizer, critic_sched=critic and critic.scheduler,
+                         critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
                          grad_accum=int(self.tcfg.gradient_accumulation_steps),
                          temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
                          generator=self._gen, packed=c.packed, recompute=c.recompute)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
         return out
+
+    def perf_metrics(self, rollout: RolloutBatch, step_s: float) -> dict[str, float]:
+        c = self.c
+        tokens = float(rollout.prompt_mask.sum() + rollout.response_mask.sum())
+        out = {"perf/tokens_per_s": tokens * self.dist.world_size / step_s, "perf/tokens_per_s_per_gpu": tokens / step_s}
+        try:
+            from rlcore.observe.flops import estimate_flops, peak_flops
+
+            peak = peak_flops(c.train_device)
+            if peak:
+                seq = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
+                out["perf/mfu"] = estimate_flops(c.policy.config, tokens, seq) / step_s / peak
+        except ImportError:
+            pass
+        if c.train_device.type == "cuda":
+            out["memory/peak_gb"] = torch.cuda.max_memory_allocated(c.train_device) / 2**30
+        return out
+
+    def progress(self, start: int) -> ProgressBar:
+        """The progress bar (main rank, ``trainer.progress``); closes on exit."""
+        return ProgressBar(start, int(self.tcfg.max_steps), enabled=bool(self.tcfg.progress) and self.dist.is_main)
 
     def rollout_metrics(self, rollout: RolloutBatch, scores: torch.Tensor) -> dict[str, float]:
         lengths = rollout.response_mask.sum(-1).float()
@@ -276,27 +289,24 @@ class Trainer:
         rank still makes the same number of generation calls, since each one gathers the sharded
         weights: a rank with fewer batches generates (and drops) copies of a held-out row."""
         c = self.c
+        val_rows = c.prompts.val_rows
         bs = max(1, int(self.gen_cfg.batch_size))
-        batches = [c.val_rows[i:i + bs] for i in range(0, len(c.val_rows), bs)]
-        shared = all_gather_object((len(batches), c.val_rows[0] if c.val_rows else None))  # [mine] in one process
+        batches = [val_rows[i:i + bs] for i in range(0, len(val_rows), bs)]
+        shared = all_gather_object((len(batches), val_rows[0] if val_rows else None))  # [mine] in one process
         total = max(count for count, _ in shared)
         if not total:
             return {}
         spare = next(row for _, row in shared if row is not None)
         batches += [None] * (total - len(batches))
         sums = {"reward": 0.0, "length": 0.0, "count": 0.0}
-        saved_n, self.n = self.n, 1
-        try:
-            for rows in batches:
-                prompts, extras = self.expand(rows if rows is not None else [spare])
-                rollout = self.generate(prompts, self.sampling(0, greedy=True))
-                s, _ = self.score(rollout, extras)
-                if rows is not None:
-                    sums["reward"] += float(s.sum())
-                    sums["length"] += float(rollout.response_mask.sum())
-                    sums["count"] += len(rows)
-        finally:
-            self.n = saved_n
+        for rows in batches:
+            prompts, extras = self.expand(rows if rows is not None else [spare], 1)
+            rollout = c.generation.generate(prompts, self.sampling(0, greedy=True))
+            s, _ = self.score(rollout, extras)
+            if rows is not None:
+                sums["reward"] += float(s.sum())
+                sums["length"] += float(rollout.response_mask.sum())
+                sums["count"] += len(rows)
         parts = all_gather_object(sums)
         sums = {k: sum(p[k] for p in parts) for k in sums}
         count = max(sums["count"], 1.0)

@@ -44,12 +44,12 @@ def hang():
     time.sleep(600)
 if where == "step":
     from rlcore.trainer import loop
-    original = loop.Trainer.generate
-    def generate(self, prompts, params):
-        if self.state.step + 1 == at:
+    original = loop.Trainer.train_step
+    def train_step(self, step):
+        if step == at:
             hang()
-        return original(self, prompts, params)
-    loop.Trainer.generate = generate
+        return original(self, step)
+    loop.Trainer.train_step = train_step
 else:
     from rlcore.trainer import checkpoint_store as cs
     original = cs.save_file

@@ -126,21 +126,16 @@ def test_role_fsdp_inherits_global():
 def test_inert_keys_are_reported_with_a_reason():
     cfg = load_config([], ["actor.remeshing.enabled=true", "fsdp.sync_module_states=false",
                            "algorithm.adv_estimator=grpo", "ppo.generation.n=2", "critic.lr=0.1"])
-    inert = dict(inert_keys(cfg, plugins=[], world_size=1))
-    assert "remesh" in inert["actor.remeshing.enabled"]
+    inert = dict(inert_keys(cfg, world_size=1))
     assert "single process" in inert["fsdp.sync_module_states"]
     assert "critic" in inert["critic.lr"]
-    # with the plugin and several ranks the same keys are live
-    live = dict(inert_keys(cfg, plugins=["remesh"], world_size=4))
-    assert "actor.remeshing.enabled" not in live and "fsdp.sync_module_states" not in live
-    from rlcore.config.inert import idle_plugins
-
-    assert dict(idle_plugins(load_config(), ["remesh", "rm-offload", "streaming"])) == {
-        "remesh": "actor.remeshing.enabled is false", "rm-offload": "reward_model.enable is false (no reward model to place)"}
-    assert idle_plugins(load_config([], ["actor.remeshing.enabled=true"]), ["remesh"]) == []
+    assert "actor.remeshing.enabled" not in inert  # a plugin's setting: the plugins report it
+    live = dict(inert_keys(cfg, world_size=4))  # with several ranks the same keys are live
+    assert "fsdp.sync_module_states" not in live
     cached = load_config([], ["data.cache_dir=/tmp/c"])
-    assert "data.cache_dir" not in dict(inert_keys(cached, plugins=[], world_size=1))
-    assert "streaming" in dict(inert_keys(cached, plugins=["streaming"], world_size=1))["data.cache_dir"]
+    assert "data.cache_dir" not in dict(inert_keys(cached, world_size=1))
+    custom = load_config([], ["data.cache_dir=/tmp/c", "data.custom_cls.path=x.py", "data.custom_cls.name=X"])
+    assert "custom_cls" in dict(inert_keys(custom, world_size=1))["data.cache_dir"]
 
 
 def test_config_is_plain_yaml_round_trip():
@@ -182,7 +177,7 @@ def test_variable_length_settings_accept_their_values():
 
 def test_token_budget_and_is_cap_inert_keys():
     cfg = load_config([], ["ppo.max_tokens_per_micro_batch=4096", "ppo.micro_batch_size=4", "ppo.rollout_is_cap=3"])
-    inert = dict(inert_keys(cfg, plugins=[], world_size=1))
+    inert = dict(inert_keys(cfg, world_size=1))
     assert "max_tokens_per_micro_batch" in inert["ppo.micro_batch_size"]
     assert inert["ppo.rollout_is_cap"] == "ppo.rollout_is is none"
-    assert "reward.stream" in dict(inert_keys(load_config([], ["reward.stream=false"]), plugins=[], world_size=2))
+    assert "reward.stream" in dict(inert_keys(load_config([], ["reward.stream=false"]), world_size=2))

@@ -13,6 +13,18 @@ from rlcore.rollout.tiny import tiny_causal_lm
 from rlcore.trainer import components
 
 
+def _trainer_backend(cfg, model):
+    """The rollout backend the trainer builds for ``model`` (through rlcore_rollout_backend)."""
+    from rlcore.config.schema import FSDPConfig
+    from rlcore.distributed.reshard import FSDPReshardPolicy
+    from rlcore.plugin_manager import build_plugin_manager
+
+    generation = components._generation(build_plugin_manager([]), model, model,
+                                        FSDPReshardPolicy(FSDPConfig(), DistInfo()), components.obj(cfg.actor),
+                                        components.obj(cfg.data), components.obj(cfg.ppo), DistInfo())
+    return generation.backend(model)
+
+
 def test_settings_reach_the_engine_the_trainer_builds():
     cfg = load_config([], ["actor.rollout_backend=engine", "actor.rollout_engine.attention=matmul",
                            "actor.rollout_engine.eos_check_interval=3", "actor.rollout_engine.graph_batch_buckets=[2]",
@@ -20,9 +32,7 @@ def test_settings_reach_the_engine_the_trainer_builds():
                            "ppo.generation.batch_size=4", "ppo.generation.max_new_tokens=8",
                            "data.max_prompt_length=16"])
     model = tiny_causal_lm("qwen2")
-    backends = components._generation_backends(model, model, components.obj(cfg.actor), components.obj(cfg.data),
-                                                components.obj(cfg.ppo), DistInfo())
-    engine = backends.get(model)
+    engine = _trainer_backend(cfg, model)
     assert isinstance(engine, RolloutEngine)
     assert (engine.attention, engine.eos_check_interval, engine.buckets) == ("matmul", 3, [2, 4])
     assert (engine.max_batch_size, engine.max_seq_len) == (4, 24)  # still the trainer's
@@ -32,9 +42,7 @@ def test_settings_reach_the_engine_the_trainer_builds():
 def test_default_engine_settings_are_the_engines_defaults():
     cfg = load_config([], ["actor.rollout_backend=engine"])
     model = tiny_causal_lm("qwen2")
-    backends = components._generation_backends(model, model, components.obj(cfg.actor), components.obj(cfg.data),
-                                               components.obj(cfg.ppo), DistInfo())
-    engine = backends.get(model)
+    engine = _trainer_backend(cfg, model)
     assert engine.eos_check_interval == 8 and engine.attention_tuning == {}
 
 

@@ -7,10 +7,13 @@ import torch
 
 from rlcore.rewards.backend import RewardPipeline
 from rlcore.rewards.functions import FunctionReward
-from rlcore.rollout.autosize import AdaptiveMicroBatch
+from rlcore.config.schema import FSDPConfig
+from rlcore.distributed.reshard import FSDPReshardPolicy
+from rlcore.protocols import DistInfo
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.engine import RolloutEngine
 from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.trainer.generation import ActorGeneration
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, merge_metrics, rows, score_rollout
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [5, 6, 7], [100, 101, 102, 103], [50],
@@ -39,7 +42,8 @@ def _rollout(on_finished=None, micro=8):
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, eos_token_ids=(5, 17, 40, 77),
                             pad_token_id=0)
     engine = RolloutEngine(model, max_batch_size=8, max_seq_len=32, eos_check_interval=1)
-    return AdaptiveMicroBatch(micro).generate(engine.generate, PROMPTS, params, on_finished)
+    generation = ActorGeneration(model, FSDPReshardPolicy(FSDPConfig(), DistInfo()), lambda module, tp: engine, micro)
+    return generation.generate(PROMPTS, params, on_finished=on_finished)
 
 
 def _request():
