@@ -65,11 +65,27 @@ def test_streaming_with_an_uneven_held_out_set_and_a_global_log_level(tmp_path):
     assert summary.startswith(f"held-out mean reward: {val_means[0]:.3f} -> {val_means[1]:.3f}"), (summary, val_means)
 
 
-def test_worker_failure_fails_the_launch_with_a_clear_error(tmp_path):
+def test_bad_setting_fails_the_launch_before_any_worker_starts(tmp_path):
     proc = run([sys.executable, "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={tmp_path / 'run'}",
                 "trainer.nproc_per_node=2", "plugins=[remesh]", "actor.remeshing.enabled=true",
                 "actor.remeshing.training_shard_size=3"], tmp_path, timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-4000:]
     assert "'actor.remeshing.training_shard_size' = 3 does not divide the world size 2" in text
-    assert "distributed training failed: rank" in text and "the other ranks were stopped" in text
+    assert "distributed training failed" not in text  # caught by the launcher's checks, no worker started
+
+
+def test_worker_failure_fails_the_launch_with_a_clear_error(tmp_path):
+    # a reward module that imports in the launcher's checks but fails in the worker of rank 1
+    reward = tmp_path / "failing_reward.py"
+    reward.write_text("import os\n"
+                      "if os.environ.get('RANK') == '1':\n"
+                      "    raise RuntimeError('injected failure on rank 1')\n"
+                      "def compute_score(prompts, responses, **kw):\n"
+                      "    return [0.0 for _ in responses]\n")
+    proc = run([sys.executable, "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={tmp_path / 'run'}",
+                "trainer.nproc_per_node=2", f"custom_reward_function.path={reward}"], tmp_path, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-4000:]
+    assert "distributed training failed: rank 1" in text and "the other ranks were stopped" in text, text[-4000:]
+    assert "injected failure on rank 1" in text
