@@ -297,7 +297,7 @@ def _generation_backends(actor: Any, actor_module: torch.nn.Module, actor_cfg: A
     from rlcore.distributed.reshard import GenerationBackends
     from rlcore.rollout import make_backend
 
-    engine_kw = dict(actor_cfg.rollout_engine, max_batch_size=ppo.generation.batch_size,
+    engine_kw = dict(actor_cfg.rollout_engine.engine_kwargs(), max_batch_size=ppo.generation.batch_size,
                      max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
     prebuilt = {}
     if not dist.distributed:  # single process: the backend reads the training module directly

@@ -16,7 +16,6 @@ from rlcore.kernels import logprob as logprob_kernels
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_model_path(path: str, key: str) -> None:
@@ -40,7 +39,9 @@ def load_tokenizer(path: str):
 def load_causal_lm(path: str, dtype: str = "fp32", device: torch.device | str = "cpu") -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    from rlcore.config.schema import torch_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
     return model.to(device)
 
 
@@ -195,24 +196,30 @@ def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: 
 
 
 def build_optimizer(model: nn.Module, role_cfg: Any, total_steps: int):
-    """AdamW with linear warmup then a constant, cosine or linear schedule."""
-    import math
-
+    """AdamW and the role's learning-rate schedule (:func:`build_scheduler`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=role_cfg.lr, weight_decay=role_cfg.weight_decay, betas=(0.9, 0.95))
-    warmup = max(0, int(role_cfg.warmup_steps))
-    total = max(1, int(total_steps))
-    kind = role_cfg.lr_scheduler
+    return optim, build_scheduler(optim, role_cfg.lr_scheduler, role_cfg.warmup_steps, total_steps,
+                                  role_cfg.lr_scheduler_kwargs)
 
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if kind == "linear":
-            return 1.0 - progress
-        return 1.0
 
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, factor)
-    return optim, sched
+#: schedules of ``transformers.get_scheduler`` that step on a validation metric the trainer does not pass
+METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+
+
+def build_scheduler(optim: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int,
+                    kwargs: dict | None = None):
+    """``transformers.get_scheduler(name)`` over ``total_steps`` optimizer steps, the first ``warmup_steps``
+    warming up; ``constant`` with warmup steps is ``constant_with_warmup``.
+
+    :raises ValueError: a schedule that needs a metric, or ``kwargs`` the schedule does not take.
+    """
+    from transformers import get_scheduler
+
+    name, warmup = str(name), max(0, int(warmup_steps))
+    if name in METRIC_SCHEDULES:
+        raise ValueError(f"the {name} schedule steps on a validation metric, which the trainer does not pass")
+    if name == "constant" and warmup:
+        name = "constant_with_warmup"
+    return get_scheduler(name, optim, num_warmup_steps=warmup, num_training_steps=max(1, int(total_steps)),
+                         scheduler_specific_kwargs=dict(kwargs or {}))

@@ -159,3 +159,53 @@ def test_values_changed_after_loading_are_checked_again():
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     assert "'ppo.rollout_batch_size'" in str(e.value) and "'actor.lr' must be > 0" in str(e.value)
+
+
+def test_every_transformers_schedule_is_accepted_and_built():
+    import torch
+    from transformers import SchedulerType
+
+    from rlcore.trainer.models import METRIC_SCHEDULES, build_optimizer
+
+    extra = {"cosine_with_min_lr": "{min_lr_rate: 0.1}", "cosine_warmup_with_min_lr": "{min_lr_rate: 0.1}",
+             "warmup_stable_decay": "{num_decay_steps: 3}"}
+    for kind in SchedulerType:
+        if kind.value in METRIC_SCHEDULES:
+            continue
+        overrides = [f"actor.lr_scheduler={kind.value}", "actor.warmup_steps=2", "actor.lr=1.0"]
+        if kind.value in extra:
+            overrides.append(f"actor.lr_scheduler_kwargs={extra[kind.value]}")
+        cfg = load_config([], overrides)
+        optim, sched = build_optimizer(torch.nn.Linear(2, 2), cfg.actor, total_steps=10)
+        lrs = []
+        for _ in range(10):
+            lrs.append(optim.param_groups[0]["lr"])
+            optim.step()
+            sched.step()
+        assert lrs[2] > 0.9, kind.value  # warmed up after warmup_steps
+        assert lrs[0] < lrs[2], kind.value
+
+
+def test_schedule_names_and_arguments_are_checked_at_load():
+    with pytest.raises(ConfigError) as caught:
+        load_config([], ["actor.lr_scheduler=cosin", "critic.lr_scheduler=cosine_with_min_lr",
+                         "actor.lr_scheduler_kwargs={num_cycles: 2}"])
+    text = str(caught.value)
+    assert "'actor.lr_scheduler' = 'cosin'" in text and "did you mean 'cosine'" in text
+    assert "'critic.lr_scheduler' = 'cosine_with_min_lr'" in text and "min_lr" in text
+    with pytest.raises(ConfigError, match="validation metric"):
+        load_config([], ["actor.lr_scheduler=reduce_lr_on_plateau"])
+
+
+def test_old_schedules_keep_their_shape():
+    import torch
+
+    from rlcore.trainer.models import build_optimizer
+
+    for kind, last in (("constant", 1.0), ("linear", 0.1), ("cosine", 0.0245)):
+        cfg = load_config([], [f"actor.lr_scheduler={kind}", "actor.lr=1.0"])
+        optim, sched = build_optimizer(torch.nn.Linear(2, 2), cfg.actor, total_steps=10)
+        for _ in range(9):
+            optim.step()
+            sched.step()
+        assert optim.param_groups[0]["lr"] == pytest.approx(last, abs=1e-3), kind

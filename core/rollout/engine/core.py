@@ -37,13 +37,6 @@ from rlcore.rollout.sampling import validate_params
 
 log = logging.getLogger(__name__)
 
-#: the :class:`RolloutEngine` arguments a training config may set (``actor.rollout_engine``); the
-#: trainer gives the model, batch size, sequence length, device and dtype itself
-CONFIG_KEYS = ("use_cuda_graphs", "graph_batch_buckets", "admit_fraction", "eos_check_interval", "max_prefill_tokens",
-               "fused_sampling", "compile", "compile_mode", "attention", "attention_length_step", "rope_in_attention",
-               "split_k", "attention_tuning", "prompt_sharing", "mlp_transposed")
-
-
 def _check_attention(value) -> None:
     if value != "auto" and value not in decode.ATTENTION_KINDS:
         raise ValueError(f"RolloutEngine: attention {value!r} is not one of {('auto',) + tuple(decode.ATTENTION_KINDS)}")
@@ -57,33 +50,6 @@ def _check_compile_mode(value) -> None:
 def _check_mlp_transposed(value) -> None:
     if value != "auto" and not isinstance(value, bool):
         raise ValueError(f"RolloutEngine: mlp_transposed must be 'auto', True or False, got {value!r}")
-
-
-#: the settings whose values are checked without a model (each check raises ``ValueError``)
-_SETTING_CHECKS = {"attention": _check_attention, "compile_mode": _check_compile_mode,
-                   "mlp_transposed": _check_mlp_transposed,
-                   "split_k": lambda value: value == "auto" or decode.split_k_tuple(value),
-                   "attention_tuning": decode.check_attention_tuning}
-
-
-def check_config_settings(settings: Mapping[str, object]) -> list[tuple[str, str]]:
-    """``(key, problem)`` for each setting of ``settings`` (``actor.rollout_engine``) that cannot work,
-    found without a model: keys outside :data:`CONFIG_KEYS` (with the nearest one), and the values of
-    the settings in :data:`_SETTING_CHECKS`."""
-    import difflib
-
-    problems = []
-    for key, value in settings.items():
-        if key not in CONFIG_KEYS:
-            near = difflib.get_close_matches(str(key), CONFIG_KEYS, n=1, cutoff=0.6)
-            problems.append((key, "not a rollout engine setting" + (f" (did you mean '{near[0]}'?)" if near else
-                                                                    f"; settings: {', '.join(CONFIG_KEYS)}")))
-        elif key in _SETTING_CHECKS:
-            try:
-                _SETTING_CHECKS[key](value)
-            except ValueError as error:
-                problems.append((key, str(error)))
-    return problems
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -194,7 +160,7 @@ class RolloutEngine:
         compile_mode: ``torch.compile`` mode, ``"default"`` or ``"max-autotune-no-cudagraphs"``
             (the engine does its own graph capture, so modes that add CUDA graphs are refused).
         attention: ``"auto"`` (default: ``"triton"`` where it can run, else ``"sdpa"``), ``"sdpa"``
-            (PyTorch's fused attention), ``"matmul"`` (two matmuls and a softmax) or ``"triton"`` (the
+            (PyTorch's fused attention) or ``"triton"`` (the
             grouped-query decode kernel of :mod:`rlcore.kernels.decode_attention`, checked once against
             PyTorch; without Triton or CUDA, or if the check fails, the engine logs a warning and uses
             ``"sdpa"``).

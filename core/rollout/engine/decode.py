@@ -30,14 +30,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rlcore.config.schema import AttentionKind, CompileMode
 from rlcore.kernels import decode_attention
 from rlcore.kernels import step_kernels
 from rlcore.rollout.engine.llama import DecoderSpec, DecoderWeights, LayerWeights, linear_group, rms_norm, rotate
 
 log = logging.getLogger(__name__)
 
-ATTENTION_KINDS = ("sdpa", "matmul", "triton")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+ATTENTION_KINDS = tuple(kind for kind in AttentionKind.values() if kind != "auto")
+COMPILE_MODES = CompileMode.values()
 
 
 @dataclass
@@ -330,22 +331,16 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             as ``G`` query rows, so no key/value head is repeated).
         layer: ``[2, B, KVH, S, D]`` one layer's cache (rows ``0..n-1`` are read).
         bias: ``[n, S]`` additive key mask; every row must have a valid column below ``length``.
-        kind: ``"sdpa"`` (one fused attention kernel), ``"matmul"`` (two matmuls and a softmax)
-            or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`: reads each key/value block
+        kind: ``"sdpa"`` (one fused attention kernel) or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`: reads each key/value block
             once for the ``G`` query rows, needs CUDA or Triton's interpreter).
     Returns:
         ``[n, KVH·G·D]``.
     """
     if kind == "triton":
         return decode_attention.attend(q, layer, bias, length, **(tuning or {}))
-    n, dim = q.shape[0], q.shape[-1]
+    n = q.shape[0]
     keys, values = layer[0, :n, :, :length], layer[1, :n, :, :length]
-    mask = bias[:, None, None, :length]
-    if kind == "sdpa":
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    else:
-        scores = torch.matmul(q, keys.transpose(-1, -2))  # [n, KVH, G, length]
-        out = torch.matmul(torch.softmax(torch.add(mask, scores, alpha=dim ** -0.5), dim=-1), values)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, None, None, :length])
     return out.reshape(n, -1)
 
 
