@@ -187,7 +187,7 @@ def loop_profile(shape: str, batch: int, prompt: int, new: int, engine_kwargs: d
           f"{out['kernel_ms_per_step']:.3f} ms/step", flush=True)
     for item in out["top"]:
         print(f"      {item['ms_per_step']:7.4f} ms  x{item['calls_per_step']:<6.1f} {item['name']}", flush=True)
-    del engine, model
+    engine = model = None  # free the GPU memory (the closures above refer to them)
     torch.cuda.empty_cache()
     return out
 

@@ -200,7 +200,7 @@ def engine_run(name: str, model, prompts, batch: int, args, kwargs: dict, profil
             row.update(step_parts(engine, batch, engine._length_bucket(prompt + new // 2 + 1), profile))
         except Exception as error:  # noqa: BLE001 - the timings above stand without the breakdown
             row["step_parts_error"] = repr(error)[:300]
-    del engine
+    engine = None  # free the GPU memory (the closures above refer to it)
     return row
 
 

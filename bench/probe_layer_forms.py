@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E402
-from bench_rollout import SHAPES, build  # noqa: E402
+from bench_rollout import build  # noqa: E402
 
 import_rlcore()
 

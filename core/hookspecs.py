@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
     from torch.utils.data import Dataset
 
     from rlcore.config.schema import (

@@ -176,15 +176,19 @@ class ModelRoleConfig:
     weight_decay: float = 0.0
     #: Warmup steps of the learning-rate schedule.
     warmup_steps: int = 0
-    #: Learning-rate schedule: any name ``transformers.get_scheduler`` knows (``transformers.SchedulerType``), e.g. constant, linear, cosine, cosine_with_min_lr, polynomial, warmup_stable_decay; warmup for ``warmup_steps`` first. ``constant`` with warmup steps is ``constant_with_warmup``.
+    #: Learning-rate schedule: any name ``transformers.get_scheduler`` knows (``transformers.SchedulerType``), e.g.
+    #: constant, linear, cosine, cosine_with_min_lr, polynomial, warmup_stable_decay; warmup for ``warmup_steps``
+    #: first. ``constant`` with warmup steps is ``constant_with_warmup``.
     lr_scheduler: str = "constant"
-    #: Extra keyword arguments of the schedule (``scheduler_specific_kwargs`` of ``get_scheduler``), e.g. ``{num_cycles: 2}`` for cosine_with_restarts or ``{min_lr_rate: 0.1}`` for cosine_with_min_lr.
+    #: Extra keyword arguments of the schedule (``scheduler_specific_kwargs`` of ``get_scheduler``), e.g.
+    #: ``{num_cycles: 2}`` for cosine_with_restarts or ``{min_lr_rate: 0.1}`` for cosine_with_min_lr.
     lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
     #: Gradient clipping by global norm (0 = off).
     grad_clip: float = 1.0
     #: Recompute activations in the backward pass to save memory.
     gradient_checkpointing: bool = False
-    #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products; the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
+    #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products;
+    #: the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
     compile: Optional[bool] = None
     #: Training dtype of the weights.
     dtype: TrainDtype = TrainDtype.fp32
@@ -245,7 +249,8 @@ class RolloutEngineConfig:
     compile: Optional[bool] = None
     #: torch.compile mode (the engine captures its own CUDA graphs, so modes adding graphs are not offered).
     compile_mode: CompileMode = CompileMode("default")
-    #: Decode attention: auto (triton where it runs and passes its check, else sdpa), sdpa (PyTorch's fused attention) or triton (the grouped-query decode kernel).
+    #: Decode attention: auto (triton where it runs and passes its check, else sdpa), sdpa (PyTorch's fused attention)
+    #: or triton (the grouped-query decode kernel).
     attention: AttentionKind = AttentionKind.auto
     #: Granularity of the attended cache length in columns (null: 64, coarser for long caches).
     attention_length_step: Optional[int] = None
@@ -280,13 +285,15 @@ class ActorConfig(ModelRoleConfig):
     remeshing: RemeshingConfig = field(default_factory=RemeshingConfig)
     #: Rollout backend: auto (the fast engine where it supports the model, else HF generate), engine or hf.
     rollout_backend: RolloutBackendKind = RolloutBackendKind.auto
-    #: Settings of the rollout engine (ignored by the HF backend; docs/rollout.md). The trainer sets the model, batch size, sequence length, device and dtype.
+    #: Settings of the rollout engine (ignored by the HF backend; docs/rollout.md). The trainer sets the model, batch
+    #: size, sequence length, device and dtype.
     rollout_engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
 
 
 @dataclass
 class CriticConfig(ModelRoleConfig):
-    #: A Hugging Face model directory for the value model (read only with ``algorithm.adv_estimator=gae``). Empty = initialise from the actor's model.
+    #: A Hugging Face model directory for the value model (read only with ``algorithm.adv_estimator=gae``). Empty =
+    #: initialise from the actor's model.
     model_path: Optional[str] = None
     #: Learning rate of the critic's optimizer (only used with ``algorithm.adv_estimator=gae``).
     lr: float = 1e-5
@@ -350,7 +357,8 @@ class GenerationConfig:
 
 @dataclass
 class PPOConfig:
-    #: Prompts per step on each rank, or "auto" to size from free GPU memory (seed's rule: GPU GB x 0.6 / per-sample GB).
+    #: Prompts per step on each rank, or "auto" to size from free GPU memory (seed's rule: GPU GB x 0.6 / per-sample
+    #: GB).
     rollout_batch_size: Any = 8
     #: Rollout settings.
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -386,9 +394,11 @@ class PPOConfig:
     entropy_coeff: float = 0.0
     #: How per-token losses are reduced to one number (docs/algorithms.md).
     loss_agg: LossAgg = LossAgg("token-mean")
-    #: Cut each training forward to the columns its samples use (leading prompt padding, trailing response padding); exact, only faster.
+    #: Cut each training forward to the columns its samples use (leading prompt padding, trailing response padding);
+    #: exact, only faster.
     trim_padding: bool = True
-    #: Sort each mini-batch by length before cutting it into micro-batches, so that similar lengths share a forward (with trim_padding: less padding); the gradient is unchanged.
+    #: Sort each mini-batch by length before cutting it into micro-batches, so that similar lengths share a forward
+    #: (with trim_padding: less padding); the gradient is unchanged.
     group_by_length: bool = True
 
 
@@ -425,7 +435,8 @@ class TrainerConfig:
     log_steps: int = 1
     #: Evaluate on ``data.val_files`` every N steps (0 = only at start and end).
     eval_steps: int = 0
-    #: Micro-batches accumulated per optimizer step (each mini-batch is split into this many; ignored when ppo.micro_batch_size is set).
+    #: Micro-batches accumulated per optimizer step (each mini-batch is split into this many; ignored when
+    #: ppo.micro_batch_size is set).
     gradient_accumulation_steps: int = 1
     #: Write torch.profiler traces.
     enable_profiling: bool = False

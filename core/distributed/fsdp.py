@@ -206,7 +206,7 @@ def _load_structure(load_fn: Callable[[], nn.Module]) -> nn.Module:
     try:
         with torch.device("meta"):
             return load_fn()
-    except Exception as e:  # some loaders refuse the meta device: load for real, the weights are overwritten
+    except Exception as e:  # noqa: BLE001 - some loaders refuse the meta device: load for real
         log.debug("loading on the meta device failed (%s); loading normally", e)
         return load_fn()
 

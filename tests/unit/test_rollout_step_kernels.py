@@ -36,7 +36,7 @@ def test_begin_step_matches_pytorch():
 @needs_kernel
 @pytest.mark.parametrize("eos", [[], [7], [3, 7, 11]])
 def test_record_matches_pytorch(eos):
-    cap, width, n = 6, 4, 5
+    cap, width = 6, 4
     tokens = torch.tensor([7, 1, 3, 11, 2], device=DEVICE)
     logprobs = torch.tensor([-0.5, -1.0, -2.0, -0.1, -3.0], device=DEVICE)
     eos_t = torch.tensor(eos, dtype=torch.long, device=DEVICE)

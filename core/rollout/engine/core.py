@@ -179,7 +179,8 @@ class RolloutEngine:
             product read the transposed layout). ``"auto"`` (default): on when the step is compiled on
             CUDA.
         attention_tuning: settings of the Triton attention kernel, e.g. ``{"num_warps": 2}``; keys in
-            :data:`rlcore.rollout.engine.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.engine.decode.check_attention_tuning`).
+            :data:`rlcore.rollout.engine.decode.ATTENTION_TUNING_KEYS` (see
+            :func:`rlcore.rollout.engine.decode.check_attention_tuning`).
         prompt_sharing: with ``attention="triton"``, the samples of a prompt prefilled together read
             the prompt's columns from the cache row of its first sample instead of their own copies
             (same results, fewer bytes from memory). A slot whose source row is refilled or moved

@@ -331,8 +331,8 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             as ``G`` query rows, so no key/value head is repeated).
         layer: ``[2, B, KVH, S, D]`` one layer's cache (rows ``0..n-1`` are read).
         bias: ``[n, S]`` additive key mask; every row must have a valid column below ``length``.
-        kind: ``"sdpa"`` (one fused attention kernel) or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`: reads each key/value block
-            once for the ``G`` query rows, needs CUDA or Triton's interpreter).
+        kind: ``"sdpa"`` (one fused attention kernel) or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`:
+            reads each key/value block once for the ``G`` query rows, needs CUDA or Triton's interpreter).
     Returns:
         ``[n, KVH·G·D]``.
     """
