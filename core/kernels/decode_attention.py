@@ -29,7 +29,7 @@ BLOCK_N = 64
 #: key/value columns per block for head dims of 128 and more (fewer registers per program)
 BLOCK_N_WIDE = 32
 #: split the length only when there are fewer programs than this share of the multiprocessors
-#: (on an H200, batch 64 x 2 key/value heads = 128 programs ran fastest unsplit, 7.6 vs 9.3 us)
+#: (measured: docs/benchmarks.md, "Settings chosen by measurement")
 PROGRAMS_PER_SM = 0.5
 MAX_SPLITS = 16
 #: multiprocessor count assumed off CUDA (the interpreter)
@@ -294,9 +294,8 @@ def default_block(dim: int) -> int:
 
 
 def default_warps(dim: int) -> int:
-    """Warps per program: 2 for head dims up to 64, else 4 (on an H200 at 256 slots, 0.5B shapes,
-    2 warps took 5.8 / 11.3 / 16.2 us a layer against 6.1 / 12.1 / 17.0 for 4, at attended lengths
-    64 / 192 / 320)."""
+    """Warps per program: 2 for head dims up to 64, else 4 (measured: docs/benchmarks.md, "Settings
+    chosen by measurement")."""
     return 2 if dim <= 64 else 4
 
 

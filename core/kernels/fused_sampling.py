@@ -226,7 +226,7 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
     inv_temp = 1.0 if greedy else 1.0 / temperature
     if fast_math is None:
         fast_math = not interpreting()
-    if num_warps is None:  # H200, 256 x 151,936 logits: cdf 37.6 us with 4 warps (8: 38.2), gumbel 95 (4: 99-104)
+    if num_warps is None:  # measured per method: docs/benchmarks.md, "Settings chosen by measurement"
         num_warps = 4 if draw else 8
     seed = int(seed) & 0x7FFFFFFF
     if draw:

@@ -189,8 +189,8 @@ class StepFunctions:
 
 SPLIT_K_KEYS = ("o", "gate_up", "down", "qkv")
 #: the engine's default on CUDA: at a few hundred rows the o, down and q/k/v products have too few
-#: output tiles for the GPU (Qwen2-0.5B/1.5B shapes at 256 rows on an H200: o 5.0 -> 4.3 us,
-#: down 10.6 -> 7.0 us, q/k/v 5.1 -> 4.4 us; gate/up, already wide, got slower split)
+#: output tiles for the GPU; gate/up, already wide, is not split (measured: docs/benchmarks.md,
+#: "Settings chosen by measurement")
 AUTO_SPLIT_K = {"o": 2, "down": 4, "qkv": 2}
 
 
