@@ -84,108 +84,44 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-#: Elements of one float32 chunk of logits in :class:`ChunkedLogprobs` (64 MiB).
-LOGPROB_CHUNK_ELEMENTS = 1 << 24
+#: use the one-pass kernels of :mod:`rlcore.kernels.logprob` where they run (CUDA); off: the reference
+#: (:func:`rlcore.rlmath.logprobs_from_logits`) everywhere
+LOGPROB_KERNELS = True
 
 
-def _row_chunks(logits: torch.Tensor):
-    """``(b, rows)`` index pairs covering ``logits [B, R, V]`` in chunks of about ``LOGPROB_CHUNK_ELEMENTS``."""
-    batch, length, vocab = logits.shape
-    step = max(1, LOGPROB_CHUNK_ELEMENTS // max(1, vocab))
-    for b in range(batch):
-        for start in range(0, length, step):
-            yield b, slice(start, min(length, start + step))
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool = False,
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs of ``labels`` under ``softmax(logits / T)`` and, with ``with_entropy``, the entropy:
+    ``logits [B, R, V]``, ``labels [B, R]`` -> ``([B, R], [B, R] or None)`` float32.
 
-
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A float32 copy of ``logits / temperature`` that in-place math may overwrite (``.float()`` of a
-    float32 tensor is the tensor itself)."""
-    z = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    return z.div_(temperature) if temperature != 1.0 else z
-
-
-class ChunkedLogprobs(torch.autograd.Function):
-    """Log-probs of ``labels`` under ``softmax(logits / T)``, and optionally the entropy (no gradient).
-
-    ``logits [B, R, V]`` (any float dtype, any strides with a unit last stride), ``labels [B, R]``
-    -> ``(logp [B, R] float32, entropy [B, R] float32 or None)``. Works chunk by chunk in float32 and
-    saves only the log-normalisers for the backward pass, which recomputes the softmax chunk-wise:
-    ``d logp / d logits = (onehot(label) - softmax(z)) / T``. No float32 copy of the logits is kept
-    alive, and the entropy costs one extra read per chunk instead of an autograd graph. On CUDA the
-    same math runs in the one-pass kernels of :mod:`rlcore.kernels.logprob`.
+    Two implementations: the one-pass kernels (:func:`rlcore.kernels.logprob.token_logprobs`, CUDA; their
+    entropy carries no gradient) and the reference in :mod:`rlcore.rlmath` (chunked float32 PyTorch),
+    taken elsewhere, or when the entropy needs a gradient (``entropy_grad``).
     """
-
-    #: use the one-pass kernels of :mod:`rlcore.kernels.logprob` where they run (CUDA)
-    use_kernels = True
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature: float, with_entropy: bool):
-        ctx.temperature = temperature
-        ctx.kernels = ChunkedLogprobs.use_kernels and logprob_kernels.available(logits.device)
-        run = logprob_kernels.forward if ctx.kernels else _chunked_forward
-        logp, lse, ent = run(logits, labels, temperature, with_entropy)
-        ctx.save_for_backward(logits, labels, lse)
-        if ent is not None:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        logits, labels, lse = ctx.saved_tensors
-        run = logprob_kernels.backward if ctx.kernels else _chunked_backward
-        return run(logits, labels, ctx.temperature, lse, grad_logp), None, None, None
-
-
-def _chunked_forward(logits, labels, temperature: float, with_entropy: bool):
-    """:func:`rlcore.kernels.logprob.forward` in PyTorch, chunk by chunk."""
-    shape = logits.shape[:2]
-    logp = torch.empty(shape, dtype=torch.float32, device=logits.device)
-    lse = torch.empty_like(logp)
-    ent = torch.empty_like(logp) if with_entropy else None
-    for b, rows in _row_chunks(logits):
-        z = _scaled(logits[b, rows], temperature)
-        norm = torch.logsumexp(z, dim=-1)
-        lse[b, rows] = norm
-        logp[b, rows] = z.gather(-1, labels[b, rows, None]).squeeze(-1) - norm
-        if ent is not None:
-            probs = (z - norm[:, None]).exp_()
-            ent[b, rows] = norm - torch.linalg.vecdot(probs, z)
-    return logp, lse, ent
-
-
-def _chunked_backward(logits, labels, temperature: float, lse, grad_logp):
-    """:func:`rlcore.kernels.logprob.backward` in PyTorch, chunk by chunk."""
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    for b, rows in _row_chunks(logits):
-        g = grad_logp[b, rows].float()
-        z = _scaled(logits[b, rows], temperature)
-        gz = z.sub_(lse[b, rows, None]).exp_().mul_(-g[:, None])  # -softmax * g
-        gz.scatter_add_(-1, labels[b, rows, None], g[:, None])
-        if temperature != 1.0:
-            gz = gz.div_(temperature)
-        grad[b, rows] = gz
-    return grad
+    if (LOGPROB_KERNELS and logprob_kernels.available(logits.device)
+            and not (with_entropy and entropy_grad and torch.is_grad_enabled())):
+        return logprob_kernels.token_logprobs(logits, labels, temperature, with_entropy)
+    logp = rlmath.logprobs_from_logits(logits, labels, temperature=temperature)
+    if not with_entropy:
+        return logp, None
+    if entropy_grad:
+        return logp, rlmath.entropy_from_logits(logits, temperature=temperature)
+    with torch.no_grad():
+        return logp, rlmath.entropy_from_logits(logits.detach(), temperature=temperature)
 
 
 def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       response_len: int, temperature: float = 1.0,
                       with_entropy: bool = False,
                       entropy_grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Teacher-forced log-probs of the last ``response_len`` tokens. ``[B, T] -> [B, R]`` (and entropy ``[B, R]``).
-
-    The log-probs go through :class:`ChunkedLogprobs` (chunked float32 math, softmax recomputed in
-    the backward pass). ``entropy_grad=False`` computes the entropy there too, without autograd
-    (a metric only); with ``entropy_grad=True`` both take the plain autograd path.
-    """
+    """Teacher-forced log-probs of the last ``response_len`` tokens. ``[B, T] -> [B, R]`` (and entropy ``[B, R]``),
+    through :func:`token_logprobs`. ``entropy_grad=False``: the entropy is a metric only (no gradient)."""
     temp = temperature if temperature > 0 else 1.0
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=False, logits_to_keep=response_len + 1)
     logits = out.logits[:, -(response_len + 1):-1]
     labels = input_ids[:, -response_len:]
-    if with_entropy and entropy_grad and torch.is_grad_enabled():
-        return (rlmath.logprobs_from_logits(logits, labels, temperature=temp),
-                rlmath.entropy_from_logits(logits, temperature=temp))
-    return ChunkedLogprobs.apply(logits, labels.long(), float(temp), bool(with_entropy))
+    return token_logprobs(logits, labels.long(), float(temp), bool(with_entropy), entropy_grad)
 
 
 def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
