@@ -42,6 +42,41 @@ DEMO_OVERRIDES = (
     "data.max_prompt_length=16",
 )
 
+#: Keys whose presence means the user gave data or a model (no demo then).
+_SOURCE_KEYS = ("data.train_files", "actor.model_path", "data.custom_cls.path")
+
+
+def is_demo(config_files: Sequence[str], overrides: Sequence[str]) -> bool:
+    """No config file, no data and no model given: ``rlcore train`` runs the built-in demo."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return not config_files and not set(_SOURCE_KEYS) & keys
+
+
+def with_demo_preset(config_files: Sequence[str], overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with :data:`DEMO_OVERRIDES` in front when the command runs the demo (the user's win)."""
+    overrides = list(overrides)
+    return list(DEMO_OVERRIDES) + overrides if is_demo(config_files, overrides) else overrides
+
+
+def demo_preset_keys(config_files: Sequence[str], overrides: Sequence[str]) -> set[str]:
+    """The keys the demo preset set in this command and the user did not (none outside the demo)."""
+    if not is_demo(config_files, overrides):
+        return set()
+    return {o.split("=", 1)[0] for o in DEMO_OVERRIDES} - {o.split("=", 1)[0] for o in overrides}
+
+
+def announce(cfg: Any, config_files: Sequence[str], overrides: Sequence[str]) -> None:
+    """Say at start that the run is the demo, or trains on the demo's task or model for want of the user's."""
+    import logging
+
+    log = logging.getLogger("rlcore")
+    if is_demo(config_files, overrides):
+        log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
+    elif not cfg.data.train_files and not cfg.data.custom_cls.path:
+        log.warning("data.train_files is not set: the run trains on the built-in demo task (the alphabet "
+                    "prompts)%s", "" if cfg.actor.model_path else " with the demo's tiny model")
+
+
 
 def build_tokenizer(save_dir: str):
     """Train a word-level tokenizer over the demo alphabet and save it as a HF tokenizer directory."""

@@ -157,5 +157,22 @@ def build_scheduler(optim: torch.optim.Optimizer, name: str, warmup_steps: int, 
         raise ValueError(f"the {name} schedule steps on a validation metric, which the trainer does not pass")
     if name == "constant" and warmup:
         name = "constant_with_warmup"
-    return get_scheduler(name, optim, num_warmup_steps=warmup, num_training_steps=max(1, int(total_steps)),
-                         scheduler_specific_kwargs=dict(kwargs or {}))
+    sched = get_scheduler(name, optim, num_warmup_steps=warmup, num_training_steps=max(1, int(total_steps)),
+                          scheduler_specific_kwargs=dict(kwargs or {}))
+    if warmup and isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        # transformers' warmup starts at 0 (an optimizer step that learns nothing); rlcore's first step
+        # takes lr / warmup_steps and the warmup ends at the full lr on step warmup_steps
+        sched.lr_lambdas = [_one_step_ahead(f) for f in sched.lr_lambdas]
+        for group, base, factor in zip(optim.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in optim.param_groups]
+    return sched
+
+
+def _one_step_ahead(factor):
+    """A schedule's factor function read one step later (a plain function: a scheduler's state_dict
+    keeps no copy of it)."""
+    def ahead(step: int) -> float:
+        return factor(step + 1)
+
+    return ahead

@@ -161,11 +161,25 @@ def test_values_changed_after_loading_are_checked_again():
     assert "'ppo.rollout_batch_size'" in str(e.value) and "'actor.lr' must be > 0" in str(e.value)
 
 
-def test_every_transformers_schedule_is_accepted_and_built():
+def lr_trace(overrides: list[str], steps: int, total_steps: int = 10) -> list[float]:
+    """The actor's learning rate at each of ``steps`` optimizer steps under ``overrides``."""
     import torch
+
+    from rlcore.trainer.models import build_optimizer
+
+    optim, sched = build_optimizer(torch.nn.Linear(2, 2), load_config([], overrides).actor, total_steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optim.param_groups[0]["lr"])
+        optim.step()
+        sched.step()
+    return lrs
+
+
+def test_every_transformers_schedule_is_accepted_and_built():
     from transformers import SchedulerType
 
-    from rlcore.trainer.models import METRIC_SCHEDULES, build_optimizer
+    from rlcore.trainer.models import METRIC_SCHEDULES
 
     extra = {"cosine_with_min_lr": "{min_lr_rate: 0.1}", "cosine_warmup_with_min_lr": "{min_lr_rate: 0.1}",
              "warmup_stable_decay": "{num_decay_steps: 3}"}
@@ -175,15 +189,9 @@ def test_every_transformers_schedule_is_accepted_and_built():
         overrides = [f"actor.lr_scheduler={kind.value}", "actor.warmup_steps=2", "actor.lr=1.0"]
         if kind.value in extra:
             overrides.append(f"actor.lr_scheduler_kwargs={extra[kind.value]}")
-        cfg = load_config([], overrides)
-        optim, sched = build_optimizer(torch.nn.Linear(2, 2), cfg.actor, total_steps=10)
-        lrs = []
-        for _ in range(10):
-            lrs.append(optim.param_groups[0]["lr"])
-            optim.step()
-            sched.step()
-        assert lrs[2] > 0.9, kind.value  # warmed up after warmup_steps
-        assert lrs[0] < lrs[2], kind.value
+        lrs = lr_trace(overrides, 10)
+        assert lrs[1] > 0.9, kind.value  # warmed up on step warmup_steps
+        assert 0 < lrs[0] <= 1.0, kind.value  # the first step learns
 
 
 def test_schedule_names_and_arguments_are_checked_at_load():
@@ -198,14 +206,10 @@ def test_schedule_names_and_arguments_are_checked_at_load():
 
 
 def test_old_schedules_keep_their_shape():
-    import torch
-
-    from rlcore.trainer.models import build_optimizer
-
     for kind, last in (("constant", 1.0), ("linear", 0.1), ("cosine", 0.0245)):
-        cfg = load_config([], [f"actor.lr_scheduler={kind}", "actor.lr=1.0"])
-        optim, sched = build_optimizer(torch.nn.Linear(2, 2), cfg.actor, total_steps=10)
-        for _ in range(9):
-            optim.step()
-            sched.step()
-        assert optim.param_groups[0]["lr"] == pytest.approx(last, abs=1e-3), kind
+        assert lr_trace([f"actor.lr_scheduler={kind}", "actor.lr=1.0"], 10)[-1] == pytest.approx(last, abs=1e-3), kind
+
+
+def test_warmup_starts_at_lr_over_warmup_steps():
+    lrs = lr_trace(["actor.lr_scheduler=constant", "actor.lr=1.0", "actor.warmup_steps=4"], 6)
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
