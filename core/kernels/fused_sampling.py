@@ -191,10 +191,12 @@ def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
     return -(-vocab // chunk), chunk
 
 
+@torch.library.custom_op("rlcore::sample_rows", mutates_args=())
 def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int | None = None,
                 fast_math: bool | None = None, num_warps: int | None = None,
                 method: str = "cdf") -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy (``temperature <= 0``) or temperature sampling of each row.
+    """Greedy (``temperature <= 0``) or temperature sampling of each row (a ``torch.library`` custom
+    operator, ``rlcore::sample_rows``, with a fake implementation).
 
     Args:
         logits: ``[B, V]`` raw logits, last dimension contiguous (any float dtype).
@@ -243,3 +245,10 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
     _merge_rows[(rows,)](logits, logits.stride(0), vocab, inv_temp, part[0], part[1], part[2], part_idx, splits,
                          tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=1)
     return tokens, logprobs
+
+
+@sample_rows.register_fake
+def _(logits, temperature, seed, splits=None, fast_math=None, num_warps=None, method="cdf"):
+    rows = logits.shape[0]
+    return (logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32))
+
