@@ -125,7 +125,7 @@ def device_ceilings() -> dict[str, float]:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = cuda_ms(lambda: a @ b)
     flops = 2 * 8192**3 / (ms / 1e3)
-    del a, b
+    a = b = None  # free the inputs (the lambda above still refers to them)
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": bandwidth, "bf16_matmul_flops": flops}
 

@@ -160,26 +160,7 @@ def run_rlcore(spec: dict[str, Any], gradient_checkpointing: bool) -> dict[str, 
     trainer = Trainer(cfg, build_plugin_manager(list(cfg.plugins)), init_distributed(cfg.trainer.device))
     trainer.c.eos_ids = []  # fixed-length responses (see the module docstring)
     setup_s = time.perf_counter() - t0
-    steps, times = [], []
-    from omegaconf import OmegaConf
-
-    # the lifecycle hooks around the steps, as Trainer.train calls them: the GPU monitor plugin samples between them
-    trainer.hook.rlcore_train_start(run_dir=spec["run_dir"], dist=trainer.dist,
-                                    config=OmegaConf.to_container(cfg, resolve=True))
-    status = "failed"
-    try:
-        for step in range(1, spec["warmup"] + spec["steps"] + 1):
-            _sync()
-            start = time.perf_counter()
-            metrics = trainer.train_step(step)
-            _sync()
-            times.append(time.perf_counter() - start)
-            steps.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
-            print(f"  rlcore step {step}: {times[-1]:.3f} s  " + "  ".join(
-                f"{k[5:-2]}={v:.3f}" for k, v in metrics.items() if k.startswith("time/")), flush=True)
-        status = "completed"
-    finally:
-        trainer.hook.rlcore_train_end(step=len(times), status=status, summary={})
+    times, steps = run_train_steps(trainer, spec["warmup"] + spec["steps"])
     measured = steps[spec["warmup"]:] or steps[-1:]
     breakdown = {k: sum(s.get(k, 0.0) for s in measured) / len(measured)
                  for k in sorted({k for s in measured for k in s if k.startswith("time/")})}

@@ -259,11 +259,10 @@ def rlcore_features() -> dict[str, bool]:
     from _common import import_rlcore
 
     import_rlcore()
-    from rlcore.config.schema import PPOConfig
-    from rlcore.rollout.engine import CONFIG_KEYS
+    from rlcore.config.schema import PPOConfig, RolloutEngineConfig
 
     return {"token_budget": "max_tokens_per_micro_batch" in {f.name for f in dataclasses.fields(PPOConfig)},
-            "paged_kv": "kv_cache" in CONFIG_KEYS}
+            "paged_kv": "kv_cache" in {f.name for f in dataclasses.fields(RolloutEngineConfig)}}
 
 
 def rlcore_overrides(spec: dict[str, Any], setting: dict[str, Any]) -> list[str]:

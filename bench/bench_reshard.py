@@ -216,7 +216,7 @@ def main() -> int:
         for name in layouts:
             try:
                 rec = measure(shape, name, dist, args.repeats, args.seq)
-            except Exception as e:  # keep measuring the other layouts; the record says what failed
+            except Exception as e:  # noqa: BLE001 - keep measuring the other layouts; the record says what failed
                 import traceback
 
                 rec = {"shape": shape, "layout": name, "error": f"{type(e).__name__}: {e}",

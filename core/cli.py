@@ -1,4 +1,7 @@
-"""The ``rlcore`` command: ``train``, ``config``, ``validate``, ``plugins`` (and observability tools)."""
+"""The ``rlcore`` command: ``train``, ``config``, ``validate``, ``plugins`` (and observability tools).
+
+This module is the argument parser and one function per command; the checks before a model loads are
+:mod:`rlcore.preflight`, the demo preset :mod:`rlcore.demo`."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from typing import Optional, Sequence
 
 from rlcore import __version__
 from rlcore.errors import RLCoreError
+from rlcore.preflight import preflight
 
 log = logging.getLogger("rlcore")
 
@@ -22,34 +26,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotlist overrides, e.g. ppo.kl_coeff=0.05")
 
 
-def is_demo(config_files: Sequence[str], overrides: Sequence[str], plugins: Sequence[str] = ()) -> bool:
-    """No config file, no data, no model and no plugin that provides data: ``rlcore train`` runs the
-    built-in demo. A selected plugin implementing ``rlcore_dataset_provider`` is a data source even
-    when it reads no files."""
-    keys = {o.split("=", 1)[0] for o in overrides}
-    if config_files or {"data.train_files", "actor.model_path", "data.custom_cls.path"} & keys:
-        return False
-    if plugins:
-        from rlcore.plugin_checks import provides_data
-        from rlcore.plugin_manager import build_plugin_manager
-
-        return not provides_data(build_plugin_manager(plugins))
-    return True
-
-
 def resolve(args: argparse.Namespace, *, demo_allowed: bool = True):
     """Load the config (with the demo preset when applicable) and the list of plugin names; sets
     ``args.demo``."""
     from rlcore.config import load_config
+    from rlcore.demo import is_demo, with_demo_preset
     from rlcore.plugin_manager import parse_plugin_names
 
-    overrides = list(args.overrides)
     given = [n for spec in args.plugins for n in parse_plugin_names(spec)]
-    args.demo = demo_allowed and is_demo(args.config, overrides, given)
-    if args.demo:
-        from rlcore.demo import DEMO_OVERRIDES
-
-        overrides = list(DEMO_OVERRIDES) + overrides
+    args.demo = demo_allowed and is_demo(args.config, args.overrides, given)
+    overrides = with_demo_preset(args.overrides) if args.demo else list(args.overrides)
     cfg = load_config(args.config, overrides)
     names = parse_plugin_names(list(cfg.plugins) + given)
     return cfg, names
@@ -62,143 +48,6 @@ def cmd_config(args: argparse.Namespace) -> int:
     cfg.plugins = names
     sys.stdout.write(to_yaml(cfg))
     return 0
-
-
-def preflight(cfg, names):
-    """Every check that can run before a model loads: plugins and their settings, data files, model and
-    reward-model paths, role devices, output directory, the checkpoint to resume from, the reward
-    function, each plugin's own checks (``rlcore_preflight``), rank groups, and — when the rest is
-    sound — two selected plugins answering the same factory hook. Every problem found is reported together.
-
-    :raises RLCoreError: the one problem found, or an :class:`~rlcore.errors.PreflightError` listing all.
-    """
-    from rlcore.plugin_manager import build_plugin_manager
-
-    pm = build_plugin_manager(names)
-    from rlcore.data.provider import check_data_files, check_rows_for_batch
-    from rlcore.errors import PreflightError
-    from rlcore.trainer.checkpoint import check_output_dir, check_resume
-    from rlcore.config.schema import trains_critic
-    from rlcore.trainer.models import check_model_path
-
-    problems: list[RLCoreError] = []
-
-    def attempt(check, *args):
-        try:
-            return check(*args)
-        except RLCoreError as e:
-            problems.append(e)
-            return None
-
-    train_files = attempt(check_data_files, _to_object(cfg.data))
-    if train_files:
-        attempt(check_rows_for_batch, train_files, cfg.ppo.rollout_batch_size, _world_size(cfg))
-    for role in ("actor", "critic") if trains_critic(cfg.algorithm.adv_estimator) else ("actor",):
-        if cfg[role].model_path:
-            attempt(check_model_path, cfg[role].model_path, f"{role}.model_path")
-    if cfg.reward_model.enable:
-        from rlcore.rewards.reward_model import check_reward_model_dir
-
-        attempt(check_reward_model_dir, cfg.reward_model.path)
-    attempt(_check_devices, cfg)
-    attempt(check_output_dir, _to_object(cfg.trainer))
-    attempt(check_resume, _to_object(cfg.trainer))
-    attempt(_check_reward_function, cfg, train_files)
-    from omegaconf import OmegaConf
-
-    from rlcore.plugin_checks import check_conflicts, check_rollout_backend, check_settings
-
-    attempt(check_settings, pm, cfg)
-    attempt(check_rollout_backend, pm, cfg)
-    given = {"config": OmegaConf.to_container(cfg, resolve=True), "plugins": list(names)}
-    for impl in pm.hook.rlcore_preflight.get_hookimpls():  # each plugin's checks, all reported
-        attempt(_plugin_check, impl, given)
-    attempt(_check_rank_groups, cfg)
-    if not problems:  # two plugins answering one factory hook, found as train would find it
-        attempt(check_conflicts, pm, cfg, _world_size(cfg), lambda: _tokenizer(cfg))
-    if len(problems) == 1:
-        raise problems[0]
-    if problems:
-        raise PreflightError(problems)
-    return pm
-
-
-def _plugin_check(impl, given: dict) -> None:
-    """Run one plugin's ``rlcore_preflight``; an exception that is not an rlcore error (a bug in the
-    plugin, a missing module) becomes a :class:`PluginError` naming the plugin."""
-    from rlcore.errors import PluginError
-
-    try:
-        impl.function(**{name: given[name] for name in impl.argnames})
-    except RLCoreError:
-        raise
-    except Exception as e:
-        raise PluginError(f"plugin '{impl.plugin_name}': its start-up check (rlcore_preflight) failed: "
-                          f"{type(e).__name__}: {e}") from e
-
-
-def _check_reward_function(cfg, train_files) -> None:
-    """Import the custom reward function (before the data is tokenized or a model loads) and match
-    its required arguments with the columns every training file has."""
-    fn = cfg.custom_reward_function
-    if fn.path is None:
-        return
-    from rlcore.rewards.functions import check_arguments, load_function
-
-    reward = load_function(fn.path, fn.name)
-    # Columns are known for local parquet files (their footers); a jsonl file shows only its first
-    # record, and remote files are not opened here, so those leave the check to the first batch.
-    if train_files and all(info.format == "parquet" and info.columns for info in train_files):
-        columns = set.intersection(*(set(info.columns) for info in train_files))
-        check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
-
-
-def _tokenizer(cfg):
-    """The actor's tokenizer, as the trainer loads it (the demo's when no model is given)."""
-    from rlcore.protocols import DistInfo
-    from rlcore.trainer.components import demo_model
-    from rlcore.trainer.models import load_tokenizer
-
-    return load_tokenizer(cfg.actor.model_path or demo_model(cfg.trainer.output_dir, DistInfo()))
-
-
-def _check_devices(cfg) -> None:
-    """Each role's ``device`` names a device this machine has (the roles this run uses)."""
-    import torch
-
-    from rlcore.config.schema import trains_critic
-    from rlcore.distributed.placement import DEVICE_KEYS, parse_device, requested_devices
-
-    devices = requested_devices(cfg.actor, cfg.critic, cfg.reward_model, trains_critic(cfg.algorithm.adv_estimator))
-    for role, spec in devices.items():
-        parse_device(str(spec), torch.device("cpu"), DEVICE_KEYS[role])
-
-
-def _check_rank_groups(cfg) -> None:
-    """``placement.rank_groups`` against the world size, where it is known before any process starts:
-    ``trainer.nproc_per_node`` (rlcore's own launcher) or torchrun's ``WORLD_SIZE``."""
-    groups = _to_object(cfg.placement.rank_groups)
-    world = _world_size(cfg)
-    if not groups or world < 2:
-        return
-    from rlcore.distributed.placement import ColocatedPlacement, check_trainer_placement
-    from rlcore.protocols import DistInfo, PlacementRequest
-
-    check_trainer_placement(ColocatedPlacement(PlacementRequest(rank_groups=groups), DistInfo(world_size=world)),
-                            world)
-
-
-def _world_size(cfg) -> int:
-    """Processes of the run as known before any starts: torchrun's ``WORLD_SIZE``, else ``trainer.nproc_per_node``."""
-    from rlcore.distributed.init import env_int
-
-    return env_int("WORLD_SIZE", 0) or int(cfg.trainer.nproc_per_node or 1)
-
-
-def _to_object(node):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_object(node)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -242,20 +91,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv)):
         return 0
     dist = init_distributed(cfg.trainer.device)
-    demo = args.demo
     if dist.is_main:
-        preset = set()
-        if demo:  # keys the demo preset set, unless the user set them too
-            from rlcore.demo import DEMO_OVERRIDES
+        from rlcore.demo import announce, demo_preset_keys
 
-            preset = {o.split("=", 1)[0] for o in DEMO_OVERRIDES} - {o.split("=", 1)[0] for o in args.overrides}
+        preset = demo_preset_keys(args.overrides) if args.demo else set()
         for key, why in inert_keys(cfg, dist.world_size, ignore=preset):
             log.warning("config key '%s' has no effect in this run: %s", key, why)
-        if demo:
-            log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
-        elif not cfg.data.train_files and not cfg.data.custom_cls.path and not provides_data(pm):
-            log.warning("data.train_files is not set: the run trains on the built-in demo task (the alphabet "
-                        "prompts)%s", "" if cfg.actor.model_path else " with the demo's tiny model")
+        announce(cfg, args.demo, provides_data(pm))
     from rlcore.trainer.loop import Trainer
 
     trainer = Trainer(cfg, pm, dist)

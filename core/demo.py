@@ -42,6 +42,47 @@ DEMO_OVERRIDES = (
     "data.max_prompt_length=16",
 )
 
+#: Keys whose presence means the user gave data or a model (no demo then).
+_SOURCE_KEYS = ("data.train_files", "actor.model_path", "data.custom_cls.path")
+
+
+def is_demo(config_files: Sequence[str], overrides: Sequence[str], plugins: Sequence[str] = ()) -> bool:
+    """No config file, no data, no model and no plugin that provides data: ``rlcore train`` runs the
+    built-in demo. A selected plugin implementing ``rlcore_dataset_provider`` is a data source even
+    when it reads no files."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    if config_files or set(_SOURCE_KEYS) & keys:
+        return False
+    if plugins:
+        from rlcore.plugin_checks import provides_data
+        from rlcore.plugin_manager import build_plugin_manager
+
+        return not provides_data(build_plugin_manager(plugins))
+    return True
+
+
+def with_demo_preset(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with :data:`DEMO_OVERRIDES` in front (the user's win), for a command that runs the demo."""
+    return list(DEMO_OVERRIDES) + list(overrides)
+
+
+def demo_preset_keys(overrides: Sequence[str]) -> set[str]:
+    """The keys the demo preset sets that the user's ``overrides`` do not."""
+    return {o.split("=", 1)[0] for o in DEMO_OVERRIDES} - {o.split("=", 1)[0] for o in overrides}
+
+
+def announce(cfg: Any, demo: bool, provides_data: bool = False) -> None:
+    """Say at start that the run is the demo, or trains on the demo's task or model for want of the
+    user's (``provides_data``: a selected plugin is the data source)."""
+    import logging
+
+    log = logging.getLogger("rlcore")
+    if demo:
+        log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
+    elif not cfg.data.train_files and not cfg.data.custom_cls.path and not provides_data:
+        log.warning("data.train_files is not set: the run trains on the built-in demo task (the alphabet "
+                    "prompts)%s", "" if cfg.actor.model_path else " with the demo's tiny model")
+
 
 def build_tokenizer(save_dir: str):
     """Train a word-level tokenizer over the demo alphabet and save it as a HF tokenizer directory."""

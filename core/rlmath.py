@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from rlcore.config.schema import KLControllerKind, KLEstimator, LossAgg
+
 __all__ = [
     "masked_fill_zero",
     "masked_sum",
@@ -326,8 +328,8 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 # KL and rewards
 # ---------------------------------------------------------------------------------------------
 
-#: Names accepted by :func:`kl_penalty`, aliases included.
-KL_ESTIMATORS = ("abs", "k1", "k2", "k3", "low_var_kl", "mse")
+#: Names accepted by :func:`kl_penalty`, aliases included (``ppo.kl_estimator``'s enum).
+KL_ESTIMATORS = KLEstimator.values()
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -422,8 +424,8 @@ def broadcast_sequence_advantages(adv: torch.Tensor, response_mask: torch.Tensor
 # Losses
 # ---------------------------------------------------------------------------------------------
 
-#: Ways :func:`aggregate_loss` turns a ``[B, T]`` loss into a scalar.
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+#: Ways :func:`aggregate_loss` turns a ``[B, T]`` loss into a scalar (``ppo.loss_agg``'s enum).
+LOSS_AGG_MODES = LossAgg.values()
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
@@ -703,4 +705,4 @@ def make_kl_controller(
             if target is None or horizon is None:
                 raise ValueError("adaptive KL controller needs both target and horizon")
             return AdaptiveKLController(kl_coef, target, horizon)
-    raise ValueError(f"unknown KL controller kind {kind!r}; valid names: adaptive, fixed")
+    raise ValueError(f"unknown KL controller kind {kind!r}; valid names: {', '.join(sorted(KLControllerKind.values()))}")

@@ -8,35 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import os
+import typing
 from typing import Any, Iterable, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlcore.config.schema import RLCoreConfig, trains_critic
+from rlcore.config.schema import Choice, RLCoreConfig, trains_critic
 from rlcore.errors import ConfigError
 
 # Dict-typed fields whose keys are free-form (not checked against the schema).
-_FREE_FORM = {"kwargs", "plugin_config", "weights", "rank_groups", "rollout_engine"}
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo"),
-    "ppo.kl_estimator": ("k1", "k2", "mse", "k3", "low_var_kl", "abs"),
-    "ppo.kl_ctrl": ("fixed", "adaptive"),
-    "ppo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "ppo.rollout_is": ("none", "token", "sequence"),
-    "data.truncation": ("error", "left", "right"),
-    "fsdp.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
-    "fsdp.param_dtype": ("bf16", "fp16", "fp32"),
-    "fsdp.reduce_dtype": ("bf16", "fp32"),
-    "actor.dtype": ("fp32", "bf16"),
-    "critic.dtype": ("fp32", "bf16"),
-    "actor.lr_scheduler": ("constant", "cosine", "linear"),
-    "critic.lr_scheduler": ("constant", "cosine", "linear"),
-    "reward_model.dtype": ("fp32", "bf16", "fp16"),
-}
+_FREE_FORM = {"kwargs", "plugin_config", "weights", "rank_groups", "lr_scheduler_kwargs"}
 
 
 def _schema_keys(cls: type, prefix: str = "") -> dict[str, bool]:
@@ -69,6 +54,49 @@ def _list_keys(cls: type, prefix: str = "") -> set[str]:
 
 
 LIST_KEYS = _list_keys(RLCoreConfig)
+
+
+def _choice_keys(cls: type, prefix: str = "") -> dict[str, type[Choice]]:
+    """Dotted keys typed with a :class:`~rlcore.config.schema.Choice` enum (or an optional one) -> the enum."""
+    out: dict[str, type[Choice]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(args) == 1:
+            kind = args[0]
+        if dataclasses.is_dataclass(kind):
+            out.update(_choice_keys(kind, f"{prefix}{f.name}."))
+        elif isinstance(kind, type) and issubclass(kind, Choice):
+            out[f"{prefix}{f.name}"] = kind
+    return out
+
+
+#: Keys with a fixed set of allowed values (``key -> enum``): the one place the config checks and
+#: the reference page take them from.
+CHOICE_KEYS = _choice_keys(RLCoreConfig)
+
+
+def _member(kind: type[Choice], value: Any) -> Choice | None:
+    """The member of ``kind`` whose value (or name) is ``value``; ``None`` if there is none."""
+    if isinstance(value, kind):
+        return value
+    for member in kind:
+        if value in (member.value, member.name):
+            return member
+    return None
+
+
+def to_container(cfg: DictConfig) -> dict:
+    """The config as plain Python data (allowed values as their strings), for YAML, JSON and plugins."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value.value if isinstance(value, enum.Enum) else value
+
+    return plain(OmegaConf.to_container(cfg, resolve=True))
 
 
 def _flatten(d: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -172,7 +200,9 @@ def _rank_group_problems(value: Any) -> list[str]:
 _PRECHECKS = {"placement.rank_groups": _rank_group_problems}
 
 
-def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> None:
+def _apply(base: DictConfig, source: dict, origin: str, errors: list[str], refused: dict[str, str]) -> None:
+    """Merge ``source`` into ``base``; a value outside a key's allowed set goes to ``refused``
+    (``key -> message``), reported by :func:`_check_values` once it is known whether the key is read."""
     for key, value in _flatten(source):
         if not key:
             continue
@@ -182,6 +212,14 @@ def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> No
             continue
         if key in LIST_KEYS and isinstance(value, str):
             value = [value]
+        if key in CHOICE_KEYS and value is not None:
+            member = _member(CHOICE_KEYS[key], value)
+            if member is None:
+                refused[key] = (f"{origin}: '{key}' = {value!r} is not one of "
+                                + ", ".join(CHOICE_KEYS[key].values()))
+                continue
+            refused.pop(key, None)
+            value = member
         if key in _PRECHECKS:
             problems = _PRECHECKS[key](value)
             if problems:
@@ -194,20 +232,15 @@ def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> No
             errors.append(f"{origin}: bad value for '{key}': {value!r} ({detail})")
 
 
-def _check_values(cfg: DictConfig, errors: list[str]) -> None:
+def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | None = None) -> None:
     # Without a critic (GRPO, RLOO) its settings are never read, so they are not held against the run.
     no_critic = not trains_critic(cfg.algorithm.adv_estimator)
-    for key, allowed in CHOICES.items():
-        if no_critic and key.startswith("critic."):
-            continue
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value not in allowed:
-            errors.append(f"'{key}' = {value!r} is not one of {', '.join(allowed)}")
+    errors.extend(msg for key, msg in (refused or {}).items() if not (no_critic and key.startswith("critic.")))
     for role in ("actor",) if no_critic else ("actor", "critic"):
-        for name in ("sharding_strategy", "param_dtype", "reduce_dtype"):  # per-role refinements of ``fsdp``
-            v = OmegaConf.select(cfg, f"{role}.fsdp.{name}")
-            if v is not None and v not in CHOICES[f"fsdp.{name}"]:
-                errors.append(f"'{role}.fsdp.{name}' = {v!r} is not one of " + ", ".join(CHOICES[f"fsdp.{name}"]))
+        scheduler = cfg[role].lr_scheduler
+        problem = lr_scheduler_problem(scheduler, OmegaConf.to_container(cfg[role].lr_scheduler_kwargs))
+        if problem:
+            errors.append(f"'{role}.lr_scheduler' = {scheduler!r}: {problem}")
         if not cfg[role].lr > 0:
             errors.append(f"'{role}.lr' must be > 0, got {cfg[role].lr}")
         for key in ("warmup_steps", "grad_clip", "weight_decay"):
@@ -246,15 +279,68 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
     for key in ("generation_shard_size", "training_shard_size"):
         if rm[key] < 1:
             errors.append(f"'actor.remeshing.{key}' must be >= 1, got {rm[key]}")
-    engine = OmegaConf.to_container(cfg.actor.rollout_engine)
-    if engine:
-        from rlcore.rollout.engine import check_config_settings
-
-        errors.extend(f"'actor.rollout_engine.{key}': {problem}" for key, problem in check_config_settings(engine))
+    errors.extend(_engine_problems(cfg.actor.rollout_engine))
     if cfg.custom_reward_function.path is not None and not cfg.custom_reward_function.name:
         errors.append("'custom_reward_function.name' is required with 'custom_reward_function.path'")
     if (cfg.data.custom_cls.path is None) != (cfg.data.custom_cls.name is None):
         errors.append("'data.custom_cls.path' and 'data.custom_cls.name' must be given together")
+
+
+def lr_scheduler_problem(name: str, kwargs: dict) -> str | None:
+    """Why ``name`` with ``kwargs`` (``lr_scheduler_kwargs``) cannot be a role's schedule, ``None`` when it
+    can: the schedule is built once on a stand-in optimizer, so unknown names and missing or unknown
+    keyword arguments show before any model loads."""
+    import torch
+    from transformers import SchedulerType
+
+    from rlcore.trainer.models import METRIC_SCHEDULES, build_scheduler
+
+    names = [s.value for s in SchedulerType if s.value not in METRIC_SCHEDULES]
+    if name not in names and name not in METRIC_SCHEDULES:
+        near = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+        return f"not a schedule of transformers.get_scheduler ({', '.join(names)})" + (
+            f"; did you mean '{near[0]}'?" if near else "")
+    try:
+        build_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), name, 1, 10, kwargs)
+    except (TypeError, ValueError) as error:
+        return f"{error} (schedule arguments go in lr_scheduler_kwargs)"
+    return None
+
+
+def _engine_problems(engine: DictConfig) -> list[str]:
+    """Values of ``actor.rollout_engine`` its types allow but the engine cannot use, each naming its key."""
+    from rlcore.rollout.engine import decode
+    from rlcore.rollout.engine.core import check_page_size
+
+    problems = []
+
+    def bad(key: str, message: str) -> None:
+        problems.append(f"'actor.rollout_engine.{key}': {message}")
+
+    for key in ("eos_check_interval", "max_prefill_tokens"):
+        if engine[key] < 1:
+            bad(key, f"must be >= 1, got {engine[key]}")
+    if engine.attention_length_step is not None and engine.attention_length_step < 1:
+        bad("attention_length_step", f"must be >= 1 or null, got {engine.attention_length_step}")
+    if not 0.0 < engine.admit_fraction <= 1.0:
+        bad("admit_fraction", f"must be in (0, 1], got {engine.admit_fraction}")
+    if not 0.0 < engine.kv_memory_fraction <= 1.0:
+        bad("kv_memory_fraction", f"must be in (0, 1], got {engine.kv_memory_fraction}")
+    if engine.kv_pages is not None and engine.kv_pages < 2:
+        bad("kv_pages", f"must be >= 2 or null, got {engine.kv_pages}")
+    try:
+        check_page_size(engine.page_size)
+    except ValueError as error:
+        bad("page_size", str(error).removeprefix("RolloutEngine: "))
+    if not engine.graph_batch_buckets or any(b < 1 for b in engine.graph_batch_buckets):
+        bad("graph_batch_buckets", f"must be batch sizes >= 1, got {list(engine.graph_batch_buckets)}")
+    for key, check in (("split_k", decode.split_k_tuple), ("attention_tuning", decode.check_attention_tuning)):
+        given = {k: v for k, v in OmegaConf.to_container(engine[key]).items() if v is not None}
+        try:
+            check(given)
+        except ValueError as error:
+            bad(key, str(error))
+    return problems
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -275,17 +361,18 @@ def load_config(config_files: Sequence[str] = (), overrides: Sequence[str] = ())
     """
     cfg = OmegaConf.structured(RLCoreConfig)
     errors: list[str] = []
+    refused: dict[str, str] = {}
     for path in config_files:
         try:
             data = read_yaml(path)
         except ConfigError as e:
             errors.extend(e.problems)
             continue
-        _apply(cfg, data, path, errors)
+        _apply(cfg, data, path, errors, refused)
     tree, parse_errors = parse_overrides(overrides)
     errors.extend(parse_errors)
-    _apply(cfg, tree, "override", errors)
-    _check_values(cfg, errors)  # keys that failed to apply keep valid defaults, so this is safe
+    _apply(cfg, tree, "override", errors, refused)
+    _check_values(cfg, errors, refused)  # keys that failed to apply keep valid defaults, so this is safe
     if errors:
         raise ConfigError(errors)
     OmegaConf.set_struct(cfg, True)
@@ -293,7 +380,7 @@ def load_config(config_files: Sequence[str] = (), overrides: Sequence[str] = ())
 
 
 def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg)
+    return OmegaConf.to_yaml(OmegaConf.create(to_container(cfg)))
 
 
 def section(cfg: DictConfig, name: str):

@@ -187,7 +187,7 @@ class TableSink:
             try:
                 if closer is not None:
                     closer.close()
-            except Exception:  # already failing; the temp file is removed by the caller
+            except Exception:  # noqa: BLE001 - already failing; the temp file is removed by the caller
                 pass
 
 

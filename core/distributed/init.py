@@ -140,7 +140,7 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     world = env_int("WORLD_SIZE", 1)
     if world <= 1:
         return DistInfo(device=_pick_device(device_pref, 0, distributed=False))
-    rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
     device = _pick_device(device_pref, local_rank, distributed=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -31,8 +31,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from rlcore.config.schema import FSDPConfig, RemeshingConfig
-from rlcore.distributed.fsdp import DTYPES, RESHARD_AFTER_FORWARD, apply_fsdp, check_fsdp_config
+from rlcore.config.schema import FSDPConfig, RemeshingConfig, torch_dtype
+from rlcore.distributed.fsdp import RESHARD_AFTER_FORWARD, apply_fsdp, check_fsdp_config
 from rlcore.distributed.reshard import SwitchTimer, gathered
 from rlcore.errors import ConfigError
 from rlcore.protocols import DistInfo, GenerationShare
@@ -280,7 +280,7 @@ class RemeshPolicy:
         with self._timer.measure(f"prepare_{role}"):
             if role == "actor" and self.g > 1:
                 check_model(model, self.g)
-                dtype = None if self.fsdp.param_dtype == "fp32" else DTYPES[self.fsdp.param_dtype]
+                dtype = None if self.fsdp.param_dtype == "fp32" else torch_dtype(self.fsdp.param_dtype)
                 self.replica = TensorParallelReplica(model, self.tp_mesh(), dtype, self.dist.device)
             model = apply_fsdp(model, fsdp or self.fsdp, self.dist, mesh=self.train_mesh())
         if role == "actor":

@@ -314,7 +314,7 @@ class FunctionReward:
                 values.append(self._call_one(batch, i))
             except RewardError:
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a user's reward may raise anything: reported per sample
                 self._failed(batch, i, f"{type(e).__name__}: {e}", e)
                 values.append(None)
         return values

@@ -41,11 +41,11 @@ def _worker_main(conn: Any) -> None:
         ref, kwargs = msg
         try:
             result: TaskResult = ("ok", resolve_ref(ref, cache)(**kwargs), "")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the user's function may raise anything: sent back as an error
             result = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
         try:
             conn.send(result)
-        except Exception as e:  # the result cannot be pickled
+        except Exception as e:  # noqa: BLE001 - the result cannot be pickled
             conn.send(("error", f"result cannot be sent back from the worker: {type(e).__name__}: {e}", ""))
 
 
@@ -115,7 +115,7 @@ class WorkerPool:
                 worker = self._worker(slot)
                 try:
                     worker.conn.send((ref, dict(tasks[i])))
-                except Exception as e:  # arguments that cannot be pickled
+                except Exception as e:  # noqa: BLE001 - arguments that cannot be pickled
                     results[i] = ("error", f"arguments cannot be sent to a worker: {type(e).__name__}: {e}", "")
                     continue
                 busy[slot] = (i, time.monotonic() + self.timeout_s)
@@ -151,5 +151,5 @@ class WorkerPool:
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass

@@ -18,7 +18,8 @@ from typing import Sequence
 import torch
 
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad, mask_after_eos
-from rlcore.rollout.sampling import token_logprobs, validate_params
+from rlcore.rlmath import logprobs_from_logits
+from rlcore.rollout.sampling import validate_params
 
 
 @contextlib.contextmanager
@@ -102,7 +103,7 @@ class HFGenerateBackend:
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         response = out.sequences[:, ids.shape[1]:]
         temperature = 1.0 if params.greedy else params.temperature
-        logprobs = torch.stack([token_logprobs(step, response[:, t], temperature)
+        logprobs = torch.stack([logprobs_from_logits(step, response[:, t], temperature)
                                 for t, step in enumerate(out.logits)], dim=1)  # raw logits, [B, R]
         del out
         response_mask = mask_after_eos(response, params.eos_token_ids)

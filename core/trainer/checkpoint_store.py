@@ -303,7 +303,7 @@ class PendingSave:
     def _run(self, work: Callable[[], None]) -> None:
         try:
             work()
-        except BaseException as e:  # reported by result()
+        except BaseException as e:  # noqa: BLE001 - reported by result()
             self._error = e
 
     def running(self) -> bool:

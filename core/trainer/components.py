@@ -261,7 +261,7 @@ def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, 
     """The actor's rollout: backends of its generation layouts from ``rlcore_rollout_backend``, built on first use."""
     request = RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
                              max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
-                             engine=dict(actor_cfg.rollout_engine))
+                             engine=actor_cfg.rollout_engine.engine_kwargs())
 
     def build(module: torch.nn.Module, tensor_parallel: bool) -> RolloutBackend:
         return pm.build("rlcore_rollout_backend", model=module,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional

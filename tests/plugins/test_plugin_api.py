@@ -122,7 +122,7 @@ def test_a_factory_answer_missing_a_method_is_named_before_any_model_loads(insta
 
 
 def test_a_dataset_plugin_that_needs_no_files_is_not_the_demo(installed):
-    from rlcore.cli import is_demo
+    from rlcore.demo import is_demo
 
     assert is_demo([], [], [])
     assert not is_demo([], [], ["everything"])

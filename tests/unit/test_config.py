@@ -181,3 +181,55 @@ def test_token_budget_and_is_cap_inert_keys():
     assert "max_tokens_per_micro_batch" in inert["ppo.micro_batch_size"]
     assert inert["ppo.rollout_is_cap"] == "ppo.rollout_is is none"
     assert "reward.stream" in dict(inert_keys(load_config([], ["reward.stream=false"]), world_size=2))
+def lr_trace(overrides: list[str], steps: int, total_steps: int = 10) -> list[float]:
+    """The actor's learning rate at each of ``steps`` optimizer steps under ``overrides``."""
+    import torch
+
+    from rlcore.trainer.models import build_optimizer
+
+    optim, sched = build_optimizer(torch.nn.Linear(2, 2), load_config([], overrides).actor, total_steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optim.param_groups[0]["lr"])
+        optim.step()
+        sched.step()
+    return lrs
+
+
+def test_every_transformers_schedule_is_accepted_and_built():
+    from transformers import SchedulerType
+
+    from rlcore.trainer.models import METRIC_SCHEDULES
+
+    extra = {"cosine_with_min_lr": "{min_lr_rate: 0.1}", "cosine_warmup_with_min_lr": "{min_lr_rate: 0.1}",
+             "warmup_stable_decay": "{num_decay_steps: 3}"}
+    for kind in SchedulerType:
+        if kind.value in METRIC_SCHEDULES:
+            continue
+        overrides = [f"actor.lr_scheduler={kind.value}", "actor.warmup_steps=2", "actor.lr=1.0"]
+        if kind.value in extra:
+            overrides.append(f"actor.lr_scheduler_kwargs={extra[kind.value]}")
+        lrs = lr_trace(overrides, 10)
+        assert lrs[1] > 0.9, kind.value  # warmed up on step warmup_steps
+        assert 0 < lrs[0] <= 1.0, kind.value  # the first step learns
+
+
+def test_schedule_names_and_arguments_are_checked_at_load():
+    with pytest.raises(ConfigError) as caught:
+        load_config([], ["actor.lr_scheduler=cosin", "critic.lr_scheduler=cosine_with_min_lr",
+                         "actor.lr_scheduler_kwargs={num_cycles: 2}"])
+    text = str(caught.value)
+    assert "'actor.lr_scheduler' = 'cosin'" in text and "did you mean 'cosine'" in text
+    assert "'critic.lr_scheduler' = 'cosine_with_min_lr'" in text and "min_lr" in text
+    with pytest.raises(ConfigError, match="validation metric"):
+        load_config([], ["actor.lr_scheduler=reduce_lr_on_plateau"])
+
+
+def test_old_schedules_keep_their_shape():
+    for kind, last in (("constant", 1.0), ("linear", 0.1), ("cosine", 0.0245)):
+        assert lr_trace([f"actor.lr_scheduler={kind}", "actor.lr=1.0"], 10)[-1] == pytest.approx(last, abs=1e-3), kind
+
+
+def test_warmup_starts_at_lr_over_warmup_steps():
+    lrs = lr_trace(["actor.lr_scheduler=constant", "actor.lr=1.0", "actor.warmup_steps=4"], 6)
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])

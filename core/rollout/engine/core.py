@@ -43,13 +43,6 @@ from rlcore.rollout.sampling import validate_params
 
 log = logging.getLogger(__name__)
 
-#: the :class:`RolloutEngine` arguments a training config may set (``actor.rollout_engine``); the
-#: trainer gives the model, batch size, sequence length, device and dtype itself
-CONFIG_KEYS = ("use_cuda_graphs", "graph_batch_buckets", "admit_fraction", "eos_check_interval", "max_prefill_tokens",
-               "fused_sampling", "compile", "compile_mode", "attention", "attention_length_step", "rope_in_attention",
-               "split_k", "attention_tuning", "prompt_sharing", "mlp_transposed", "kv_cache", "page_size",
-               "kv_pages", "kv_memory_fraction")
-
 
 def _check_attention(value) -> None:
     if value != "auto" and value not in decode.ATTENTION_KINDS:
@@ -71,7 +64,8 @@ def _check_kv_cache(value) -> None:
         raise ValueError(f"RolloutEngine: kv_cache {value!r} is not one of {pages.KV_CACHE_KINDS}")
 
 
-def _check_page_size(value) -> None:
+def check_page_size(value) -> None:
+    """``page_size``: a power of two >= 16 (a multiple of the attention kernel's column block)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
         raise ValueError(f"RolloutEngine: page_size must be a power of two >= 16, got {value!r}")
 
@@ -84,35 +78,6 @@ def _check_kv_pages(value) -> None:
 def _check_kv_memory_fraction(value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
         raise ValueError(f"RolloutEngine: kv_memory_fraction must be in (0, 1], got {value!r}")
-
-
-#: the settings whose values are checked without a model (each check raises ``ValueError``)
-_SETTING_CHECKS = {"attention": _check_attention, "compile_mode": _check_compile_mode,
-                   "mlp_transposed": _check_mlp_transposed, "kv_cache": _check_kv_cache,
-                   "page_size": _check_page_size, "kv_pages": _check_kv_pages,
-                   "kv_memory_fraction": _check_kv_memory_fraction,
-                   "split_k": lambda value: value == "auto" or decode.split_k_tuple(value),
-                   "attention_tuning": decode.check_attention_tuning}
-
-
-def check_config_settings(settings: Mapping[str, object]) -> list[tuple[str, str]]:
-    """``(key, problem)`` for each setting of ``settings`` (``actor.rollout_engine``) that cannot work,
-    found without a model: keys outside :data:`CONFIG_KEYS` (with the nearest one), and the values of
-    the settings in :data:`_SETTING_CHECKS`."""
-    import difflib
-
-    problems = []
-    for key, value in settings.items():
-        if key not in CONFIG_KEYS:
-            near = difflib.get_close_matches(str(key), CONFIG_KEYS, n=1, cutoff=0.6)
-            problems.append((key, "not a rollout engine setting" + (f" (did you mean '{near[0]}'?)" if near else
-                                                                    f"; settings: {', '.join(CONFIG_KEYS)}")))
-        elif key in _SETTING_CHECKS:
-            try:
-                _SETTING_CHECKS[key](value)
-            except ValueError as error:
-                problems.append((key, str(error)))
-    return problems
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -224,7 +189,7 @@ class RolloutEngine:
         compile_mode: ``torch.compile`` mode, ``"default"`` or ``"max-autotune-no-cudagraphs"``
             (the engine does its own graph capture, so modes that add CUDA graphs are refused).
         attention: ``"auto"`` (default: ``"triton"`` where it can run, else ``"sdpa"``), ``"sdpa"``
-            (PyTorch's fused attention), ``"matmul"`` (two matmuls and a softmax) or ``"triton"`` (the
+            (PyTorch's fused attention) or ``"triton"`` (the
             grouped-query decode kernel of :mod:`rlcore.kernels.decode_attention`, checked once against
             PyTorch; without Triton or CUDA, or if the check fails, the engine logs a warning and uses
             ``"sdpa"``).
@@ -243,7 +208,8 @@ class RolloutEngine:
             product read the transposed layout). ``"auto"`` (default): on when the step is compiled on
             CUDA.
         attention_tuning: settings of the Triton attention kernel, e.g. ``{"num_warps": 2}``; keys in
-            :data:`rlcore.rollout.engine.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.engine.decode.check_attention_tuning`).
+            :data:`rlcore.rollout.engine.decode.ATTENTION_TUNING_KEYS` (see
+            :func:`rlcore.rollout.engine.decode.check_attention_tuning`).
         prompt_sharing: with ``attention="triton"``, the samples of a prompt prefilled together read
             the prompt's columns from the cache row of its first sample instead of their own copies
             (same results, fewer bytes from memory). A slot whose source row is refilled or moved
@@ -279,7 +245,7 @@ class RolloutEngine:
         _check_compile_mode(compile_mode)
         _check_mlp_transposed(mlp_transposed)
         _check_kv_cache(kv_cache)
-        _check_page_size(page_size)
+        check_page_size(page_size)
         _check_kv_pages(kv_pages)
         _check_kv_memory_fraction(kv_memory_fraction)
         self.paged = kv_cache == "paged"
