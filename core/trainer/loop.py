@@ -23,7 +23,8 @@ from rlcore.trainer.experience import (
     compute_advantages,
     to_experience,
 )
-from rlcore.trainer.update import on_policy, ppo_update
+from rlcore.errors import TrainingError
+from rlcore.trainer.update import NonFiniteGuard, on_policy, params_finite, ppo_update
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,10 @@ class Trainer:
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
+        self._last_save_s: float | None = None
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
+        self.guard = NonFiniteGuard(int(self.tcfg.max_nonfinite_steps))
 
     # ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -91,7 +94,7 @@ class Trainer:
             raise
         finally:
             c.gpu_monitor.stop()
-            if status != "failed":
+            if status != "failed" and self.may_save(self.state.step):
                 with self.timer("checkpoint"):
                     c.checkpoint.save(self.state.step, c.stateful(self.state))
                 getattr(c.checkpoint, "wait", lambda: None)()  # an asynchronous save must land before exit
@@ -100,6 +103,11 @@ class Trainer:
         summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},
                    **c.gpu_monitor.summary()}
         if status == "completed" and self.tcfg.export_final:
+            if not params_finite(c.actor_module):
+                self.status = "failed"
+                self.hook.rlcore_train_end(step=self.state.step, status="failed", summary=summary)
+                raise TrainingError("the policy's weights are not finite: the final policy was not exported "
+                                    f"to {self.tcfg.output_dir}/final; the last checkpoint holds the last finite state")
             path = c.checkpoint.export(c.actor_module, c.tokenizer, "final")
             if path:
                 log.info("final policy exported to %s", path)
@@ -136,13 +144,12 @@ class Trainer:
         if "kl/mean" in m:
             c.kl_ctrl.update(m["kl/mean"], exp.size)
         self.state.step, self.state.samples = step, self.state.samples + exp.size
-        if c.checkpoint.should_save(step):
-            with self.timer("checkpoint"):
-                c.checkpoint.save(step, c.stateful(self.state))
         reshard = c.reshard.stats()
         m.update(m_reward, **self.rollout_metrics(rollout, scores), **reshard)
         m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
         m.update({f"time/{k}_s": v for k, v in self._times.items()})
+        if self._last_save_s is not None:  # the save after the previous step (written after its metrics)
+            m["time/checkpoint_s"], self._last_save_s = self._last_save_s, None
         m["time/step_s"] = time.perf_counter() - t0
         m.update(c.perf_metrics(rollout, m["time/step_s"]))
         m["actor/kl_coef"] = c.kl_ctrl.value
@@ -156,7 +163,26 @@ class Trainer:
             self.hook.rlcore_metrics(step=step, metrics=m, split="train")
         if self.tcfg.eval_steps and step % self.tcfg.eval_steps == 0:
             self.evaluate("step")  # every rank takes part, also one without held-out rows
+        # 8. Checkpoint, after the step's records: a crash in between never loses a step's metrics.
+        if c.checkpoint.should_save(step):
+            if self.may_save(step):
+                t = time.perf_counter()
+                c.checkpoint.save(step, c.stateful(self.state))
+                self._last_save_s = time.perf_counter() - t
+            elif self.guard.streak == 0:
+                raise TrainingError(f"the weights are not finite after step {step}: no checkpoint was written; "
+                                    "the last checkpoint holds the last finite state")
         return m
+
+    def may_save(self, step: int) -> bool:
+        """Whether the state after ``step`` may be saved: its last optimizer step was applied (not
+        skipped as non-finite) and every weight is finite, so a save or the rotation that follows
+        never replaces the last finite checkpoint."""
+        if self.guard.streak:
+            log.warning("step %d: no checkpoint while optimizer steps are being skipped as non-finite "
+                        "(%d in a row)", step, self.guard.streak)
+            return False
+        return params_finite(self.c.actor_module, self.c.critic)
 
     # ------------------------------------------------------------------------------------------
     @contextmanager
@@ -235,7 +261,7 @@ class Trainer:
                           critic_sched=c.critic_sched, critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
                           grad_accum=int(self.tcfg.gradient_accumulation_steps),
                           temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
-                          generator=self._gen)
+                          generator=self._gen, guard=self.guard)
 
     def rollout_metrics(self, rollout: RolloutBatch, scores: torch.Tensor) -> dict[str, float]:
         lengths = rollout.response_mask.sum(-1).float()
