@@ -295,6 +295,17 @@ def mini_batch_problem(samples: int, mini: int) -> str | None:
             f"never be trained on; use a divisor of {samples} (e.g. {lower}) or 0 for the whole rollout")
 
 
+def config_warnings(cfg: DictConfig) -> list[str]:
+    """Settings that are valid but almost certainly not what the user wants (logged, not raised)."""
+    out = []
+    est, gen = cfg.algorithm.adv_estimator, cfg.ppo.generation
+    if est in ("grpo", "rloo") and gen.temperature == 0 and gen.n > 1:
+        out.append(f"ppo.generation.temperature=0 with algorithm.adv_estimator={est}: the {gen.n} samples of a "
+                   "prompt are the same greedy response, so every group advantage is zero and nothing is learned; "
+                   "sample with a temperature > 0 (e.g. 1.0)")
+    return out
+
+
 def check_config(cfg: DictConfig) -> None:
     """The value checks of :func:`load_config` again, for a config changed after loading (the Python API).
 

@@ -32,15 +32,19 @@ log = logging.getLogger(__name__)
 class TrainerState:
     """Counters saved with every checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self.step = 0
         self.samples = 0
+        self.seed = int(seed)
+        #: ``trainer.seed`` of the run that wrote the checkpoint resumed from (None: fresh, or not recorded).
+        self.saved_seed: int | None = None
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "samples": self.samples}
+        return {"step": self.step, "samples": self.samples, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.samples = int(state["step"]), int(state["samples"])
+        self.saved_seed = int(state["seed"]) if "seed" in state else None
 
 
 class Trainer:
@@ -50,10 +54,15 @@ class Trainer:
         from rlcore.config import check_config
 
         check_config(cfg)  # values set after load_config (Python API) get the same checks
+        if dist.is_main:
+            from rlcore.config.loader import config_warnings
+
+            for warning in config_warnings(cfg):
+                log.warning("%s", warning)
         self.cfg, self.pm, self.dist = cfg, pm, dist
         self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
         self.hook = pm.hook
-        self.state = TrainerState()
+        self.state = TrainerState(int(cfg.trainer.seed))
         #: "completed" or "interrupted" once :meth:`train` returns (a failed run raises)
         self.status = "not started"
         self.c: Components = build_components(cfg, pm, dist)
@@ -72,6 +81,8 @@ class Trainer:
             archive_previous_run(self.tcfg.output_dir)  # a fresh run neither overwrites nor prunes an earlier one
         start = c.checkpoint.resume(c.stateful(self.state))
         self.state.step = start
+        if start and self.dist.is_main:
+            self.report_ignored_settings()
         self.hook.rlcore_train_start(run_dir=self.tcfg.output_dir, dist=self.dist,
                                      config=OmegaConf.to_container(self.cfg, resolve=True))
         before = self.evaluate("before") if start == 0 else {}
@@ -173,6 +184,33 @@ class Trainer:
                 raise TrainingError(f"the weights are not finite after step {step}: no checkpoint was written; "
                                     "the last checkpoint holds the last finite state")
         return m
+
+    def report_ignored_settings(self) -> None:
+        """After a resume, name the settings of this run that the checkpoint's state overrides
+        (learning rate, weight decay, a fixed KL coefficient, the seed), so none is ignored silently."""
+        import math
+
+        c, notes = self.c, []
+        for role, opt, sched in (("actor", c.actor_opt, c.actor_sched), ("critic", c.critic_opt, c.critic_sched)):
+            if opt is None or not opt.param_groups:
+                continue
+            group = opt.param_groups[0]
+            saved_lr = float((getattr(sched, "base_lrs", None) or [group.get("initial_lr", group["lr"])])[0])
+            if not math.isclose(saved_lr, float(self.cfg[role].lr), rel_tol=1e-9):
+                notes.append(f"{role}.lr={float(self.cfg[role].lr):g} (the checkpoint's {saved_lr:g} continues)")
+            if "weight_decay" in group and not math.isclose(float(group["weight_decay"]),
+                                                            float(self.cfg[role].weight_decay), rel_tol=1e-9):
+                notes.append(f"{role}.weight_decay={float(self.cfg[role].weight_decay):g} "
+                             f"(the checkpoint's {float(group['weight_decay']):g} continues)")
+        if self.ppo.kl_ctrl == "fixed" and not math.isclose(c.kl_ctrl.value, float(self.ppo.kl_coeff), rel_tol=1e-9):
+            notes.append(f"ppo.kl_coeff={float(self.ppo.kl_coeff):g} (the checkpoint's {c.kl_ctrl.value:g} continues)")
+        saved_seed = self.state.saved_seed
+        if saved_seed is not None and saved_seed != int(self.tcfg.seed):
+            notes.append(f"trainer.seed={int(self.tcfg.seed)} (the checkpoint's random streams of seed {saved_seed} "
+                         "continue)")
+        if notes:
+            log.warning("resumed run: these settings differ from the checkpoint's and are ignored: %s. Set "
+                        "trainer.resume=disable to start afresh with them", "; ".join(notes))
 
     def may_save(self, step: int) -> bool:
         """Whether the state after ``step`` may be saved: its last optimizer step was applied (not

@@ -33,19 +33,27 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
+#: Free bytes below which a failed write is put down to a full disk (torch reports it as a bare
+#: "file write failed" RuntimeError, without errno).
+FULL_DISK_BYTES = 64 * 2**20
+
+
 def no_space_message(path: Path, err: BaseException) -> Optional[str]:
     """A one-line explanation when ``err`` (or an error it wraps) means the disk is full, else None."""
+    where = path.parent if path.parent.exists() else path
+    free = free_bytes(str(where))
+    full = free is not None and free < FULL_DISK_BYTES
     seen: Optional[BaseException] = err
-    while seen is not None:
+    while seen is not None and not full:
         text = str(seen).lower()
-        if getattr(seen, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "no space left" in text \
-                or "disk quota" in text:
-            free = free_bytes(str(path.parent if path.parent.exists() else path))
-            free_txt = f" ({free / 2**20:.0f} MiB free)" if free is not None else ""
-            return (f"no space left on the device holding {path}{free_txt}: free space, lower "
-                    "trainer.save_total_limit or choose another trainer.output_dir")
+        full = getattr(seen, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "no space left" in text \
+            or "disk quota" in text
         seen = seen.__cause__ or seen.__context__
-    return None
+    if not full:
+        return None
+    free_txt = f" ({free / 2**20:.0f} MiB free)" if free is not None else ""
+    return (f"no space left on the device holding {path}{free_txt}: free space, lower "
+            "trainer.save_total_limit or choose another trainer.output_dir")
 
 
 def save_file(obj: Any, path: Path) -> None:
