@@ -386,7 +386,6 @@ def test_a_fallback_that_dominates_warns_then_stops(tmp_path, caplog):
         _backend(tmp_path, src, fallback_score=0.0, max_fallback_share=0.5).score(_batch(4))
 
 
-@pytest.mark.slow
 def test_a_crashed_reward_worker_reports_how_it_ended(tmp_path):
     src = ("import os, signal\ndef score(response):\n    if response == 'r0':\n        os._exit(3)\n"
            "    os.kill(os.getpid(), signal.SIGKILL)\n")
