@@ -85,6 +85,27 @@ def test_a_crafted_state_file_runs_no_code(tmp_path):
     assert not marker.exists()
 
 
+def test_crafted_dcp_metadata_runs_no_code(tmp_path):
+    from rlcore.trainer.store import manifest as mf
+    from rlcore.trainer.store import state as stored
+
+    def state():
+        model = torch.nn.Linear(3, 2)
+        return {"actor": model, "actor_optim": torch.optim.AdamW(model.parameters())}
+
+    ckpt = tmp_path / "step_00000001"
+    stored.write_state(ckpt, state(), "dcp", DistInfo(), asynchronous=False, on_done=lambda: None)
+    mf.write_manifest(ckpt, step=1, world_size=1, fmt="dcp", kinds={"actor": "model", "actor_optim": "optim"})
+    stored.load_state(ckpt, mf.read_manifest(ckpt), state(), DistInfo(), seed=0)  # genuine metadata loads
+    marker = tmp_path / "code-ran"
+    import pickle
+
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(CheckpointError, match="objects other than data"):
+        stored.load_state(ckpt, mf.read_manifest(ckpt), state(), DistInfo(), seed=0)
+    assert not marker.exists()
+
+
 def test_resume_never_follows_a_pointer_out_of_the_run(tmp_path, caplog):
     _save(tmp_path / "other", 5)
     _save(tmp_path / "run", 1)

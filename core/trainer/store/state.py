@@ -1,7 +1,8 @@
 """The state of a checkpoint: what each entry is, writing it (at once or in the background), loading it back.
 
-Loading reads data only: every file goes through ``torch.load(weights_only=True)``, so a crafted
-checkpoint cannot run code (see "Trust boundary" in docs/checkpoints.md). What a component saves in
+Loading reads data only: every file goes through ``torch.load(weights_only=True)``, and DCP's
+``.metadata`` (which DCP unpickles) is first read with an unpickler that admits only DCP's metadata
+types, so a crafted checkpoint cannot run code (see "Trust boundary" in docs/checkpoints.md). What a component saves in
 its ``state_dict`` must therefore be plain containers (dict, list, tuple), numbers, strings, None
 and tensors; :data:`SAFE_TYPES` lists the few other types allowed.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import pickle
 import random
 import threading
 import warnings
@@ -280,6 +282,40 @@ def load_file(path: Path) -> Any:
         raise CheckpointError(f"cannot load {path}: {text.splitlines()[0] if text else type(e).__name__}") from e
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` (which DCP itself reads with plain ``pickle.load``) allowing only
+    the types such metadata is made of: DCP's metadata classes, tensor sizes and dtypes, paths."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = super().find_class(module, name)
+        allowed = (
+            (module == "torch.distributed.checkpoint.metadata" and isinstance(obj, type))
+            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
+            or (module == "torch" and (name == "Size" or isinstance(obj, torch.dtype)))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"))
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"Unsupported global: {module}.{name}")
+        return obj
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """Read the ``.metadata`` of the DCP directory ``path`` as data before DCP unpickles it.
+
+    :raises CheckpointError: it holds anything but DCP metadata (it would run code when loaded).
+    """
+    try:
+        with open(path / ".metadata", "rb") as f:
+            _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, AttributeError, ImportError) as e:
+        raise CheckpointError(f"{path / '.metadata'} holds objects other than data and was not loaded: "
+                              f"checkpoints are read as data only, never as code ({e})") from e
+    except (OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / '.metadata'}: {e}") from e
+
+
 def _apply_tensor_state(key: str, value: Any, sd: dict[str, Any], state: Mapping[str, Any], full: bool) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -310,6 +346,7 @@ def load_state(path: Path, manifest: Mapping[str, Any], state: Mapping[str, Any]
         import torch.distributed.checkpoint as dcp
 
         template = {k: _tensor_state(k, state[k], state) for k in tensor_keys}
+        check_dcp_metadata(path / "dcp")
         reader = dcp.FileSystemReader(str(path / "dcp"))
         try:
             with _dcp_quiet():
