@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 import pickle
 import queue
@@ -37,6 +38,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from rlcore.errors import RewardError
 from rlcore.rewards.base import ComponentResult, check_finite, describe_sample
+
+log = logging.getLogger(__name__)
 
 BATCHED_NAMES = frozenset({"prompts", "responses", "solution_strs"})
 #: A sample whose call failed and was given the fallback score (``None`` is a result, and an error).
@@ -365,7 +368,17 @@ class FunctionReward:
         """The function called with ``kwargs``, within the time limit of ``samples`` samples."""
         if self.timeout_s is None:
             return self.fn(**kwargs)
-        return self._thread.call(self.fn, kwargs, self.timeout_s * samples)
+        try:
+            return self._thread.call(self.fn, kwargs, self.timeout_s * samples)
+        except ValueError as e:
+            if "main thread" not in str(e):
+                raise
+        # The function uses signals (e.g. its own alarm-based timeout), which work in the main thread only.
+        log.warning(
+            "%s needs the main thread (%s): it runs there from now on, without reward.timeout_s; use "
+            "reward.num_workers > 0 for a timeout", self.who, "signals work in the main thread only")
+        self.timeout_s = None
+        return self.fn(**kwargs)
 
     def _call_one(self, batch: Any, i: int) -> Any:
         if self.style.per_sample:

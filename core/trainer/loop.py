@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -188,8 +189,6 @@ class Trainer:
     def report_ignored_settings(self) -> None:
         """After a resume, name the settings of this run that the checkpoint's state overrides
         (learning rate, weight decay, a fixed KL coefficient, the seed), so none is ignored silently."""
-        import math
-
         c, notes = self.c, []
         for role, opt, sched in (("actor", c.actor_opt, c.actor_sched), ("critic", c.critic_opt, c.critic_sched)):
             if opt is None or not opt.param_groups:
@@ -220,7 +219,10 @@ class Trainer:
             log.warning("step %d: no checkpoint while optimizer steps are being skipped as non-finite "
                         "(%d in a row)", step, self.guard.streak)
             return False
-        return params_finite(self.c.actor_module, self.c.critic)
+        if params_finite(self.c.actor_module, self.c.critic):
+            return True
+        log.error("step %d: the weights are not finite: no checkpoint is written", step)
+        return False
 
     # ------------------------------------------------------------------------------------------
     @contextmanager

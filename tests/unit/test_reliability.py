@@ -391,6 +391,14 @@ def test_the_timeout_holds_in_process(tmp_path):
         backend.score(_batch(3))
 
 
+def test_a_function_that_needs_the_main_thread_still_runs(tmp_path, caplog):
+    src = ("import signal\ndef score(response):\n    signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))\n"
+           "    return 1.0\n")
+    with caplog.at_level(logging.WARNING):
+        assert _backend(tmp_path, src).score(_batch(2)).scores.tolist() == [1.0, 1.0]
+    assert "needs the main thread" in caplog.text
+
+
 def test_none_is_an_error_naming_the_sample(tmp_path):
     src = "def score(response):\n    if response != 'r2':\n        return 1.0\n"
     for fallback in (None, 0.0):
