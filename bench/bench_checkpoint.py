@@ -58,7 +58,7 @@ def build_state(hidden: int, layers: int, vocab: int):
 def measure_saves(root: str, state: dict) -> dict:
     from rlcore.config.schema import TrainerConfig
     from rlcore.protocols import DistInfo
-    from rlcore.trainer import checkpoint_store as store
+    from rlcore.trainer.store import manifest as store
     from rlcore.trainer.checkpoint import DefaultCheckpointPolicy
 
     manifest_s: list[float] = []  # per save, in order

@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from rlcore import __version__
-from rlcore.errors import RLCoreError
+from rlcore.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_KEYBOARD, EXIT_OK, RLCoreError
 from rlcore.preflight import preflight
 
 log = logging.getLogger("rlcore")
@@ -53,6 +53,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg, names = resolve(args)
     preflight(cfg, names)
+    from rlcore.config.loader import config_warnings
+
+    for warning in config_warnings(cfg):
+        log.warning("%s", warning)
     print(f"config OK ({len(names)} plugin(s): {', '.join(names) or 'defaults only'})")
     return 0
 
@@ -88,8 +92,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg, names = resolve(args)
     pm = preflight(cfg, names)
-    if maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv)):
-        return 0
+    code = maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv))
+    if code is not None:
+        return code
     dist = init_distributed(cfg.trainer.device)
     if dist.is_main:
         from rlcore.demo import announce, demo_preset_keys
@@ -106,8 +111,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print_summary(summary, cfg.trainer.output_dir)
         if trainer.status == "interrupted":
             print(f"run interrupted at step {trainer.state.step} of {cfg.trainer.max_steps}: a checkpoint was saved; "
-                  "the same command with trainer.resume=auto continues it")
-    return 0  # a graceful stop (SIGINT/SIGTERM, checkpoint saved) is not a failure for launchers
+                  f"the same command with trainer.resume=auto continues it (exit code {EXIT_INTERRUPTED})")
+    # A graceful stop (SIGINT/SIGTERM, checkpoint saved) is not a success: ``rlcore train && deploy`` must not go on.
+    return EXIT_INTERRUPTED if trainer.status == "interrupted" else EXIT_OK
 
 
 def print_summary(summary: dict, run_dir: str) -> None:
@@ -130,6 +136,14 @@ def print_summary(summary: dict, run_dir: str) -> None:
         print(line)
 
 
+EXIT_CODES_HELP = f"""exit codes:
+  {EXIT_OK}    the run completed (and exported final/ when trainer.export_final)
+  {EXIT_INTERRUPTED}   stopped early by SIGTERM/SIGINT after saving a checkpoint; the same command resumes it
+  {EXIT_ERROR}    an error was reported (config, data, checkpoint, reward, training diverged)
+  1    an unexpected failure (a traceback is printed)
+  {EXIT_KEYBOARD}  stopped at once by a second Ctrl-C, without a checkpoint of the current step"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlcore", description="Fast, pluggable RL post-training for causal LMs.")
     parser.add_argument("--version", action="version", version=f"rlcore {__version__}")
@@ -140,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("config", cmd_config, "print the resolved config as YAML"),
         ("validate", cmd_validate, "check config, plugins, data and paths without training"),
     ]:
-        p = sub.add_parser(name, help=helptext)
+        extra = {"epilog": EXIT_CODES_HELP, "formatter_class": argparse.RawDescriptionHelpFormatter} \
+            if name == "train" else {}
+        p = sub.add_parser(name, help=helptext, **extra)
         _add_config_args(p)
         p.set_defaults(func=func, argv=None)
     p = sub.add_parser("plugins", help="list installed plugins, their distribution, version and hooks")
@@ -174,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(args.func(args) or 0)
     except RLCoreError as e:
         print(f"rlcore {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_KEYBOARD

@@ -123,11 +123,30 @@ def build_model_dir(save_dir: str, *, hidden_size: int = 64, layers: int = 2, se
     return save_dir
 
 
+#: Files of a complete demo model directory.
+DEMO_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
 def ensure_demo_model(root: str) -> str:
-    """Build the demo model directory under ``root`` once; later calls reuse it."""
+    """Build the demo model directory under ``root`` once; later calls reuse it.
+
+    The build is atomic: it writes into a temporary directory that is renamed into place when
+    complete, so a process killed mid-build leaves no directory that later runs would take for a
+    model (one left by an older, non-atomic build is built again)."""
+    import shutil
+
     path = os.path.join(root, "demo-model")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        build_model_dir(path)
+    if all(os.path.exists(os.path.join(path, name)) for name in DEMO_MODEL_FILES):
+        return path
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp-demo-model-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_model_dir(tmp)
+    if os.path.exists(path):  # an incomplete directory: moved aside, then removed
+        trash = os.path.join(root, f".trash-demo-model-{os.getpid()}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(tmp, path)
     return path
 
 

@@ -90,9 +90,9 @@ def _check_reward_function(cfg, train_files) -> None:
     from rlcore.rewards.functions import check_arguments, load_function
 
     reward = load_function(fn.path, fn.name)
-    # Columns are known for local parquet files (their footers); a jsonl file shows only its first
-    # record, and remote files are not opened here, so those leave the check to the first batch.
-    if train_files and all(info.format == "parquet" and info.columns for info in train_files):
+    # Columns are known for local parquet files (their footers) and jsonl files (every record); remote
+    # files are not opened here, so those leave the check to the first batch.
+    if train_files and all(info.format in ("parquet", "jsonl") and info.columns for info in train_files):
         columns = set.intersection(*(set(info.columns) for info in train_files))
         check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
 

@@ -260,6 +260,7 @@ def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | 
                 "ppo.max_tokens_per_micro_batch"]:
         if OmegaConf.select(cfg, key) < 0:
             errors.append(f"'{key}' must be >= 0, got {OmegaConf.select(cfg, key)}")
+    _check_ranges(cfg, errors)
     if not 0.0 < cfg.ppo.generation.top_p <= 1.0:
         errors.append(f"'ppo.generation.top_p' must be in (0, 1], got {cfg.ppo.generation.top_p}")
     for key in ("ppo.pack_sequences", "actor.gradient_checkpointing", "critic.gradient_checkpointing"):
@@ -341,6 +342,59 @@ def _engine_problems(engine: DictConfig) -> list[str]:
         except ValueError as error:
             bad(key, str(error))
     return problems
+def _check_ranges(cfg: DictConfig, errors: list[str]) -> None:
+    """Numeric ranges of the RL settings, so a bad value fails at load time, not after a model loads
+    and a rollout ran; and the mini-batch size against the rollout it cuts."""
+    ppo, algo = cfg.ppo, cfg.algorithm
+
+    def need(ok: bool, key: str, what: str, value: Any) -> None:
+        if not ok:
+            errors.append(f"'{key}' must be {what}, got {value}")
+
+    need(ppo.cliprange >= 0, "ppo.cliprange", ">= 0 (the ratio clip distance, e.g. 0.2)", ppo.cliprange)
+    if ppo.cliprange_high is not None:
+        need(ppo.cliprange_high >= 0, "ppo.cliprange_high", ">= 0 or null", ppo.cliprange_high)
+    if ppo.dual_clip is not None:
+        need(ppo.dual_clip > 1, "ppo.dual_clip", "> 1 (e.g. 3.0) or null to turn it off", ppo.dual_clip)
+    need(ppo.cliprange_value >= 0, "ppo.cliprange_value", ">= 0", ppo.cliprange_value)
+    need(ppo.vf_coef >= 0, "ppo.vf_coef", ">= 0", ppo.vf_coef)
+    need(ppo.entropy_coeff >= 0, "ppo.entropy_coeff", ">= 0 (a bonus weight)", ppo.entropy_coeff)
+    need(ppo.kl_target > 0, "ppo.kl_target", "> 0", ppo.kl_target)
+    need(ppo.kl_horizon >= 1, "ppo.kl_horizon", ">= 1", ppo.kl_horizon)
+    need(0.0 <= algo.gamma <= 1.0, "algorithm.gamma", "in [0, 1] (the discount)", algo.gamma)
+    need(0.0 <= algo.lam <= 1.0, "algorithm.lam", "in [0, 1] (the GAE lambda)", algo.lam)
+    need(cfg.trainer.eval_samples >= 0, "trainer.eval_samples", ">= 0 (0 = no evaluation)", cfg.trainer.eval_samples)
+    need(cfg.trainer.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", ">= 0", cfg.trainer.max_nonfinite_steps)
+    rw = cfg.reward
+    need(rw.num_workers >= 0, "reward.num_workers", ">= 0", rw.num_workers)
+    need(rw.timeout_s > 0, "reward.timeout_s", "> 0 seconds", rw.timeout_s)
+    need(0.0 <= rw.max_fallback_share <= 1.0, "reward.max_fallback_share", "in [0, 1]", rw.max_fallback_share)
+    rbs, mini = ppo.rollout_batch_size, ppo.mini_batch_size
+    if isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0 and mini > 0 and ppo.generation.n > 0:
+        problem = mini_batch_problem(rbs * ppo.generation.n, mini)
+        if problem:
+            errors.append(f"'ppo.mini_batch_size' = {mini}: {problem} (ppo.rollout_batch_size={rbs} prompts x "
+                          f"ppo.generation.n={ppo.generation.n})")
+
+
+def mini_batch_problem(samples: int, mini: int) -> str | None:
+    """Why ``mini`` samples per optimizer step cannot cut a rollout of ``samples`` (None: they can)."""
+    if mini <= 0 or mini >= samples or samples % mini == 0:
+        return None
+    lower = max(d for d in range(1, mini + 1) if samples % d == 0)
+    return (f"does not divide the {samples} samples of a rollout, so {samples % mini} samples per epoch would "
+            f"never be trained on; use a divisor of {samples} (e.g. {lower}) or 0 for the whole rollout")
+
+
+def config_warnings(cfg: DictConfig) -> list[str]:
+    """Settings that are valid but almost certainly not what the user wants (logged, not raised)."""
+    out = []
+    est, gen = cfg.algorithm.adv_estimator, cfg.ppo.generation
+    if est in ("grpo", "rloo") and gen.temperature == 0 and gen.n > 1:
+        out.append(f"ppo.generation.temperature=0 with algorithm.adv_estimator={est}: the {gen.n} samples of a "
+                   "prompt are the same greedy response, so every group advantage is zero and nothing is learned; "
+                   "sample with a temperature > 0 (e.g. 1.0)")
+    return out
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -348,14 +348,17 @@ class RewardConfig:
     weights: dict[str, float] = field(default_factory=dict)
     #: Run reward functions in this many worker processes (0 = in process).
     num_workers: int = 0
-    #: Seconds allowed per sample when running in workers.
+    #: Seconds allowed per sample (in worker processes, or in a worker thread with num_workers=0).
     timeout_s: float = 30.0
-    #: Score given when a reward function raises; None = fail the step and show the sample.
+    #: Score given when a reward function raises, times out or returns None; None = fail the step and show the sample.
     fallback_score: Optional[float] = None
     #: Score finished samples in a worker thread while the rest of the rollout still decodes (rollout engine, one
     #: process, no reward model; else after the rollout). Scores are the same; a batched reward function then sees
     #: the finished samples in groups: set false if it needs the whole rollout at once.
     stream: bool = True
+    #: Largest share of a step's samples that may get reward.fallback_score; above it the run stops with an error
+    #: (1 = never stop). A warning is logged whenever more than half of a step's samples get it.
+    max_fallback_share: float = 0.9
 
 
 @dataclass
@@ -465,6 +468,9 @@ class TrainerConfig:
     save_steps: int = 0
     #: Checkpoints kept.
     save_total_limit: int = 2
+    #: Optimizer steps in a row whose loss or gradient norm is NaN/inf that are skipped before the run stops with an
+    #: error (0 = stop at the first).
+    max_nonfinite_steps: int = 5
     #: Log metrics every N steps.
     log_steps: int = 1
     #: Evaluate on ``data.val_files`` every N steps (0 = only at start and end).

@@ -49,6 +49,22 @@ def _worker_main(conn: Any) -> None:
             conn.send(("error", f"result cannot be sent back from the worker: {type(e).__name__}: {e}", ""))
 
 
+def describe_exit(code: Optional[int]) -> str:
+    """``exit code 3``, ``killed by signal SIGKILL`` (a negative code), or ``still running``."""
+    if code is None:
+        return "no exit code yet: the process did not end within 5 s of closing its pipe"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+
+
 class _Worker:
     def __init__(self, ctx: Any, slot: int):
         self.conn, child = ctx.Pipe()
@@ -131,8 +147,9 @@ class WorkerPool:
                     try:
                         results[i] = worker.conn.recv()  # type: ignore[union-attr]
                     except (EOFError, OSError):
-                        code = worker.process.exitcode  # type: ignore[union-attr]
-                        results[i] = ("error", f"the worker process died (exit code {code})", "")
+                        worker.process.join(5)  # type: ignore[union-attr]  # reaped: its exit code is known
+                        how = describe_exit(worker.process.exitcode)  # type: ignore[union-attr]
+                        results[i] = ("error", f"the worker process died ({how})", "")
                         self._drop(slot)
                     del busy[slot]
                 elif now >= deadline:

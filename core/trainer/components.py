@@ -282,6 +282,7 @@ def demo_model(output_dir: str, dist: DistInfo) -> str:
     with torch.random.fork_rng(devices=[]):
         if dist.is_main:
             ensure_demo_model(root)
-    if dist.distributed:
-        torch.distributed.barrier()
+    from rlcore.distributed.init import barrier
+
+    barrier()
     return ensure_demo_model(root)

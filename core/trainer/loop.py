@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
@@ -23,9 +24,10 @@ from rlcore.trainer.experience import (
     compute_advantages,
     to_experience,
 )
+from rlcore.errors import TrainingError
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.scoring import rows as _rows
-from rlcore.trainer.update import on_policy, ppo_update
+from rlcore.trainer.update import NonFiniteGuard, on_policy, params_finite, ppo_update
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +35,19 @@ log = logging.getLogger(__name__)
 class TrainerState:
     """Counters saved with every checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self.step = 0
         self.samples = 0
+        self.seed = int(seed)
+        #: ``trainer.seed`` of the run that wrote the checkpoint resumed from (None: fresh, or not recorded).
+        self.saved_seed: int | None = None
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "samples": self.samples}
+        return {"step": self.step, "samples": self.samples, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.samples = int(state["step"]), int(state["samples"])
+        self.saved_seed = int(state["seed"]) if "seed" in state else None
 
 
 class Trainer:
@@ -52,18 +58,25 @@ class Trainer:
 
         check_config(cfg)  # values set after load_config (Python API) get the same checks
         pm.configure(OmegaConf.to_container(cfg.plugin_config, resolve=True))  # each plugin's own settings
+        if dist.is_main:
+            from rlcore.config.loader import config_warnings
+
+            for warning in config_warnings(cfg):
+                log.warning("%s", warning)
         self.cfg, self.pm, self.dist = cfg, pm, dist
         self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
         self.hook = pm.hook
-        self.state = TrainerState()
+        self.state = TrainerState(int(cfg.trainer.seed))
         #: "completed" or "interrupted" once :meth:`train` returns (a failed run raises)
         self.status = "not started"
         self.c: Components = build_components(cfg, pm, dist)
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
+        self._last_save_s: float | None = None
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
+        self.guard = NonFiniteGuard(int(self.tcfg.max_nonfinite_steps))
 
     # ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -72,6 +85,8 @@ class Trainer:
             archive_previous_run(self.tcfg.output_dir)  # a fresh run neither overwrites nor prunes an earlier one
         start = c.checkpoint.resume(c.stateful(self.state))
         self.state.step = start
+        if start and self.dist.is_main:
+            self.report_ignored_settings()
         self.hook.rlcore_train_start(run_dir=self.tcfg.output_dir, dist=self.dist,
                                      config=OmegaConf.to_container(self.cfg, resolve=True))
         before = self.evaluate("before") if start == 0 else {}
@@ -93,13 +108,18 @@ class Trainer:
             raise
         finally:
             if status != "failed":
-                if c.checkpoint.should_save(self.state.step, final=True):
+                if c.checkpoint.should_save(self.state.step, final=True) and self.may_save(self.state.step):
                     with self.timer("checkpoint"):
                         c.checkpoint.save(self.state.step, c.stateful(self.state))
                 c.checkpoint.wait()  # an asynchronous save must land before exit
         after = self.evaluate("after") if status == "completed" else {}
         summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()}}
         if status == "completed" and self.tcfg.export_final:
+            if not params_finite(c.policy):
+                self.status = "failed"
+                self.hook.rlcore_train_end(step=self.state.step, status="failed", summary=summary)
+                raise TrainingError("the policy's weights are not finite: the final policy was not exported "
+                                    f"to {self.tcfg.output_dir}/final; the last checkpoint holds the last finite state")
             path = c.checkpoint.export(c.policy, c.tokenizer, "final")
             if path:
                 log.info("final policy exported to %s", path)
@@ -142,13 +162,12 @@ class Trainer:
         if "kl/mean" in m:
             c.kl_ctrl.update(m["kl/mean"], exp.size)
         self.state.step, self.state.samples = step, self.state.samples + exp.size
-        if c.checkpoint.should_save(step):
-            with self.timer("checkpoint"):
-                c.checkpoint.save(step, c.stateful(self.state))
         reshard = c.reshard.stats()
         m.update(m_reward, **self.rollout_metrics(rollout, scores), **reshard)
         m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
         m.update({f"time/{k}_s": v for k, v in self._times.items()})
+        if self._last_save_s is not None:  # the save after the previous step (written after its metrics)
+            m["time/checkpoint_s"], self._last_save_s = self._last_save_s, None
         m["time/step_s"] = time.perf_counter() - t0
         m.update(self.perf_metrics(rollout, m["time/step_s"]))
         m["actor/kl_coef"] = c.kl_ctrl.value
@@ -159,7 +178,55 @@ class Trainer:
             self.hook.rlcore_metrics(step=step, metrics=m, split="train")
         if self.tcfg.eval_steps and step % self.tcfg.eval_steps == 0:
             self.evaluate("step")  # every rank takes part, also one without held-out rows
+        # 8. Checkpoint, after the step's records: a crash in between never loses a step's metrics.
+        if c.checkpoint.should_save(step):
+            if self.may_save(step):
+                t = time.perf_counter()
+                c.checkpoint.save(step, c.stateful(self.state))
+                self._last_save_s = time.perf_counter() - t
+            elif self.guard.streak == 0:
+                raise TrainingError(f"the weights are not finite after step {step}: no checkpoint was written; "
+                                    "the last checkpoint holds the last finite state")
         return m
+
+    def report_ignored_settings(self) -> None:
+        """After a resume, name the settings of this run that the checkpoint's state overrides
+        (learning rate, weight decay, a fixed KL coefficient, the seed), so none is ignored silently."""
+        c, notes = self.c, []
+        for role, trained in (("actor", c.actor), ("critic", c.critic)):
+            if trained is None or not trained.optimizer.param_groups:
+                continue
+            opt, sched = trained.optimizer, trained.scheduler
+            group = opt.param_groups[0]
+            saved_lr = float((getattr(sched, "base_lrs", None) or [group.get("initial_lr", group["lr"])])[0])
+            if not math.isclose(saved_lr, float(self.cfg[role].lr), rel_tol=1e-9):
+                notes.append(f"{role}.lr={float(self.cfg[role].lr):g} (the checkpoint's {saved_lr:g} continues)")
+            if "weight_decay" in group and not math.isclose(float(group["weight_decay"]),
+                                                            float(self.cfg[role].weight_decay), rel_tol=1e-9):
+                notes.append(f"{role}.weight_decay={float(self.cfg[role].weight_decay):g} "
+                             f"(the checkpoint's {float(group['weight_decay']):g} continues)")
+        if self.ppo.kl_ctrl == "fixed" and not math.isclose(c.kl_ctrl.value, float(self.ppo.kl_coeff), rel_tol=1e-9):
+            notes.append(f"ppo.kl_coeff={float(self.ppo.kl_coeff):g} (the checkpoint's {c.kl_ctrl.value:g} continues)")
+        saved_seed = self.state.saved_seed
+        if saved_seed is not None and saved_seed != int(self.tcfg.seed):
+            notes.append(f"trainer.seed={int(self.tcfg.seed)} (the checkpoint's random streams of seed {saved_seed} "
+                         "continue)")
+        if notes:
+            log.warning("resumed run: these settings differ from the checkpoint's and are ignored: %s. Set "
+                        "trainer.resume=disable to start afresh with them", "; ".join(notes))
+
+    def may_save(self, step: int) -> bool:
+        """Whether the state after ``step`` may be saved: its last optimizer step was applied (not
+        skipped as non-finite) and every weight is finite, so a save or the rotation that follows
+        never replaces the last finite checkpoint."""
+        if self.guard.streak:
+            log.warning("step %d: no checkpoint while optimizer steps are being skipped as non-finite "
+                        "(%d in a row)", step, self.guard.streak)
+            return False
+        if params_finite(self.c.policy, self.c.critic and self.c.critic.model):
+            return True
+        log.error("step %d: the weights are not finite: no checkpoint is written", step)
+        return False
 
     # ------------------------------------------------------------------------------------------
     @contextmanager
@@ -240,7 +307,7 @@ class Trainer:
                          critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
                          grad_accum=int(self.tcfg.gradient_accumulation_steps),
                          temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
-                         generator=self._gen, packed=c.packed, recompute=c.recompute)
+                         generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
         return out
