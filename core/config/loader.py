@@ -15,17 +15,20 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlcore.config.schema import RLCoreConfig, trains_critic
+from rlcore.config.schema import GROUP_ESTIMATORS, RLCoreConfig, trains_critic
 from rlcore.errors import ConfigError
 
 # Dict-typed fields whose keys are free-form (not checked against the schema).
 _FREE_FORM = {"kwargs", "plugin_config", "weights", "rank_groups", "rollout_engine"}
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo"),
-    "ppo.kl_estimator": ("k1", "k2", "mse", "k3", "low_var_kl", "abs"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                "remax"),
+    "ppo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k3+"),
     "ppo.kl_ctrl": ("fixed", "adaptive"),
-    "ppo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "ppo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                     "token-sum"),
+    "ppo.policy_loss": ("vanilla", "gspo", "cispo"),
     "data.truncation": ("error", "left", "right"),
     "fsdp.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
     "fsdp.param_dtype": ("bf16", "fp16", "fp32"),
@@ -232,9 +235,10 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
         errors.append("'ppo.generation.temperature' must be >= 0")
     if cfg.ppo.generation.top_k < 0:
         errors.append(f"'ppo.generation.top_k' must be >= 0 (0 = off), got {cfg.ppo.generation.top_k}")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.ppo.generation.n < 2:
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.ppo.generation.n < 2:
         errors.append(f"'algorithm.adv_estimator' = {cfg.algorithm.adv_estimator} needs "
                       f"'ppo.generation.n' >= 2 samples per prompt, got {cfg.ppo.generation.n}")
+    _check_recipes(cfg, errors)
     rm = cfg.actor.remeshing
     for key in ("generation_shard_size", "training_shard_size"):
         if rm[key] < 1:
@@ -248,6 +252,48 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
         errors.append("'custom_reward_function.name' is required with 'custom_reward_function.path'")
     if (cfg.data.custom_cls.path is None) != (cfg.data.custom_cls.name is None):
         errors.append("'data.custom_cls.path' and 'data.custom_cls.name' must be given together")
+
+
+def _check_recipes(cfg: DictConfig, errors: list[str]) -> None:
+    """Policy-loss, DAPO and LoRA settings (docs/recipes.md)."""
+    ppo, algo, lora = cfg.ppo, cfg.algorithm, cfg.actor.lora
+    if ppo.dual_clip is not None and ppo.policy_loss != "vanilla":
+        errors.append(f"'ppo.dual_clip' applies to 'ppo.policy_loss' = vanilla only, not {ppo.policy_loss!r} "
+                      "(set ppo.dual_clip=null)")
+    for key in ("cliprange", "cliprange_high"):
+        if ppo[key] is not None and ppo[key] < 0:
+            errors.append(f"'ppo.{key}' must be >= 0, got {ppo[key]}")
+    ds = algo.dynamic_sampling
+    if ds.enable:
+        if algo.adv_estimator not in GROUP_ESTIMATORS:
+            errors.append(f"'algorithm.dynamic_sampling.enable' drops groups of equal rewards, which needs a group "
+                          f"estimator ({', '.join(GROUP_ESTIMATORS)}), not 'algorithm.adv_estimator' = "
+                          f"{algo.adv_estimator!r}")
+        if ds.max_rounds < 0:
+            errors.append(f"'algorithm.dynamic_sampling.max_rounds' must be >= 0, got {ds.max_rounds}")
+    ob = algo.overlong_buffer
+    if ob.length < 0:
+        errors.append(f"'algorithm.overlong_buffer.length' must be >= 0 (0 = off), got {ob.length}")
+    elif ob.length > cfg.ppo.generation.max_new_tokens:
+        errors.append(f"'algorithm.overlong_buffer.length' = {ob.length} exceeds 'ppo.generation.max_new_tokens' = "
+                      f"{cfg.ppo.generation.max_new_tokens}")
+    if ob.penalty_factor < 0:
+        errors.append(f"'algorithm.overlong_buffer.penalty_factor' must be >= 0, got {ob.penalty_factor}")
+    if lora.rank < 0:
+        errors.append(f"'actor.lora.rank' must be >= 0 (0 = no adapters), got {lora.rank}")
+    elif lora.rank > 0:
+        if not lora.alpha > 0:
+            errors.append(f"'actor.lora.alpha' must be > 0, got {lora.alpha}")
+        if not 0.0 <= lora.dropout < 1.0:
+            errors.append(f"'actor.lora.dropout' must be in [0, 1), got {lora.dropout}")
+        if not lora.target_modules:
+            errors.append("'actor.lora.target_modules' is empty: name the linear layers that get adapters, "
+                          "e.g. [q_proj, v_proj]")
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            errors.append(f"'actor.lora.rank' = {lora.rank} needs the peft package, which is not installed: "
+                          "pip install 'rlcore[lora]' (or set actor.lora.rank=0 for full fine-tuning)")
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -137,11 +137,28 @@ class ModelRoleConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (needs ``pip install rlcore[lora]``, which brings ``peft``)."""
+
+    #: Adapter rank r; 0 = no adapters (full fine-tuning).
+    rank: int = 0
+    #: Scaling numerator: the adapter's update is multiplied by alpha / rank.
+    alpha: float = 16.0
+    #: Dropout on the adapter's input during training.
+    dropout: float = 0.0
+    #: Names of the linear layers that get adapters (matched against the end of module names).
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class ActorConfig(ModelRoleConfig):
     #: Generation vs training layouts of the actor.
     remeshing: RemeshingConfig = field(default_factory=RemeshingConfig)
     #: Rollout backend: auto (fast engine where supported, else HF generate) | engine | hf.
     rollout_backend: str = "auto"
+    #: LoRA adapters (``rank > 0``): only the adapters train; the reference policy is the same model with the adapters disabled (no second copy); the rollout engine generates with the adapters merged into its own weights.
+    lora: LoraConfig = field(default_factory=LoraConfig)
     #: Settings of the rollout engine (ignored by the HF backend), e.g. ``{attention_tuning: {num_warps: 4}, prompt_sharing: false}``: keyword arguments of ``RolloutEngine`` (docs/rollout.md) except the model, batch size, sequence length, device and dtype, which the trainer sets. Checked when the config loads.
     rollout_engine: dict[str, Any] = field(default_factory=dict)
 
@@ -224,7 +241,7 @@ class PPOConfig:
     ppo_epochs: int = 1
     #: KL strength against the reference policy.
     kl_coeff: float = 0.1
-    #: KL estimator: k1 | k2 | mse | k3 | low_var_kl | abs.
+    #: KL estimator: k1 (alias kl) | k2 | mse | k3 | low_var_kl | abs | k1+ | k3+ (straight-through: the value of k1/k3 with the gradient of k2; see docs/recipes.md).
     kl_estimator: str = "k1"
     #: true: KL penalty inside the reward; false: KL as a loss term.
     kl_in_reward: bool = True
@@ -244,10 +261,12 @@ class PPOConfig:
     cliprange_value: float = 0.2
     #: Weight of the value loss.
     vf_coef: float = 0.5
-    #: Entropy bonus weight.
+    #: Entropy bonus weight (the entropy term is aggregated by ``ppo.loss_agg`` like the policy loss).
     entropy_coeff: float = 0.0
-    #: Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean.
+    #: Loss aggregation of the policy loss, the entropy bonus and the KL loss: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sums over the constant ``ppo.generation.max_new_tokens``) | token-sum.
     loss_agg: str = "token-mean"
+    #: Policy-gradient loss: vanilla (PPO clip) | gspo (sequence-level ratio, clipped per sequence) | cispo (clipped, detached importance weight). See docs/recipes.md.
+    policy_loss: str = "vanilla"
     #: Cut each training forward to the columns its samples use (leading prompt padding, trailing response padding); exact, only faster.
     trim_padding: bool = True
     #: Sort each mini-batch by length before cutting it into micro-batches, so that similar lengths share a forward (with trim_padding: less padding); the gradient is unchanged.
@@ -255,13 +274,37 @@ class PPOConfig:
 
 
 def trains_critic(adv_estimator: str) -> bool:
-    """Whether ``algorithm.adv_estimator`` trains a critic (GAE does; GRPO and RLOO have none)."""
+    """Whether ``algorithm.adv_estimator`` trains a critic (GAE does; the others have none)."""
     return adv_estimator == "gae"
+
+
+#: Estimators whose baseline is the other samples of a prompt's group (they need ``ppo.generation.n >= 2``).
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped, more prompts drawn."""
+
+    #: Drop groups whose samples all got the same reward (no learning signal) and draw more prompts until the batch holds ``ppo.rollout_batch_size`` groups.
+    enable: bool = False
+    #: Extra rollout rounds allowed per step (0 = none: train on the groups that are left). When the cap is reached, the step trains on the groups kept so far (with a warning).
+    max_rounds: int = 4
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a soft penalty over the last ``length`` tokens before the cap."""
+
+    #: Tokens before ``ppo.generation.max_new_tokens`` where the penalty ramps from 0 to ``-penalty_factor`` (0 = off).
+    length: int = 0
+    #: Penalty at the length cap.
+    penalty_factor: float = 1.0
 
 
 @dataclass
 class AlgorithmConfig:
-    #: gae (PPO with a critic) | grpo | rloo.
+    #: gae (PPO with a critic) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax (greedy-rollout baseline). See docs/recipes.md.
     adv_estimator: str = "gae"
     #: Discount.
     gamma: float = 1.0
@@ -273,6 +316,12 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     #: Use a frozen reference policy (needed for a KL term; off when kl_coeff == 0).
     use_reference: bool = True
+    #: DAPO dynamic sampling (filter groups with equal rewards, refill the batch).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    #: DAPO overlong reward shaping.
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    #: Leave responses cut at ``ppo.generation.max_new_tokens`` (no end-of-sequence token) out of the loss; they still count in their group's baseline.
+    mask_truncated: bool = False
 
 
 @dataclass

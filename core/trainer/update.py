@@ -46,6 +46,8 @@ def micro_weights(response_mask: torch.Tensor, mini_idx: torch.Tensor, micro: in
     result does not depend on how the mini-batch is cut or ordered. ``response_mask [B, R]``.
     """
     sizes = [len(mini_idx[s:s + micro]) for s in range(0, len(mini_idx), micro)]
+    if loss_agg == "token-sum":  # sums add up: every micro-batch's sum counts once
+        return [1.0] * len(sizes)
     if loss_agg != "token-mean":
         return [n / len(mini_idx) for n in sizes]
     counts = response_mask[mini_idx.to(response_mask.device)].sum(-1).float().cpu()
@@ -74,14 +76,18 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
                                   with_entropy=True, entropy_grad=ppo.entropy_coeff != 0)
     mask = mb.response_mask
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # None: on-policy (see on_policy)
+    horizon = int(ppo.generation.max_new_tokens)  # the constant length of seq-mean-token-sum-norm
     pg_loss, pg_stats = rlmath.policy_loss(logp, old, mb.advantages, mask, ppo.cliprange,
-                                           ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg)
-    entropy = rlmath.masked_mean(ent, mask)
-    loss = pg_loss - ppo.entropy_coeff * entropy if ppo.entropy_coeff != 0 else pg_loss
+                                           ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg,
+                                           kind=ppo.policy_loss, horizon=horizon)
+    entropy = rlmath.masked_mean(ent.detach(), mask)
+    loss = pg_loss
+    if ppo.entropy_coeff != 0:  # the bonus is aggregated like the policy loss
+        loss = loss - ppo.entropy_coeff * rlmath.aggregate_loss(ent, mask, ppo.loss_agg, horizon)
     if kl_loss_coef > 0 and mb.ref_logprobs is not None:
-        kl = rlmath.masked_mean(rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator), mask)
-        loss = loss + kl_loss_coef * kl
-        stats["actor/kl_loss"].append(float(kl.detach()))
+        kl_tokens = rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator)
+        loss = loss + kl_loss_coef * rlmath.aggregate_loss(kl_tokens, mask, ppo.loss_agg, horizon)
+        stats["actor/kl_loss"].append(float(rlmath.masked_mean(kl_tokens.detach(), mask)))
     (loss * weight).backward()
     stats["loss/policy"].append(float(pg_loss.detach()))
     stats["entropy/mean"].append(float(entropy.detach()))
