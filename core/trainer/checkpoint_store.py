@@ -138,10 +138,17 @@ def _tensor_state(key: str, value: Any, state: Mapping[str, Any], *, full: bool 
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=full, cpu_offload=full)
     if isinstance(value, torch.nn.Module):
+        # a model with frozen weights (a LoRA actor) saves only what trains; the rest comes from its model path
+        opts = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=has_frozen(value))
         return get_model_state_dict(value, options=opts)
+    opts = StateDictOptions(full_state_dict=full, cpu_offload=full)
     return get_optimizer_state_dict(module_of(key, state), value, options=opts)
+
+
+def has_frozen(module: torch.nn.Module) -> bool:
+    """Whether some parameter of ``module`` does not train (``requires_grad`` off)."""
+    return any(not p.requires_grad for p in module.parameters())
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,11 +417,18 @@ def _apply_tensor_state(key: str, value: Any, sd: dict[str, Any], state: Mapping
         set_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=full, strict=True)
     try:
         if isinstance(value, torch.nn.Module):
-            set_model_state_dict(value, sd, options=opts)
+            frozen = has_frozen(value)
+            opts = StateDictOptions(full_state_dict=full, strict=not frozen, ignore_frozen_params=frozen)
+            result = set_model_state_dict(value, sd, options=opts)
+            trainable = {n for n, p in value.named_parameters() if p.requires_grad}
+            missing = sorted(k for k in getattr(result, "missing_keys", []) if k in trainable)
+            if frozen and missing:
+                raise KeyError(f"the checkpoint lacks trainable weights {missing[:5]}"
+                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         else:
+            opts = StateDictOptions(full_state_dict=full, strict=True)
             set_optimizer_state_dict(module_of(key, state), value, sd, options=opts)
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint entry {key!r} does not fit this run's {type(value).__name__}: {e}") from e
@@ -480,16 +494,41 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, target: Path, dist: DistIn
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from rlcore.rollout.adapters import is_lora
+
+    if is_lora(model):
+        return _export_lora(model, full, tokenizer, target, dist)
     if dist.is_main:
-        tmp = target.parent / f".tmp-{target.name}"
-        remove_tree(tmp)
-        try:
-            kwargs = {"state_dict": full} if full is not None else {}
-            model.save_pretrained(str(tmp), **kwargs)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
-            replace_dir(tmp, target)
-        except OSError as e:
-            raise CheckpointError(f"could not export the model to {target}: {e}") from e
+        kwargs = {"state_dict": full} if full is not None else {}
+        _write_hf_dir(target, lambda d: model.save_pretrained(d, **kwargs), tokenizer)
+    barrier()
+    return str(target) if dist.is_main else None
+
+
+def _write_hf_dir(target: Path, write: Callable[[str], None], tokenizer: Any) -> None:
+    """``write(dir)`` and the tokenizer into a temporary directory, then moved to ``target`` atomically."""
+    tmp = target.parent / f".tmp-{target.name}"
+    remove_tree(tmp)
+    try:
+        write(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        replace_dir(tmp, target)
+    except OSError as e:
+        raise CheckpointError(f"could not export the model to {target}: {e}") from e
+
+
+def _export_lora(model: torch.nn.Module, full: Optional[dict], tokenizer: Any, target: Path,
+                 dist: DistInfo) -> Optional[str]:
+    """A LoRA actor's export: the merged model at ``target`` (a plain Hugging Face directory) and the
+    adapter alone at ``target-adapter`` (``peft`` format, loads on top of the base model)."""
+    from rlcore.trainer.lora import lora_scale, merged_state_dict
+
+    if dist.is_main:
+        state = full if full is not None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        _write_hf_dir(target.parent / f"{target.name}-adapter", lambda d: model.save_pretrained(d, state_dict=state),
+                      tokenizer)
+        merged = merged_state_dict(state, lora_scale(model))
+        _write_hf_dir(target, lambda d: model.get_base_model().save_pretrained(d, state_dict=merged), tokenizer)
     barrier()
     return str(target) if dist.is_main else None

@@ -192,7 +192,11 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
     actor_module, ref, critic = _load_models(cfg, model_path, device, placement, actor_fsdp, dist)
     actor = reshard.prepare(actor_module, "actor")
-    if ref is not None and dist.distributed:
+    if ref is not None and actor_cfg.lora.rank > 0:
+        from rlcore.trainer.lora import AdaptersDisabled
+
+        ref = AdaptersDisabled(actor)  # the (sharded) actor with its adapters off: no second copy
+    elif ref is not None and dist.distributed:
         ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
     if critic is not None:
         critic = prepare_role(reshard, critic, "critic", resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), actor_fsdp)
@@ -273,10 +277,24 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     from rlcore.distributed.fsdp import compile_layers, enable_gradient_checkpointing, load_model_for_role
 
     actor_cfg, critic_cfg, ppo, algo = obj(cfg.actor), obj(cfg.critic), obj(cfg.ppo), obj(cfg.algorithm)
-    actor = load_model_for_role(lambda: models.load_causal_lm(model_path, actor_cfg.dtype, device), actor_fsdp, dist)
+    lora = actor_cfg.lora if actor_cfg.lora.rank > 0 else None
+
+    def load_actor() -> torch.nn.Module:
+        model = models.load_causal_lm(model_path, actor_cfg.dtype, device)
+        if lora is None:
+            return model
+        from rlcore.trainer.lora import add_adapters
+
+        return add_adapters(model, lora)  # inside the loader: other ranks receive rank 0's adapter init
+
+    actor = load_model_for_role(load_actor, actor_fsdp, dist)
     if actor_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(actor)
-    ref = models.frozen_copy(actor) if algo.use_reference and ppo.kl_coeff > 0 else None
+        if lora is not None and hasattr(actor, "enable_input_require_grads"):
+            actor.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a graph
+    wants_ref = algo.use_reference and ppo.kl_coeff > 0
+    # a LoRA actor's reference is the actor itself with the adapters off (set up once it is sharded)
+    ref = (actor if lora is not None else models.frozen_copy(actor)) if wants_ref else None
     critic = None
     if trains_critic(algo.adv_estimator):
         critic_path = critic_cfg.model_path or model_path
