@@ -47,24 +47,27 @@ def run_demo(tmp_path, *overrides):
     return trainer.train(), rec, trainer
 
 
+def assert_learned(summary: dict, name: str, threshold: float) -> None:
+    before, after = summary["before/reward_mean"], summary["after/reward_mean"]
+    assert before < 0.2 and after > threshold, f"{name}: held-out reward {before:.3f} -> {after:.3f}"
+
+
 def test_gspo_learns(tmp_path):
     summary, _, _ = run_demo(tmp_path, "algorithm.adv_estimator=grpo", "ppo.policy_loss=gspo",
                              "ppo.loss_agg=seq-mean-token-mean", "ppo.cliprange=0.003", "ppo.cliprange_high=0.004",
                              "trainer.max_steps=60")
-    before, after = summary["before/reward_mean"], summary["after/reward_mean"]
-    assert before < 0.2 and after > 0.5, f"GSPO: held-out reward {before:.3f} -> {after:.3f}"
+    assert_learned(summary, "GSPO", 0.5)
 
 
 def test_dapo_learns_with_groups_dropped(tmp_path):
     summary, rec, _ = run_demo(tmp_path, *DAPO, "trainer.max_steps=80")
-    before, after = summary["before/reward_mean"], summary["after/reward_mean"]
     dropped = sum(m["dynamic_sampling/groups_dropped"] for m in rec.metrics.values())
     rounds = sum(m["dynamic_sampling/extra_rounds"] for m in rec.metrics.values())
     assert dropped > 0 and rounds > 0  # dynamic sampling was active: it dropped groups and drew more prompts
     # early on the batch is refilled to 16 groups; once the policy solves most prompts, the capped rounds may
     # leave fewer (groups that are all right are dropped too)
     assert all(rec.metrics[s]["dynamic_sampling/groups_kept"] == 16 for s in range(1, 6))
-    assert before < 0.2 and after > 0.4, f"DAPO: held-out reward {before:.3f} -> {after:.3f}"
+    assert_learned(summary, "DAPO", 0.4)
 
 
 def test_dapo_resume_keeps_the_data_position_exact(tmp_path):
@@ -84,8 +87,7 @@ def test_lora_learns_checkpoints_adapters_and_exports_both(tmp_path):
     summary, _, trainer = run_demo(tmp_path, "algorithm.adv_estimator=grpo", "actor.lora.rank=16",
                                    "actor.lora.alpha=32", "trainer.max_steps=60", "trainer.save_steps=60",
                                    "trainer.export_final=true")
-    before, after = summary["before/reward_mean"], summary["after/reward_mean"]
-    assert before < 0.2 and after > 0.5, f"LoRA: held-out reward {before:.3f} -> {after:.3f}"
+    assert_learned(summary, "LoRA", 0.5)
     assert trainer.c.ref is not None and list(trainer.c.ref.parameters()) == []  # no second copy of the model
     saved = torch.load(tmp_path / "checkpoints" / "step_00000060" / "actor.pt")
     trainable = {n for n, p in trainer.c.actor.named_parameters() if p.requires_grad}
