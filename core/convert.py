@@ -97,11 +97,24 @@ def apply_overrides(flat: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError([f"override {item!r} is not of the form key=value"])
         key, raw = item.split("=", 1)
         key = key.lstrip("+")
-        value = yaml.safe_load(raw) if raw != "" else None
+        value = _scalar(raw)
         for old in [k for k in out if k.startswith(key + ".")]:  # a whole subtree replaced by a value
             del out[old]
         out.update(flatten(value, key + ".") if isinstance(value, dict) else {key: value})
     return out
+
+
+def _scalar(raw: str) -> Any:
+    """A command-line value as Hydra reads it: YAML, plus ``1e-6`` as a number (YAML 1.1 wants ``1.0e-6``)."""
+    if raw == "":
+        return None
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            return value
+    return value
 
 
 def read_source(path: str) -> dict:
@@ -124,18 +137,24 @@ def _interpolation(value: Any) -> bool:
 
 
 def _resolve(flat: dict[str, Any]) -> dict[str, Any]:
-    """Resolve plain ``${a.b}`` interpolations (verl's generated config uses them) against ``flat``."""
+    """Resolve whole-value ``${a.b}`` and ``${oc.select:a.b,default}`` interpolations (verl's generated
+    config uses them) against ``flat``; relative or composite ones stay as they are."""
     out = dict(flat)
     for _ in range(5):
         changed = False
         for k, v in out.items():
-            if _interpolation(v) and v.startswith("${") and v.endswith("}") and v.count("${") == 1:
-                ref = v[2:-1].lstrip(".")
-                if ref.startswith("oc.") or ref not in out:
-                    continue
-                if not _interpolation(out[ref]):
-                    out[k] = out[ref]
-                    changed = True
+            if not (_interpolation(v) and v.startswith("${") and v.endswith("}") and v.count("${") == 1):
+                continue
+            ref, has_default, default = v[2:-1], False, None
+            if ref.startswith("oc.select:"):
+                ref, _, raw = ref[len("oc.select:"):].partition(",")
+                has_default, default = bool(raw), yaml.safe_load(raw.strip().strip('"')) if raw else None
+            if ref.startswith((".", "oc.")):
+                continue
+            if ref in out and not _interpolation(out[ref]):
+                out[k], changed = out[ref], True
+            elif ref not in out and has_default:
+                out[k], changed = default, True
         if not changed:
             break
     return out
@@ -448,10 +467,23 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
         conv.skip("actor_rollout_ref.actor.clip_ratio_c", get("actor_rollout_ref.actor.clip_ratio_c"),
                   "a dual-clip constant must be > 1")
         conv.mapped.pop("actor_rollout_ref.actor.clip_ratio_c", None)
+    if conv.values.get("algorithm.adv_estimator", "gae") != "gae":  # no critic: its settings are not read
+        _unmap(conv, flat, ("critic.", "ppo.cliprange_value"), "no critic is trained with this estimator")
+    if not conv.values.get("reward_model.enable"):
+        _unmap(conv, flat, ("reward_model.",), "the reward model is off")
     for src in flat:
         if src not in handled and src not in conv.mapped:
             conv.skip(src, flat[src], _verl_reason(src))
     return conv
+
+
+def _unmap(conv: Conversion, flat: dict[str, Any], prefixes: tuple[str, ...], reason: str) -> None:
+    """Move the mapped keys whose rlcore key starts with one of ``prefixes`` back to the unmapped list."""
+    for src, key in list(conv.mapped.items()):
+        if key.startswith(prefixes) and key in conv.values:
+            conv.values.pop(key)
+            conv.mapped.pop(src)
+            conv.skip(src, flat.get(src), reason)
 
 
 def _kl_type(conv: Conversion, take: Callable, drop: Callable, src: str, value: Any) -> None:
