@@ -222,7 +222,7 @@ class Trainer:
         first = self.sample_round(rows, step)
         if not ds.enable:
             return first
-        target = int(self.ppo.rollout_batch_size)
+        target = int(c.ensure_ids.size)  # ppo.rollout_batch_size, resolved when "auto"
         kept: list[Sampled] = []
         n_kept = drawn = dropped = rounds = 0
         dropped_reward = 0.0
