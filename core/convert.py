@@ -419,11 +419,11 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
     for src, key in (("trainer.save_freq", "trainer.save_steps"), ("trainer.test_freq", "trainer.eval_steps")):
         if get(src) is not None:
             take(src, key, max(0, int(get(src))))
-    mode = get("trainer.resume_mode")
-    if mode is not None:
-        if mode in ("auto", "disable"):
-            take("trainer.resume_mode", "trainer.resume", mode)
-        elif mode == "resume_path" and get("trainer.resume_from_path"):
+    resume = get("trainer.resume_mode")
+    if resume is not None:
+        if resume in ("auto", "disable"):
+            take("trainer.resume_mode", "trainer.resume", resume)
+        elif resume == "resume_path" and get("trainer.resume_from_path"):
             take("trainer.resume_from_path", "trainer.resume", get("trainer.resume_from_path"))
             handled.add("trainer.resume_mode")
             conv.mapped["trainer.resume_mode"] = "trainer.resume"
@@ -456,10 +456,6 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
         v = conv.values.get(key)
         if isinstance(v, str):
             conv.values[key] = [v]
-    if conv.values.get("ppo.loss_agg") and agg not in _LOSS_AGG:
-        conv.values.pop("ppo.loss_agg")
-    if mode is not None and mode not in ("vanilla", "gspo", "cispo") and "ppo.policy_loss" in conv.values:
-        conv.values.pop("ppo.policy_loss")
     if conv.values.get("ppo.policy_loss", "vanilla") != "vanilla":
         conv.values.pop("ppo.dual_clip", None)
     if "ppo.dual_clip" in conv.values and not (conv.values["ppo.dual_clip"] or 0) > 1:

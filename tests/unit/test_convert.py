@@ -81,6 +81,16 @@ def test_verl_dapo_mapping():
     assert "trainer.nnodes" in conv.unmapped and "data.gen_batch_size" in conv.unmapped
 
 
+@pytest.mark.parametrize("mode,expected", [("gspo", "gspo"), ("cispo", "cispo"), ("clip_cov", None)])
+def test_verl_policy_loss_modes(mode, expected):
+    conv = convert_verl(yaml.safe_load(VERL.read_text()),
+                        run_script("grpo") + [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"])
+    assert conv.values.get("ppo.policy_loss") == expected
+    assert "ppo.dual_clip" not in conv.values  # verl's dual clip belongs to the vanilla loss
+    if expected is None:
+        assert "actor_rollout_ref.actor.policy_loss.loss_mode" in conv.unmapped
+
+
 def test_verl_ppo_mapping():
     conv = convert_verl(yaml.safe_load(VERL.read_text()), run_script("ppo"))
     v = conv.values
