@@ -142,6 +142,26 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_ERROR}    an error was reported (config, data, checkpoint, reward, training diverged)
   1    an unexpected failure (a traceback is printed)
   {EXIT_KEYBOARD}  stopped at once by a second Ctrl-C, without a checkpoint of the current step"""
+def cmd_convert_config(args: argparse.Namespace) -> int:
+    """Write the rlcore equivalent of a verl or TRL config; list every key that has no counterpart."""
+    from rlcore.convert import convert
+
+    conv = convert(args.source, args.file, list(args.overrides))
+    text = conv.to_yaml(args.file)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)
+    print(f"rlcore convert-config: {len(conv.mapped)} key(s) mapped, {len(conv.unmapped)} without an rlcore "
+          f"counterpart (listed in the output's header; see docs/migrating.md)", file=sys.stderr)
+    for key, (value, reason) in sorted(conv.unmapped.items()):
+        print(f"  unmapped {key} = {value!r}: {reason}", file=sys.stderr)
+    for note in conv.notes:
+        print(f"  note: {note}", file=sys.stderr)
+    if args.output:
+        print(f"written to {args.output}; check it with: rlcore validate --config {args.output}", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext, **extra)
         _add_config_args(p)
         p.set_defaults(func=func, argv=None)
+    p = sub.add_parser("convert-config", help="turn a verl trainer config or a TRL GRPOConfig into an rlcore config")
+    p.add_argument("--from", dest="source", required=True, choices=["verl", "trl"], help="the source framework")
+    p.add_argument("file", metavar="FILE", help="verl: the trainer YAML; trl: a GRPOConfig saved as YAML or JSON")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="the run script's overrides in the source's own keys (e.g. algorithm.adv_estimator=grpo)")
+    p.add_argument("-o", "--output", metavar="YAML", help="write here instead of standard output")
+    p.set_defaults(func=cmd_convert_config)
     p = sub.add_parser("plugins", help="list installed plugins, their distribution, version and hooks")
     p.set_defaults(func=cmd_plugins)
     try:

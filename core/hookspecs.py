@@ -223,7 +223,8 @@ def rlcore_step_start(step: int) -> None:
 
 @hookspec
 def rlcore_before_generation(step: int, prompts: list[list[int]]) -> None:
-    """Rollout is about to start.
+    """Rollout is about to start (once per rollout round: several times in a step when DAPO's dynamic
+    sampling draws more prompts).
 
     :param step: the step number.
     :param prompts: prompt token ids, one list per sample.

@@ -17,7 +17,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlcore.config.schema import Choice, RLCoreConfig, trains_critic
+from rlcore.config.schema import GROUP_ESTIMATORS, Choice, RLCoreConfig, trains_critic
 from rlcore.errors import ConfigError
 
 # Dict-typed fields whose keys are free-form (not checked against the schema).
@@ -273,9 +273,10 @@ def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | 
         errors.append("'ppo.generation.temperature' must be >= 0")
     if cfg.ppo.generation.top_k < 0:
         errors.append(f"'ppo.generation.top_k' must be >= 0 (0 = off), got {cfg.ppo.generation.top_k}")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.ppo.generation.n < 2:
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.ppo.generation.n < 2:
         errors.append(f"'algorithm.adv_estimator' = {cfg.algorithm.adv_estimator} needs "
                       f"'ppo.generation.n' >= 2 samples per prompt, got {cfg.ppo.generation.n}")
+    _check_recipes(cfg, errors)
     rm = cfg.actor.remeshing
     for key in ("generation_shard_size", "training_shard_size"):
         if rm[key] < 1:
@@ -342,6 +343,8 @@ def _engine_problems(engine: DictConfig) -> list[str]:
         except ValueError as error:
             bad(key, str(error))
     return problems
+
+
 def _check_ranges(cfg: DictConfig, errors: list[str]) -> None:
     """Numeric ranges of the RL settings, so a bad value fails at load time, not after a model loads
     and a rollout ran; and the mini-batch size against the rollout it cuts."""
@@ -390,11 +393,50 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     """Settings that are valid but almost certainly not what the user wants (logged, not raised)."""
     out = []
     est, gen = cfg.algorithm.adv_estimator, cfg.ppo.generation
-    if est in ("grpo", "rloo") and gen.temperature == 0 and gen.n > 1:
+    if est in GROUP_ESTIMATORS and gen.temperature == 0 and gen.n > 1:
         out.append(f"ppo.generation.temperature=0 with algorithm.adv_estimator={est}: the {gen.n} samples of a "
                    "prompt are the same greedy response, so every group advantage is zero and nothing is learned; "
                    "sample with a temperature > 0 (e.g. 1.0)")
     return out
+
+
+def _check_recipes(cfg: DictConfig, errors: list[str]) -> None:
+    """Policy-loss, DAPO and LoRA settings (docs/recipes.md)."""
+    ppo, algo, lora = cfg.ppo, cfg.algorithm, cfg.actor.lora
+    if ppo.dual_clip is not None and ppo.policy_loss != "vanilla":
+        errors.append(f"'ppo.dual_clip' applies to 'ppo.policy_loss' = vanilla only, not {ppo.policy_loss!r} "
+                      "(set ppo.dual_clip=null)")
+    ds = algo.dynamic_sampling
+    if ds.enable:
+        if algo.adv_estimator not in GROUP_ESTIMATORS:
+            errors.append(f"'algorithm.dynamic_sampling.enable' drops groups of equal rewards, which needs a group "
+                          f"estimator ({', '.join(GROUP_ESTIMATORS)}), not 'algorithm.adv_estimator' = "
+                          f"{algo.adv_estimator!r}")
+        if ds.max_rounds < 0:
+            errors.append(f"'algorithm.dynamic_sampling.max_rounds' must be >= 0, got {ds.max_rounds}")
+    ob = algo.overlong_buffer
+    if ob.length < 0:
+        errors.append(f"'algorithm.overlong_buffer.length' must be >= 0 (0 = off), got {ob.length}")
+    elif ob.length > cfg.ppo.generation.max_new_tokens:
+        errors.append(f"'algorithm.overlong_buffer.length' = {ob.length} exceeds 'ppo.generation.max_new_tokens' = "
+                      f"{cfg.ppo.generation.max_new_tokens}")
+    if ob.penalty_factor < 0:
+        errors.append(f"'algorithm.overlong_buffer.penalty_factor' must be >= 0, got {ob.penalty_factor}")
+    if lora.rank < 0:
+        errors.append(f"'actor.lora.rank' must be >= 0 (0 = no adapters), got {lora.rank}")
+    elif lora.rank > 0:
+        if not lora.alpha > 0:
+            errors.append(f"'actor.lora.alpha' must be > 0, got {lora.alpha}")
+        if not 0.0 <= lora.dropout < 1.0:
+            errors.append(f"'actor.lora.dropout' must be in [0, 1), got {lora.dropout}")
+        if not lora.target_modules:
+            errors.append("'actor.lora.target_modules' is empty: name the linear layers that get adapters, "
+                          "e.g. [q_proj, v_proj]")
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            errors.append(f"'actor.lora.rank' = {lora.rank} needs the peft package, which is not installed: "
+                          "pip install 'rlcore[lora]' (or set actor.lora.rank=0 for full fine-tuning)")
 
 
 def check_config(cfg: DictConfig) -> None:

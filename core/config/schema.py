@@ -46,10 +46,13 @@ def choice(name: str, *values: str) -> type[Choice]:
     return Choice(name, [(value, value) for value in values], module=__name__, qualname=name)
 
 
-AdvEstimator = choice("AdvEstimator", "gae", "grpo", "rloo")
-KLEstimator = choice("KLEstimator", "k1", "k2", "mse", "k3", "low_var_kl", "abs")
+AdvEstimator = choice("AdvEstimator", "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                      "remax")
+KLEstimator = choice("KLEstimator", "k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k3+")
 KLControllerKind = choice("KLControllerKind", "fixed", "adaptive")
-LossAgg = choice("LossAgg", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LossAgg = choice("LossAgg", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                 "token-sum")
+PolicyLoss = choice("PolicyLoss", "vanilla", "gspo", "cispo")
 Truncation = choice("Truncation", "error", "left", "right")
 ShardingStrategy = choice("ShardingStrategy", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 #: dtype names; :func:`torch_dtype` maps them to torch's
@@ -294,12 +297,30 @@ class RolloutEngineConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (needs ``pip install rlcore[lora]``, which brings ``peft``)."""
+
+    #: Adapter rank r; 0 = no adapters (full fine-tuning).
+    rank: int = 0
+    #: Scaling numerator: the adapter's update is multiplied by alpha / rank.
+    alpha: float = 16.0
+    #: Dropout on the adapter's input during training.
+    dropout: float = 0.0
+    #: Names of the linear layers that get adapters (matched against the end of module names).
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
 class ActorConfig(ModelRoleConfig):
     #: Generation vs training layouts of the actor.
     remeshing: RemeshingConfig = field(default_factory=RemeshingConfig)
     #: Rollout backend: auto (the fast engine where it supports the model, else HF generate), engine, hf, or the
     #: name a selected backend plugin answers to (``rlcore_rollout_backend``).
     rollout_backend: str = "auto"
+    #: LoRA adapters (``rank > 0``): only the adapters train; the reference policy is the same model with the
+    #: adapters disabled (no second copy); the rollout engine generates with the adapters merged into its own weights.
+    lora: LoraConfig = field(default_factory=LoraConfig)
     #: Settings of the rollout engine (ignored by the HF backend; docs/rollout.md). The trainer sets the model, batch
     #: size, sequence length, device and dtype.
     rollout_engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
@@ -401,7 +422,8 @@ class PPOConfig:
     ppo_epochs: int = 1
     #: KL strength against the reference policy.
     kl_coeff: float = 0.1
-    #: KL estimator (docs/algorithms.md).
+    #: KL estimator (docs/algorithms.md): kl is an alias of k1; k1+ and k3+ are straight-through (the value of k1/k3
+    #: with the gradient of k2; see docs/recipes.md).
     kl_estimator: KLEstimator = KLEstimator.k1
     #: true: KL penalty inside the reward; false: KL as a loss term.
     kl_in_reward: bool = True
@@ -421,10 +443,15 @@ class PPOConfig:
     cliprange_value: float = 0.2
     #: Weight of the value loss.
     vf_coef: float = 0.5
-    #: Entropy bonus weight.
+    #: Entropy bonus weight (the entropy term is aggregated by ``ppo.loss_agg`` like the policy loss).
     entropy_coeff: float = 0.0
-    #: How per-token losses are reduced to one number (docs/algorithms.md).
+    #: How per-token losses (the policy loss, the entropy bonus and the KL loss) are reduced to one number
+    #: (docs/algorithms.md); seq-mean-token-sum-norm is Dr. GRPO's (token sums over the constant
+    #: ``ppo.generation.max_new_tokens``).
     loss_agg: LossAgg = LossAgg("token-mean")
+    #: Policy-gradient loss: vanilla (PPO clip), gspo (sequence-level ratio, clipped per sequence) or cispo (clipped,
+    #: detached importance weight). See docs/recipes.md.
+    policy_loss: PolicyLoss = PolicyLoss.vanilla
     #: Cut each training forward to the columns its samples use (leading prompt padding, trailing response padding);
     #: exact, only faster.
     trim_padding: bool = True
@@ -440,13 +467,40 @@ class PPOConfig:
 
 
 def trains_critic(adv_estimator: str) -> bool:
-    """Whether ``algorithm.adv_estimator`` trains a critic (GAE does; GRPO and RLOO have none)."""
+    """Whether ``algorithm.adv_estimator`` trains a critic (GAE does; the others have none)."""
     return adv_estimator == AdvEstimator.gae
+
+
+#: Estimators whose baseline is the other samples of a prompt's group (they need ``ppo.generation.n >= 2``).
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped, more prompts drawn."""
+
+    #: Drop groups whose samples all got the same reward (no learning signal) and draw more prompts until the
+    #: batch holds ``ppo.rollout_batch_size`` groups.
+    enable: bool = False
+    #: Extra rollout rounds allowed per step (0 = none: train on the groups that are left). When the cap is
+    #: reached, the step trains on the groups kept so far (with a warning).
+    max_rounds: int = 4
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a soft penalty over the last ``length`` tokens before the cap."""
+
+    #: Tokens before ``ppo.generation.max_new_tokens`` where the penalty ramps from 0 to ``-penalty_factor`` (0 = off).
+    length: int = 0
+    #: Penalty at the length cap.
+    penalty_factor: float = 1.0
 
 
 @dataclass
 class AlgorithmConfig:
-    #: Advantage estimator: gae (PPO with a critic), grpo or rloo.
+    #: Advantage estimator: gae (PPO with a critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline or
+    #: remax (greedy-rollout baseline). See docs/recipes.md.
     adv_estimator: AdvEstimator = AdvEstimator.gae
     #: Discount.
     gamma: float = 1.0
@@ -458,6 +512,13 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     #: Use a frozen reference policy (needed for a KL term; off when kl_coeff == 0).
     use_reference: bool = True
+    #: DAPO dynamic sampling (filter groups with equal rewards, refill the batch).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    #: DAPO overlong reward shaping.
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    #: Leave responses cut at ``ppo.generation.max_new_tokens`` (no end-of-sequence token) out of the loss; they
+    #: still count in their group's baseline.
+    mask_truncated: bool = False
 
 
 @dataclass

@@ -164,7 +164,11 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
     actor_module, ref, critic = _load_models(cfg, model_path, device, placement, actor_fsdp, dist)
     actor = reshard.prepare(actor_module, "actor")
-    if ref is not None and dist.distributed:
+    if ref is not None and actor_cfg.lora.rank > 0:
+        from rlcore.trainer.lora import AdaptersDisabled
+
+        ref = AdaptersDisabled(actor)  # the (sharded) actor with its adapters off: no second copy
+    elif ref is not None and dist.distributed:
         ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
     if critic is not None:
         critic = reshard.prepare(critic, "critic", fsdp=resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp))
@@ -228,9 +232,23 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     from rlcore.distributed.fsdp import compile_layers, load_model_for_role
 
     actor_cfg, critic_cfg, ppo, algo = obj(cfg.actor), obj(cfg.critic), obj(cfg.ppo), obj(cfg.algorithm)
-    actor = load_model_for_role(lambda: models.load_causal_lm(model_path, actor_cfg.dtype, device), actor_fsdp, dist)
-    _enable_checkpointing(actor, actor_cfg.gradient_checkpointing)
-    ref = models.frozen_copy(actor) if algo.use_reference and ppo.kl_coeff > 0 else None
+    lora = actor_cfg.lora if actor_cfg.lora.rank > 0 else None
+
+    def load_actor() -> torch.nn.Module:
+        model = models.load_causal_lm(model_path, actor_cfg.dtype, device)
+        if lora is None:
+            return model
+        from rlcore.trainer.lora import add_adapters
+
+        return add_adapters(model, lora)  # inside the loader: other ranks receive rank 0's adapter init
+
+    actor = load_model_for_role(load_actor, actor_fsdp, dist)
+    if _enable_checkpointing(actor, actor_cfg.gradient_checkpointing) and lora is not None \
+            and hasattr(actor, "enable_input_require_grads"):
+        actor.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a graph
+    wants_ref = algo.use_reference and ppo.kl_coeff > 0
+    # a LoRA actor's reference is the actor itself with the adapters off (set up once it is sharded)
+    ref = (actor if lora is not None else models.frozen_copy(actor)) if wants_ref else None
     critic = None
     if trains_critic(algo.adv_estimator):
         critic_path = critic_cfg.model_path or model_path
@@ -246,14 +264,17 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     return actor, ref, critic
 
 
-def _enable_checkpointing(model: torch.nn.Module, setting: Any) -> None:
+def _enable_checkpointing(model: torch.nn.Module, setting: Any) -> bool:
     """``<role>.gradient_checkpointing``: true enables it; auto enables the switch that
-    :class:`~rlcore.trainer.recompute.Recompute` turns per micro-batch, where the model has one."""
+    :class:`~rlcore.trainer.recompute.Recompute` turns per micro-batch, where the model has one.
+    Whether checkpointing may run."""
     from rlcore.distributed.fsdp import enable_gradient_checkpointing
     from rlcore.trainer.recompute import switchable_layers
 
     if setting is True or (setting == "auto" and switchable_layers(model)):
         enable_gradient_checkpointing(model)
+        return True
+    return False
 
 
 def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, reshard: ReshardPolicy,

@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -132,38 +133,31 @@ class Trainer:
         self._times = {}
         t0 = time.perf_counter()
         self.hook.rlcore_step_start(step=step)
-        # 1. Prompts: this rank's share, each repeated n times.
-        rows = c.prompts.fill(c.prompts.loader.next_batch())
-        prompts, extras = self.expand(rows, self.n)
-        # 2. Rollout in the generation layout; 3. reward: finished samples are scored while the rest
-        # decode (reward.stream), and what is left once the rollout ends.
-        self.hook.rlcore_before_generation(step=step, prompts=prompts)
-        scorer = self.streaming_scorer(prompts, extras)
-        try:
-            with self.timer("generate"):
-                rollout = c.generation.generate(prompts, self.sampling(step), on_finished=scorer)
-            self.hook.rlcore_after_generation(step=step, rollout=rollout)
-            with self.timer("reward"):
-                scores, m_reward = scorer.finish(rollout) if scorer is not None else self.score(rollout, extras)
-        finally:
-            if scorer is not None:
-                scorer.close()
-        if scorer is not None:
-            m_reward["reward/streamed_frac"] = scorer.streamed_frac
-        # 4. Old and reference log-probs, values (training layout).
-        exp = self.make_experience(rollout, scores)
-        # 5. Advantages (+ KL in the reward).
-        with self.timer("advantages"):
-            m.update(compute_advantages(exp, self.algo, self.ppo, c.kl_ctrl.value, self.n))
-        # 6. PPO epochs over mini-batches.
-        m.update(self.update(exp))
+        # 1-3. Prompts (this rank's share, each repeated n times), rollout in the generation layout,
+        # reward; with dynamic sampling, more rounds until the batch holds enough informative groups.
+        batch = self.collect(step)
+        rollout, scores = batch.rollout, batch.scores
+        m.update(batch.metrics)
+        if len(scores):
+            # 4. Old and reference log-probs, values (training layout).
+            exp = self.make_experience(rollout, scores)
+            exp.group_ids, exp.baseline = batch.group_ids.to(exp.scores.device), batch.baseline
+            if self.algo.mask_truncated:
+                exp.loss_mask = (~batch.truncated).float().to(exp.scores.device)
+            # 5. Advantages (+ KL in the reward).
+            with self.timer("advantages"):
+                m.update(compute_advantages(exp, self.algo, self.ppo, c.kl_ctrl.value, self.n))
+            # 6. PPO epochs over mini-batches.
+            m.update(self.update(exp))
+        else:  # dynamic sampling kept no group on some rank: nothing to learn from this step
+            log.warning("step %d: no informative group to train on; the update is skipped", step)
         self.hook.rlcore_after_update(step=step, metrics=m)
         # 7. KL controller, metrics, checkpoint.
         if "kl/mean" in m:
-            c.kl_ctrl.update(m["kl/mean"], exp.size)
-        self.state.step, self.state.samples = step, self.state.samples + exp.size
+            c.kl_ctrl.update(m["kl/mean"], len(scores))
+        self.state.step, self.state.samples = step, self.state.samples + len(scores)
         reshard = c.reshard.stats()
-        m.update(m_reward, **self.rollout_metrics(rollout, scores), **reshard)
+        m.update(batch.reward_metrics, **self.rollout_metrics(rollout, batch.raw_scores), **reshard)
         m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
         m.update({f"time/{k}_s": v for k, v in self._times.items()})
         if self._last_save_s is not None:  # the save after the previous step (written after its metrics)
@@ -237,19 +231,119 @@ class Trainer:
         finally:
             self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - t
 
-    def sampling(self, step: int, greedy: bool = False) -> SamplingParams:
+    def sampling(self, step: int, greedy: bool = False, round: int = 0) -> SamplingParams:
+        """Sampling settings of ``step``; each extra rollout ``round`` of a step (dynamic sampling) has its own seed."""
         g = self.gen_cfg
         return SamplingParams(max_new_tokens=int(g.max_new_tokens), temperature=0.0 if greedy else float(g.temperature),
                               top_p=float(g.top_p), top_k=int(g.top_k),
-                              seed=int(self.tcfg.seed) * 100003 + step * 101 + self.dist.rank,
+                              seed=int(self.tcfg.seed) * 100003 + step * 101 + self.dist.rank + round * 1000003,
                               eos_token_ids=tuple(self.c.eos_ids), pad_token_id=int(self.c.tokenizer.pad_token_id))
 
-    def expand(self, rows: list[dict], n: int) -> tuple[list[list[int]], dict[str, list]]:
-        """Prompt ids and the other columns of ``rows`` (for the reward), each row repeated ``n`` times."""
+    def expand(self, rows: list[dict], n: int | None = None) -> tuple[list[list[int]], dict[str, list]]:
+        """Prompt ids and the other columns of ``rows`` (for the reward), each row repeated ``n`` times
+        (default ``ppo.generation.n``)."""
+        n = self.n if n is None else n
         prompts = [list(r["input_ids"]) for r in rows for _ in range(n)]
         cols = sorted({k for r in rows for k in r if k not in ("input_ids",)})
         extras = {k: [r.get(k) for r in rows for _ in range(n)] for k in cols}
         return prompts, extras
+
+    def sample_round(self, rows: list[dict], step: int, round: int = 0) -> "Sampled":
+        """Generate ``n`` responses for each of ``rows`` and score them (with overlong shaping, and
+        the greedy baseline of ReMax)."""
+        prompts, extras = self.expand(rows)
+        self.hook.rlcore_before_generation(step=step, prompts=prompts)
+        # finished samples are scored while the rest decode (reward.stream), what is left once the rollout ends
+        scorer = self.streaming_scorer(prompts, extras)
+        try:
+            with self.timer("generate"):
+                rollout = self.c.generation.generate(prompts, self.sampling(step, round=round), on_finished=scorer)
+            self.hook.rlcore_after_generation(step=step, rollout=rollout)
+            with self.timer("reward"):
+                raw, m_reward = scorer.finish(rollout) if scorer is not None else self.score(rollout, extras)
+        finally:
+            if scorer is not None:
+                scorer.close()
+        if scorer is not None:
+            m_reward["reward/streamed_frac"] = scorer.streamed_frac
+        scores, shaping = self.shape_scores(rollout, raw)
+        m_reward.update(shaping)
+        baseline = None
+        if self.algo.adv_estimator == "remax":
+            with self.timer("remax_baseline"):
+                greedy_prompts, greedy_extras = self.expand(rows, n=1)
+                greedy = self.c.generation.generate(greedy_prompts, self.sampling(step, greedy=True, round=round))
+                b_raw, _ = self.score(greedy, greedy_extras)
+                b_scores, _ = self.shape_scores(greedy, b_raw)
+                baseline = b_scores.repeat_interleave(self.n)
+        return Sampled(rollout=rollout, scores=scores, raw_scores=raw, reward_metrics=m_reward,
+                       truncated=self.truncated(rollout), baseline=baseline,
+                       group_ids=torch.arange(len(rows)).repeat_interleave(self.n))
+
+    def collect(self, step: int) -> "Sampled":
+        """This step's scored samples. With ``algorithm.dynamic_sampling`` (DAPO), groups whose raw
+        rewards are all equal are dropped and more prompts drawn (all ranks draw the same number of
+        rounds, at most ``max_rounds`` extra) until ``ppo.rollout_batch_size`` groups are kept; every
+        rank then keeps as many groups as the rank with the fewest, so the update's steps line up."""
+        c = self.c
+        ds = self.algo.dynamic_sampling
+        rows = c.prompts.fill(c.prompts.loader.next_batch())
+        first = self.sample_round(rows, step)
+        if not ds.enable:
+            return first
+        target = int(c.prompts.fill.size)  # ppo.rollout_batch_size, resolved when "auto"
+        kept: list[Sampled] = []
+        n_kept = drawn = dropped = rounds = 0
+        dropped_reward = 0.0
+        batch = first
+        while True:
+            groups = batch.raw_scores.view(-1, self.n)
+            informative = groups.max(dim=1).values != groups.min(dim=1).values
+            drawn += len(groups)
+            dropped += int((~informative).sum())
+            dropped_reward += float(groups[~informative, 0].sum())
+            keep = informative.nonzero().flatten()[:max(0, target - n_kept)]
+            if len(keep):
+                kept.append(batch.select_groups(keep, self.n))
+                n_kept += len(keep)
+            short = any(all_gather_object(n_kept < target))
+            if not short or rounds >= int(ds.max_rounds):
+                break
+            rounds += 1
+            rows = c.prompts.fill(c.prompts.loader.next_batch())
+            batch = self.sample_round(rows, step, round=rounds)
+        fewest = min(all_gather_object(n_kept))
+        if fewest < target:
+            log.warning("step %d: dynamic sampling kept %d of %d groups after %d extra round(s) "
+                        "(algorithm.dynamic_sampling.max_rounds=%d); training on %d group(s)", step, n_kept, target,
+                        rounds, int(ds.max_rounds), fewest)
+        out = Sampled.concat(kept, self.n, int(self.c.tokenizer.pad_token_id), fewest) if fewest else \
+            first.select_groups(torch.zeros(0, dtype=torch.long), self.n)
+        out.metrics = {"dynamic_sampling/groups_drawn": float(drawn), "dynamic_sampling/groups_dropped": float(dropped),
+                       "dynamic_sampling/dropped_reward_mean": dropped_reward / max(1, dropped),
+                       "dynamic_sampling/groups_kept": float(fewest), "dynamic_sampling/extra_rounds": float(rounds),
+                       "dynamic_sampling/dropped_frac": dropped / max(1, drawn)}
+        return out
+
+    def shape_scores(self, rollout: RolloutBatch, scores: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The scores with DAPO's overlong penalty added (``algorithm.overlong_buffer``), and its metrics."""
+        ob = self.algo.overlong_buffer
+        if not ob.length:
+            return scores, {}
+        from rlcore import rlmath
+
+        penalty = rlmath.overlong_penalty(rollout.response_mask.sum(-1).cpu(), int(self.gen_cfg.max_new_tokens),
+                                          int(ob.length), float(ob.penalty_factor))
+        return scores + penalty, {"reward/overlong_penalty_mean": float(penalty.mean()),
+                                  "reward/overlong_frac": float((penalty < 0).float().mean())}
+
+    def truncated(self, rollout: RolloutBatch) -> torch.Tensor:
+        """``[B]`` bool: responses cut at ``ppo.generation.max_new_tokens`` without an end-of-sequence token."""
+        lengths = rollout.response_mask.sum(-1)
+        ended = torch.zeros(rollout.response_ids.shape[0], dtype=torch.bool, device=rollout.response_ids.device)
+        for e in self.c.eos_ids:
+            ended |= ((rollout.response_ids == e) & rollout.response_mask.bool()).any(-1)
+        return ((lengths >= int(self.gen_cfg.max_new_tokens)) & ~ended).cpu()
 
     def _request(self, prompts: list[list[int]], extras: dict[str, list]) -> RolloutRequest:
         """The reward's view of the prompts: texts decoded from their tokens with
@@ -334,16 +428,13 @@ class Trainer:
         return ProgressBar(start, int(self.tcfg.max_steps), enabled=bool(self.tcfg.progress) and self.dist.is_main)
 
     def rollout_metrics(self, rollout: RolloutBatch, scores: torch.Tensor) -> dict[str, float]:
+        if not len(scores):
+            return {}
         lengths = rollout.response_mask.sum(-1).float()
-        max_len = int(self.gen_cfg.max_new_tokens)
-        last = rollout.response_ids[:, -1]
-        ended = torch.zeros_like(last, dtype=torch.bool)
-        for e in self.c.eos_ids:
-            ended |= (rollout.response_ids == e).any(-1)
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 "reward/min": float(scores.min()), "reward/max": float(scores.max()),
                 "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-                "response/clip_frac": float(((lengths >= max_len) & ~ended).float().mean()),
+                "response/clip_frac": float(self.truncated(rollout).float().mean()),
                 # samples the engine's paged KV cache had to preempt (and sample again) for want of pages
                 **{key: float(rollout.stats[key]) for key in ("rollout/preemptions",) if key in rollout.stats}}
 
@@ -366,7 +457,7 @@ class Trainer:
         batches += [None] * (total - len(batches))
         sums = {"reward": 0.0, "length": 0.0, "count": 0.0}
         for rows in batches:
-            prompts, extras = self.expand(rows if rows is not None else [spare], 1)
+            prompts, extras = self.expand(rows if rows is not None else [spare], n=1)
             rollout = c.generation.generate(prompts, self.sampling(0, greedy=True))
             s, _ = self.score(rollout, extras)
             if rows is not None:
@@ -379,3 +470,52 @@ class Trainer:
         out = {"reward_mean": sums["reward"] / count, "response_length": sums["length"] / count}
         self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
         return out
+
+
+@dataclass
+class Sampled:
+    """Scored samples of one step: ``B`` samples in groups of ``n`` consecutive ones (one prompt each)."""
+
+    rollout: RolloutBatch
+    scores: torch.Tensor  # [B] what the advantages see (overlong penalty included)
+    raw_scores: torch.Tensor  # [B] the reward backend's scores
+    reward_metrics: dict[str, float]
+    truncated: torch.Tensor  # [B] bool
+    group_ids: torch.Tensor  # [B] long
+    baseline: Optional[torch.Tensor] = None  # [B] ReMax greedy baseline
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def select_groups(self, groups: torch.Tensor, n: int) -> "Sampled":
+        """The samples of the given groups (indices into this batch's groups), in that order."""
+        idx = (groups.view(-1, 1) * n + torch.arange(n)).flatten()
+        r = self.rollout
+        rollout = RolloutBatch(prompt_ids=r.prompt_ids[idx.to(r.prompt_ids.device)],
+                               prompt_mask=r.prompt_mask[idx.to(r.prompt_ids.device)],
+                               response_ids=r.response_ids[idx.to(r.response_ids.device)],
+                               response_mask=r.response_mask[idx.to(r.response_ids.device)],
+                               logprobs=r.logprobs[idx.to(r.logprobs.device)], stats=dict(r.stats))
+        return Sampled(rollout=rollout, scores=self.scores[idx], raw_scores=self.raw_scores[idx],
+                       reward_metrics=dict(self.reward_metrics), truncated=self.truncated[idx],
+                       group_ids=self.group_ids[idx], baseline=None if self.baseline is None else self.baseline[idx],
+                       metrics=dict(self.metrics))
+
+    @staticmethod
+    def concat(parts: list["Sampled"], n: int, pad_token_id: int, groups: int) -> "Sampled":
+        """The first ``groups`` groups of ``parts`` joined, group ids renumbered so no two parts share one."""
+        from rlcore.rollout.base import concat_batches
+
+        ids, offset = [], 0
+        for p in parts:
+            ids.append(p.group_ids + offset)
+            offset += int(p.group_ids.max()) + 1 if len(p.group_ids) else 0
+        metrics: dict[str, list[float]] = {}
+        for p in parts:
+            for k, v in p.reward_metrics.items():
+                metrics.setdefault(k, []).append(v)
+        joined = Sampled(rollout=concat_batches([p.rollout for p in parts], pad_token_id),
+                         scores=torch.cat([p.scores for p in parts]), raw_scores=torch.cat([p.raw_scores for p in parts]),
+                         reward_metrics={k: sum(v) / len(v) for k, v in metrics.items()},
+                         truncated=torch.cat([p.truncated for p in parts]), group_ids=torch.cat(ids),
+                         baseline=None if parts[0].baseline is None else torch.cat([p.baseline for p in parts]))
+        return joined.select_groups(torch.arange(groups), n)
+

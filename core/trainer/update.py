@@ -60,8 +60,10 @@ def group_weights(response_mask: torch.Tensor, groups: Sequence[torch.Tensor], l
     mini-batch's valid tokens; per-sequence means weigh their share of the sequences that have a
     valid token (the ones :func:`rlcore.rlmath.aggregate_loss` counts). Either way the result does
     not depend on how the mini-batch is cut or ordered, nor on how many tokens each micro-batch
-    holds. ``response_mask [B, R]``.
+    holds; ``token-sum`` losses add up, each micro-batch's weighing 1. ``response_mask [B, R]``.
     """
+    if loss_agg == "token-sum":  # sums add up: every micro-batch's sum counts once
+        return [1.0] * len(groups)
     counts = [response_mask[g.to(response_mask.device)].sum(-1).float().cpu() for g in groups]
     if loss_agg != "token-mean":
         counts = [(c > 0).float() for c in counts]
@@ -159,6 +161,7 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
                                   response_mask=mb.response_mask, packed=packed)
     mask = mb.response_mask
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # None: on-policy (see on_policy)
+    horizon = int(ppo.generation.max_new_tokens)  # the constant length of seq-mean-token-sum-norm
     is_weights = None
     if ppo.rollout_is != "none" and mb.rollout_logprobs is not None:
         # one factor on every token's policy-gradient loss, whatever the loss (see rlmath.rollout_is_weights)
@@ -168,13 +171,15 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
         stats["rollout_is/capped_frac"].append(float(is_stats["capped_frac"]))
     pg_loss, pg_stats = rlmath.policy_loss(logp, old, mb.advantages, mask, ppo.cliprange,
                                            ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg,
-                                           token_weights=is_weights)
-    entropy = rlmath.masked_mean(ent, mask)
-    loss = pg_loss - ppo.entropy_coeff * entropy if ppo.entropy_coeff != 0 else pg_loss
+                                           kind=ppo.policy_loss, horizon=horizon, token_weights=is_weights)
+    entropy = rlmath.masked_mean(ent.detach(), mask)
+    loss = pg_loss
+    if ppo.entropy_coeff != 0:  # the bonus is aggregated like the policy loss
+        loss = loss - ppo.entropy_coeff * rlmath.aggregate_loss(ent, mask, ppo.loss_agg, horizon)
     if kl_loss_coef > 0 and mb.ref_logprobs is not None:
-        kl = rlmath.masked_mean(rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator), mask)
-        loss = loss + kl_loss_coef * kl
-        stats["actor/kl_loss"].append(float(kl.detach()))
+        kl_tokens = rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator)
+        loss = loss + kl_loss_coef * rlmath.aggregate_loss(kl_tokens, mask, ppo.loss_agg, horizon)
+        stats["actor/kl_loss"].append(float(rlmath.masked_mean(kl_tokens.detach(), mask)))
     (loss * weight).backward()
     stats["loss/policy"].append(float(pg_loss.detach()))
     stats["entropy/mean"].append(float(entropy.detach()))

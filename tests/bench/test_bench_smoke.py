@@ -17,6 +17,8 @@ CASES = {
     "rollout": ["bench_rollout.py", "--tiny", "--out", "{out}"],
     "long_rollout": ["bench_long_rollout.py", "--tiny", "--out", "{out}"],
     "grpo_step": ["bench_grpo_step.py", "--tiny", "--systems", "rlcore", "--workdir", "{tmp}", "--out", "{out}"],
+    "lora": ["bench_lora.py", "--tiny", "--rank", "4", "--configs", "lora-7b-r4", "--workdir", "{tmp}", "--out",
+             "{out}"],
     "reward": ["bench_reward.py", "--tiny", "--out", "{out}"],
     "reshard": ["bench_reshard.py", "--tiny", "--out", "{out}"],
     "checkpoint": ["bench_checkpoint.py", "--hidden", "64", "--layers", "2", "--vocab", "512", "--dir", "{tmp}",

@@ -89,3 +89,22 @@ def test_worker_failure_fails_the_launch_with_a_clear_error(tmp_path):
     assert proc.returncode != 0, text[-4000:]
     assert "distributed training failed: rank 1" in text and "the other ranks were stopped" in text, text[-4000:]
     assert "injected failure on rank 1" in text
+    assert "distributed training failed: rank" in text and "the other ranks were stopped" in text
+
+
+def test_lora_actor_with_fsdp2_in_two_processes_checkpoints_resumes_and_exports(tmp_path):
+    """A LoRA actor (peft) sharded with FSDP2 over two gloo processes: the reference is the actor with its
+    adapters off, the adapters and their optimizer state are checkpointed (DCP) and a resumed run continues;
+    the export writes the merged model and the adapter."""
+    pytest.importorskip("peft")
+    out = tmp_path / "run"
+    lora = ["algorithm.adv_estimator=grpo", "ppo.generation.n=2", "ppo.kl_coeff=0.01", "actor.lora.rank=4",
+            "actor.lora.alpha=8", "trainer.save_steps=1", f"trainer.output_dir={out}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlcore",
+              "train", *COMMON]
+    assert_trained(run(launch + lora, tmp_path), out)
+    assert (out / "final-adapter" / "adapter_config.json").is_file()
+    resumed = run(launch + lora + ["trainer.max_steps=3", "trainer.resume=auto"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    assert (out / "checkpoints" / "step_00000003").is_dir()

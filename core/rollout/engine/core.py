@@ -37,6 +37,7 @@ import torch
 from rlcore.rollout.engine import decode
 from rlcore.kernels import decode_attention
 from rlcore.rollout.engine import llama
+from rlcore.rollout.adapters import has_adapter_layers, unwrap
 from rlcore.rollout.engine import pages
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
@@ -248,6 +249,7 @@ class RolloutEngine:
         check_page_size(page_size)
         _check_kv_pages(kv_pages)
         _check_kv_memory_fraction(kv_memory_fraction)
+        model = unwrap(model)  # a LoRA (peft) model: its decoder, read with the adapters merged
         self.paged = kv_cache == "paged"
         self.page_size = int(page_size)
         self.spec = llama.decoder_spec(model)
@@ -260,9 +262,13 @@ class RolloutEngine:
         self.max_batch_size = int(max_batch_size)
         self.max_seq_len = int(max_seq_len)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
-        if share_weights is None:
+        adapters = has_adapter_layers(model)
+        if share_weights and adapters:
+            raise ValueError("RolloutEngine: share_weights=True cannot merge LoRA adapters; the engine must own "
+                             "its weights (leave share_weights unset)")
+        if share_weights is None:  # merged LoRA weights need owned copies, refreshed by sync_weights
             share_weights = (not self.use_cuda_graphs and self.dtype == next(model.parameters()).dtype
-                             and _model_device(model) == self.device)
+                             and _model_device(model) == self.device and not adapters)
         self.weights = llama.DecoderWeights.from_model(model, self.dtype, self.device, share=share_weights)
         self.buckets = sorted({b for b in graph_batch_buckets if 0 < b < max_batch_size} | {max_batch_size})
         step = int(attention_length_step or length_step(self.max_seq_len))

@@ -138,10 +138,17 @@ def _tensor_state(key: str, value: Any, state: Mapping[str, Any], *, full: bool 
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=full, cpu_offload=full)
     if isinstance(value, torch.nn.Module):
+        # a model with frozen weights (a LoRA actor) saves only what trains; the rest comes from its model path
+        opts = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=has_frozen(value))
         return get_model_state_dict(value, options=opts)
+    opts = StateDictOptions(full_state_dict=full, cpu_offload=full)
     return get_optimizer_state_dict(module_of(key, state), value, options=opts)
+
+
+def has_frozen(module: torch.nn.Module) -> bool:
+    """Whether some parameter of ``module`` does not train (``requires_grad`` off)."""
+    return any(not p.requires_grad for p in module.parameters())
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,11 +330,18 @@ def _apply_tensor_state(key: str, value: Any, sd: dict[str, Any], state: Mapping
         set_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=full, strict=True)
     try:
         if isinstance(value, torch.nn.Module):
-            set_model_state_dict(value, sd, options=opts)
+            frozen = has_frozen(value)
+            opts = StateDictOptions(full_state_dict=full, strict=not frozen, ignore_frozen_params=frozen)
+            result = set_model_state_dict(value, sd, options=opts)
+            trainable = {n for n, p in value.named_parameters() if p.requires_grad}
+            missing = sorted(k for k in getattr(result, "missing_keys", []) if k in trainable)
+            if frozen and missing:
+                raise KeyError(f"the checkpoint lacks trainable weights {missing[:5]}"
+                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         else:
+            opts = StateDictOptions(full_state_dict=full, strict=True)
             set_optimizer_state_dict(module_of(key, state), value, sd, options=opts)
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint entry {key!r} does not fit this run's {type(value).__name__}: {e}") from e
