@@ -165,6 +165,8 @@ def alphabet_score(prompts: Sequence[str], responses: Sequence[str], **_: Any) -
 # ------------------------------------------------------------------------------ the tool task
 
 SECRET_LEN = 2
+#: The share of the tool task's reward given for a well-formed ``lookup`` call.
+CALL_REWARD = 0.2
 
 
 def lookup_rows(split: str, n: int, env: str = "demo_lookup") -> list[dict[str, Any]]:
@@ -186,9 +188,12 @@ class LookupEnv:
 
     A turn with a well-formed ``lookup`` call (``<tool_call>{"name": "lookup", ...}</tool_call>``,
     parsed by the configured tool-call parser) is answered with the secret inside
-    ``<tool_response>``; any other turn is the answer and ends the episode. Reward: the share of the
-    secret's letters the answer has right, position by position (a guess without the tool is
-    right one time in ``len(LETTERS) ** SECRET_LEN`` in full).
+    ``<tool_response>``; any other turn is the answer and ends the episode. Reward:
+    :data:`CALL_REWARD` for a call in the first turn (a hint to start from; a call in a later turn
+    takes it back), plus ``1 - CALL_REWARD`` times the share
+    of the secret's letters the answer has right, position by position. Without the tool an
+    answer is a guess (each letter right one time in ``len(LETTERS)``), so a fresh model scores
+    about 0.1 and a trained one near 1.
     """
 
     observation_role = "tool"
@@ -214,6 +219,7 @@ class LookupEnv:
         calls = [c for c in parsed.calls if isinstance(c, ToolCall) and c.name == "lookup"]
         if calls and not turn.truncated:
             return Step(observation=[{"role": "tool", "content": " ".join(self.secret)}],
+                        reward=CALL_REWARD if turn.index == 0 else -CALL_REWARD,
                         metrics={"tool_calls": float(len(parsed.calls)),
                                  "tool_errors": float(len(parsed.calls) - len(calls))})
         if parsed.calls:
@@ -221,4 +227,4 @@ class LookupEnv:
                                                          "tool_errors": float(len(parsed.calls))})
         answer = turn.text.split()
         hits = sum(a == b for a, b in zip(answer, self.secret))
-        return Step(reward=hits / len(self.secret), done=True)
+        return Step(reward=(1.0 - CALL_REWARD) * hits / len(self.secret), done=True)

@@ -217,7 +217,7 @@ class EpisodeRunner:
     def stops(self) -> tuple[set[int], list[str]]:
         """Stop strings as one-token ids (flagged on the device with EOS) and longer texts."""
         if self._stops is None:
-            from rlcore.rollout.engine.turns import stop_token_ids
+            from rlcore.rollout.turns import stop_token_ids
 
             self._stops = stop_token_ids(self.tok, self.stop)
         return self._stops

@@ -13,8 +13,8 @@ Layers, each enough on its own for some attacks and together for all the tests t
 * **writes confined** to the episode's temporary directory (the working directory): the audit hook
   refuses opening a file for writing, creating, removing or renaming anything outside it, and
   refuses starting processes, ``ctypes`` and other escapes from the hook;
-* **output truncated** to ``max_output_bytes`` (the rest is read and dropped, so a flood of output
-  cannot fill memory).
+* **output truncated** to ``max_output_bytes``, its beginning and its end (the middle is read and
+  dropped, so a flood of output cannot fill memory).
 
 The audit hook cannot be removed once installed (PEP 578), and the code runs after it.
 """
@@ -158,18 +158,22 @@ def _scrubbed_env(root: str) -> dict[str, str]:
 
 
 def _drain(stream, keep: int, sink: list, flags: dict) -> None:
-    """Read ``stream`` to its end, keeping the first ``keep`` bytes."""
-    kept = 0
+    """Read ``stream`` to its end, keeping its first and last ``keep // 2`` bytes (an error
+    message at the end of a long output survives)."""
+    head, tail, half, total = bytearray(), bytearray(), max(1, keep // 2), 0
     while True:
         chunk = stream.read(65536)
         if not chunk:
             break
-        if kept < keep:
-            sink.append(chunk[:keep - kept])
-            kept += len(sink[-1])
-        if kept >= keep and len(chunk):
-            flags["truncated"] = flags.get("truncated", False) or kept + len(chunk) > keep
+        total += len(chunk)
+        room = half - len(head)
+        if room > 0:
+            head += chunk[:room]
+            chunk = chunk[room:]
+        tail = (tail + chunk)[-(keep - half):]
     stream.close()
+    flags["truncated"] = total > len(head) + len(tail)
+    sink.append(bytes(head) + (b"\n[...]\n" if flags["truncated"] else b"") + bytes(tail))
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, python: Optional[str] = None) -> SandboxResult:

@@ -154,14 +154,34 @@ def build_reward(cfg: DictConfig, pm: Any, placement: Any, tokenizer: Any, dist:
     :class:`~rlcore.rewards.routed.RoutedReward` that scores its samples there."""
     from rlcore.rewards.routed import build_routed_reward
 
+    reward_cfg = obj(cfg.reward)
+    if cfg.data.env_key and not reward_cfg.weights and not cfg.custom_reward_function.path \
+            and not cfg.reward_model.enable:
+        reward_cfg.weights = {"env_reward": 1.0}  # multi-turn episodes: the environments' rewards by default
+
     def build() -> Any:
         rewards: dict[str, Any] = {}
         pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
         return pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
-                        reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
+                        reward_function=obj(cfg.custom_reward_function), reward=reward_cfg,
                         placement=placement, tokenizer=tokenizer, rewards=rewards)
 
     return build_routed_reward(build, placement, dist)
+
+
+def build_episode_runner(cfg: DictConfig, pm: Any, tokenizer: Any) -> Any:
+    """The runner of multi-turn episodes when ``data.env_key`` is set (else ``None``): every
+    environment and tool-call parser the plugins register, configured by ``plugin_config`` and
+    the ``env`` section."""
+    if not cfg.data.env_key:
+        return None
+    from rlcore.envs.runner import EpisodeLimits, EpisodeRunner, collect_environments
+
+    env = obj(cfg.env)
+    max_tokens = min(env.max_tokens or cfg.ppo.generation.max_new_tokens, cfg.ppo.generation.max_new_tokens)
+    environments = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True),
+                                        env.tool_parser, EpisodeLimits(env.max_turns, max_tokens, env.timeout_s))
+    return EpisodeRunner(environments, tokenizer, env.max_concurrency, env.stop)
 
 
 def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:

@@ -56,6 +56,10 @@ class Trainer:
         #: "completed" or "interrupted" once :meth:`train` returns (a failed run raises)
         self.status = "not started"
         self.c: Components = build_components(cfg, pm, dist)
+        from rlcore.trainer.components import build_episode_runner
+
+        #: plays rows as multi-turn episodes (``data.env_key``), else None
+        self.episodes = build_episode_runner(cfg, pm, self.c.tokenizer)
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
@@ -116,11 +120,13 @@ class Trainer:
         # 1. Prompts: this rank's share, each repeated n times.
         rows = c.ensure_ids(c.train_loader.next_batch())
         prompts, extras = self.expand(rows)
-        # 2. Rollout in the generation layout.
+        # 2. Rollout in the generation layout (multi-turn rows play their episodes).
+        prompts, episodes = self.start_episodes(rows, prompts)
         self.hook.rlcore_before_generation(step=step, prompts=prompts)
         with self.timer("generate"):
             rollout = self.generate(prompts, self.sampling(step))
         self.hook.rlcore_after_generation(step=step, rollout=rollout)
+        m.update(self.end_episodes(episodes, extras))
         # 3. Reward.
         with self.timer("reward"):
             scores, m_reward = self.score(rollout, extras)
@@ -182,6 +188,34 @@ class Trainer:
         extras["prompt_text"] = [r[key] if isinstance(r.get(key), str) else self.c.tokenizer.decode(r["input_ids"])
                                  for r in rows for _ in range(self.n)]
         return prompts, extras
+
+    def start_episodes(self, rows: list[dict], prompts: list[list[int]]) -> tuple[list, list]:
+        """With ``data.env_key``: start an episode per sample whose row names an environment; its
+        prompt then carries it (and becomes the environment's initial messages if it gives some)."""
+        if self.episodes is None:
+            return prompts, []
+        from rlcore.envs.runner import EpisodePrompt
+
+        key = self.cfg.data.env_key
+        samples = [r for r in rows for _ in range(self.n)]
+        missing = [r for r in samples if key not in r]
+        if missing:
+            from rlcore.errors import DataError
+            raise DataError(f"data.env_key is '{key}' but a row has no such column; its columns: "
+                            f"{', '.join(sorted(missing[0]))}")
+        episodes = self.episodes.start([r.get(key) for r in samples], samples)
+        out = [EpisodePrompt(getattr(e, "prompt", None) or p, e) if e is not None else p
+               for p, e in zip(prompts, episodes)]
+        return out, episodes
+
+    def end_episodes(self, episodes: list, extras: dict[str, list]) -> dict[str, float]:
+        """The episodes' rewards into the reward's extras (``env_reward``) and their metrics."""
+        if not episodes:
+            return {}
+        from rlcore.envs.runner import episode_metrics
+
+        extras["env_reward"] = [None if e is None else e.reward for e in episodes]
+        return episode_metrics(episodes)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         return self.c.generate(prompts, params)
@@ -269,8 +303,11 @@ class Trainer:
         saved_n, self.n = self.n, 1
         try:
             for rows in batches:
-                prompts, extras = self.expand(rows if rows is not None else [spare])
+                rows_now = rows if rows is not None else [spare]
+                prompts, extras = self.expand(rows_now)
+                prompts, episodes = self.start_episodes(rows_now, prompts)
                 rollout = self.generate(prompts, self.sampling(0, greedy=True))
+                self.end_episodes(episodes, extras)
                 s, _ = self.score(rollout, extras)
                 if rows is not None:
                     sums["reward"] += float(s.sum())

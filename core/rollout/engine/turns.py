@@ -29,45 +29,11 @@ import torch
 
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.engine.scheduler import Scheduler
+from rlcore.rollout.turns import find_turn_end
 
 if TYPE_CHECKING:
     from rlcore.envs.runner import Episode
     from rlcore.rollout.engine import RolloutEngine
-
-
-def stop_token_ids(tokenizer, stop: Sequence[str]) -> tuple[set[int], list[str]]:
-    """``(ids, texts)``: stop strings that are one token of ``tokenizer`` (flagged on the device)
-    and the others (found in the decoded text)."""
-    ids, texts = set(), []
-    for text in stop:
-        enc = tokenizer(text, add_special_tokens=False)["input_ids"]
-        unk = getattr(tokenizer, "unk_token_id", None)
-        if len(enc) == 1 and enc[0] != unk:
-            ids.add(int(enc[0]))
-        else:
-            texts.append(text)
-    return ids, texts
-
-
-def find_turn_end(tokens: Sequence[int], start: int, count: int, end_ids: set[int], stop_texts: Sequence[str],
-                  decode) -> Optional[int]:
-    """The index of the token that ends the turn beginning at ``start`` among the first ``count``
-    of ``tokens``: the first end token (EOS or a one-token stop string), or the token that
-    completes a longer stop string, whichever comes first; ``None`` if the turn goes on."""
-    end = next((i for i in range(start, count) if tokens[i] in end_ids), None)
-    if stop_texts:
-        limit = count if end is None else end
-        text = decode(tokens[start:limit])
-        if any(s in text for s in stop_texts):
-            lo, hi = start, limit - 1  # the shortest prefix holding a stop string
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if any(s in decode(tokens[start:mid + 1]) for s in stop_texts):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            end = lo
-    return end
 
 
 class TurnScheduler(Scheduler):
@@ -75,7 +41,7 @@ class TurnScheduler(Scheduler):
 
     Args:
         episodes: per prompt, its :class:`~rlcore.envs.runner.Episode` or ``None`` (single turn).
-        stop_ids, stop_texts: see :func:`stop_token_ids`.
+        stop_ids, stop_texts: see :func:`rlcore.rollout.turns.stop_token_ids`.
         decode: ``token ids -> text`` (the tokenizer's, special tokens dropped).
     """
 
