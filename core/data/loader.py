@@ -43,14 +43,19 @@ def _hf_iterable(dataset: Any) -> bool:
     return datasets is not None and isinstance(dataset, getattr(datasets, "IterableDataset", ()))
 
 
-def epoch_indices(num_rows: int, batch_size: int, seed: int, epoch: int, dist: DistInfo, shuffle: bool) -> list[int]:
-    """This rank's indices of one epoch: whole batches only, disjoint from every other rank's."""
+def epoch_indices(num_rows: int, batch_size: int, seed: int, epoch: int, dist: DistInfo, shuffle: bool,
+                  start: int = 0) -> list[int]:
+    """This rank's indices of one epoch: whole batches only, disjoint from every other rank's.
+
+    ``start`` skips the epoch's first ``start`` rows of the permutation (rows the ranks of an earlier
+    run, possibly of another world size, already took); the rest is dealt out as usual."""
     if shuffle:
         g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
         order = torch.randperm(num_rows, generator=g)
     else:
         order = torch.arange(num_rows)
-    per_rank = num_rows // dist.world_size
+    order = order[int(start):]
+    per_rank = len(order) // dist.world_size
     mine = order[dist.rank: per_rank * dist.world_size: dist.world_size]
     return mine[: per_rank // batch_size * batch_size].tolist()
 
@@ -114,7 +119,8 @@ class PromptLoader:
             dataset.set_seed(self.seed)
         self.dataset = dataset
         self.epoch = 0
-        self._offset = 0  # map-style: rows taken by this rank in this epoch
+        self._offset = 0  # map-style: rows taken by this rank in this epoch (after ``_start``)
+        self._start = 0  # map-style: rows of this epoch's permutation taken before a resume with another world size
         self._positions: dict[int, int] = {}  # iterable: worker -> position of the last row handed out
         self._it: Optional[Iterator[Any]] = None
         self._buf: deque = deque()
@@ -139,7 +145,7 @@ class PromptLoader:
     def _start_epoch(self) -> None:
         if self.map_style:
             idx = epoch_indices(len(self.dataset), self.batch_size, self.seed, self.epoch, self.dist,
-                                bool(self.config.shuffle))
+                                bool(self.config.shuffle), start=self._start)
             dl = DataLoader(self.dataset, batch_size=self.batch_size, sampler=_ListSampler(idx[self._offset:]),
                             drop_last=True, **self._loader_kwargs())
         else:
@@ -152,7 +158,7 @@ class PromptLoader:
 
     def _next_epoch(self) -> None:
         self.epoch += 1
-        self._offset, self._positions, self._epoch_batches = 0, {}, 0
+        self._offset, self._start, self._positions, self._epoch_batches = 0, 0, {}, 0
         self._it = None
 
     def check_first_batch(self) -> None:
@@ -211,7 +217,10 @@ class PromptLoader:
                                  "seed": self.seed, "world_size": self.dist.world_size,
                                  "num_workers": int(self.config.num_workers)}
         if self.map_style:
-            state.update(offset=self._offset, num_rows=len(self.dataset))
+            # every rank takes its batches in lockstep, so the epoch's first ``consumed`` rows of the
+            # permutation are exactly the rows all ranks took: a run of any world size resumes there
+            state.update(offset=self._offset, start=self._start, num_rows=len(self.dataset),
+                         consumed=self._start + self._offset * self.dist.world_size)
         else:
             state["positions"] = {str(k): int(v) for k, v in self._positions.items()}
         return state
@@ -222,14 +231,19 @@ class PromptLoader:
             raise DataError(f"cannot resume the data position: it was saved for a {state.get('kind')} dataset, "
                             f"this run has a {kind} one")
         self.epoch, self.seed = int(state["epoch"]), int(state.get("seed", self.seed))
-        self._offset, self._positions, self._epoch_batches, self._it, self._pending = 0, {}, 0, None, None
+        self._offset, self._start, self._positions, self._epoch_batches, self._it, self._pending = 0, 0, {}, 0, None, None
         if self.map_style:
-            if int(state.get("num_rows", -1)) != len(self.dataset) or state.get("world_size") != self.dist.world_size:
-                log.warning("the training set or world size changed since the checkpoint (%s rows, %s ranks -> "
-                            "%d rows, %d ranks): epoch %d restarts from its first batch", state.get("num_rows"),
-                            state.get("world_size"), len(self.dataset), self.dist.world_size, self.epoch)
+            if int(state.get("num_rows", -1)) != len(self.dataset):
+                log.warning("the training set changed since the checkpoint (%s rows -> %d rows): epoch %d restarts "
+                            "from its first batch", state.get("num_rows"), len(self.dataset), self.epoch)
+            elif state.get("world_size") != self.dist.world_size:
+                consumed = int(state.get("consumed", int(state.get("offset", 0)) * int(state.get("world_size") or 1)))
+                self._start = consumed
+                log.info("the world size changed since the checkpoint (%s -> %d ranks): epoch %d continues after "
+                         "the %d rows the earlier ranks took", state.get("world_size"), self.dist.world_size,
+                         self.epoch, consumed)
             else:
-                self._offset = int(state.get("offset", 0))
+                self._start, self._offset = int(state.get("start", 0)), int(state.get("offset", 0))
             return
         if hasattr(self.dataset, "set_seed"):
             self.dataset.set_seed(self.seed)

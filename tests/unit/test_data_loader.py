@@ -64,6 +64,26 @@ def test_resume_continues_with_the_same_batches(workers):
     assert resumed.epoch == 1 and take(resumed, 8) == expected
 
 
+@pytest.mark.parametrize("before,after", [(4, 2), (2, 4), (3, 1)])
+def test_resume_with_another_world_size_neither_repeats_nor_skips_rows(before, after):
+    """4 ranks save after 2 batches each; 2 ranks resume: the epoch's remaining rows are dealt out to
+    the new ranks, none of the rows taken before comes again, and no row of the epoch is skipped
+    beyond the last incomplete batch."""
+    rows = RowsDataset([{"prompt": f"p{i}", "id": i, "input_ids": [i]} for i in range(96)])
+    first = [PromptLoader(rows, DataConfig(), 4, 7, DistInfo(rank=r, world_size=before)) for r in range(before)]
+    taken = [i for ld in first for b in take(ld, 2) for i in b]
+    states = [ld.state_dict() for ld in first]
+    second = [PromptLoader(rows, DataConfig(), 4, 0, DistInfo(rank=r, world_size=after)) for r in range(after)]
+    for ld in second:
+        ld.load_state_dict(states[0])
+    per_rank = (96 - len(taken)) // after // 4
+    rest = [i for ld in second for b in take(ld, per_rank) for i in b]
+    assert all(ld.epoch == 0 for ld in second)
+    assert not set(rest) & set(taken)
+    assert len(rest) == len(set(rest)) and len(rest) + len(taken) > 96 - 4 * after
+    assert second[0].state_dict()["consumed"] == len(taken) + len(rest)
+
+
 def test_too_small_for_a_batch():
     with pytest.raises(DataError, match=r"50 rows: 12 per rank for 4 rank\(s\), fewer than one batch of 16"):
         PromptLoader(ROWS, DataConfig(), 16, 0, DistInfo(rank=0, world_size=4))
