@@ -98,11 +98,34 @@ def preflight(cfg, names):
     for impl in pm.hook.rlcore_preflight.get_hookimpls():  # each plugin's checks, all reported
         attempt(_plugin_check, impl, given)
     attempt(_check_rank_groups, cfg)
+    attempt(_check_environments, cfg, pm)
     if len(problems) == 1:
         raise problems[0]
     if problems:
         raise PreflightError(problems)
     return pm
+
+
+def _check_environments(cfg, pm) -> None:
+    """With ``data.env_key``: the tool-call parser exists, and every environment configured under
+    ``plugin_config`` builds from its settings (a bad key fails here, naming it)."""
+    if not cfg.data.env_key:
+        return
+    from omegaconf import OmegaConf
+
+    from rlcore.envs.runner import collect_environments
+    from rlcore.errors import EnvError
+
+    envs = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True), cfg.env.tool_parser)
+    if cfg.env.tool_parser not in envs.parsers:
+        raise EnvError(f"env.tool_parser: '{cfg.env.tool_parser}' is not a registered tool-call parser; parsers: "
+                       f"{', '.join(sorted(envs.parsers))}")
+    for name in cfg.plugin_config:
+        if name in envs.factories:
+            try:
+                envs.make(name)
+            except ValueError as error:
+                raise EnvError(f"environment '{name}': {error}") from error
 
 
 def _plugin_check(impl, given: dict) -> None:
@@ -218,6 +241,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[k])) for r in rows + [head]) for k in range(4)]
     for r in [head] + rows:
         print("  ".join(str(r[k]).ljust(widths[k]) for k in range(4)) + "  " + r[4])
+    from rlcore.envs.runner import collect_environments
+
+    envs = collect_environments(pm)
+    print("\nenvironments (data.env_key; settings under plugin_config.<name>):")
+    for name, (_, plugin) in sorted(envs.factories.items()):
+        print(f"  {name.ljust(16)}  from plugin {plugin}")
+    print("tool-call parsers (env.tool_parser): " + ", ".join(sorted(envs.parsers)))
     return 0
 
 

@@ -164,7 +164,7 @@ def alphabet_score(prompts: Sequence[str], responses: Sequence[str], **_: Any) -
 
 # ------------------------------------------------------------------------------ the tool task
 
-SECRET_LEN = 2
+SECRET_LEN = 1
 #: The share of the tool task's reward given for a well-formed ``lookup`` call.
 CALL_REWARD = 0.2
 
