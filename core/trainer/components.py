@@ -176,7 +176,11 @@ def build_episode_runner(cfg: DictConfig, pm: Any, tokenizer: Any) -> Any:
     if not cfg.data.env_key:
         return None
     from rlcore.envs.runner import EpisodeLimits, EpisodeRunner, collect_environments
+    from rlcore.errors import ConfigError
 
+    if cfg.actor.remeshing.enabled:
+        raise ConfigError(["'data.env_key' (multi-turn episodes) does not work with 'actor.remeshing.enabled': "
+                           "generation groups pool prompts across ranks as plain token ids"])
     env = obj(cfg.env)
     max_tokens = min(env.max_tokens or cfg.ppo.generation.max_new_tokens, cfg.ppo.generation.max_new_tokens)
     environments = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True),
