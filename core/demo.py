@@ -187,8 +187,8 @@ class LookupEnv:
     """``demo_lookup``: the answer is the row's secret, which only the ``lookup`` tool tells.
 
     A turn with a well-formed ``lookup`` call (``<tool_call>{"name": "lookup", ...}</tool_call>``,
-    parsed by the configured tool-call parser) is answered with the secret inside
-    ``<tool_response>``; any other turn is the answer and ends the episode. Reward:
+    parsed by the configured tool-call parser) is answered with the secret as a plain message
+    (a tiny model copies a letter it has just read more easily than one inside markup); any other turn is the answer and ends the episode. Reward:
     :data:`CALL_REWARD` for a call in the first turn (a hint to start from; a call in a later turn
     takes it back), plus ``1 - CALL_REWARD`` times the share
     of the secret's letters the answer has right, position by position. Without the tool an
@@ -196,7 +196,7 @@ class LookupEnv:
     about 0.1 and a trained one near 1.
     """
 
-    observation_role = "tool"
+    observation_role = "user"
 
     def __init__(self, config: dict | None = None):
         from rlcore.envs.tools import parse_hermes
@@ -218,7 +218,7 @@ class LookupEnv:
         parsed = self.parser(turn.text)
         calls = [c for c in parsed.calls if isinstance(c, ToolCall) and c.name == "lookup"]
         if calls and not turn.truncated:
-            return Step(observation=[{"role": "tool", "content": " ".join(self.secret)}],
+            return Step(observation=" ".join(self.secret),
                         reward=CALL_REWARD if turn.index == 0 else -CALL_REWARD,
                         metrics={"tool_calls": float(len(parsed.calls)),
                                  "tool_errors": float(len(parsed.calls) - len(calls))})
