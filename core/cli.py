@@ -80,6 +80,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[k])) for r in rows + [head]) for k in range(4)]
     for r in [head] + rows:
         print("  ".join(str(r[k]).ljust(widths[k]) for k in range(4)) + "  " + r[4])
+    from rlcore.envs.runner import collect_environments
+
+    envs = collect_environments(pm)
+    print("\nenvironments (data.env_key; settings under plugin_config.<name>):")
+    for name, (_, plugin) in sorted(envs.factories.items()):
+        print(f"  {name.ljust(16)}  from plugin {plugin}")
+    print("tool-call parsers (env.tool_parser): " + ", ".join(sorted(envs.parsers)))
     return 0
 
 

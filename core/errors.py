@@ -47,6 +47,10 @@ class CheckpointError(RLCoreError):
     """A checkpoint could not be written or read."""
 
 
+class EnvError(RLCoreError):
+    """An environment is unknown, misconfigured, or failed during an episode."""
+
+
 class PlacementError(RLCoreError, ValueError):
     """Roles cannot be placed on the devices or ranks available."""
 

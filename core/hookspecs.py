@@ -91,6 +91,29 @@ def rlcore_register_rewards(register: Callable[[str, Callable[..., Any]], None])
     """
 
 
+@hookspec
+def rlcore_environment(register: Callable[[str, Callable[[dict], Any]], None]) -> None:
+    """Register named environments for multi-turn rollouts; a dataset row picks one by name in its
+    ``data.env_key`` column.
+
+    :param register: call ``register(name, factory)``; ``factory(config)`` returns a fresh
+        environment for one episode (see :class:`rlcore.envs.Environment`: ``start(row)`` and
+        ``step(turn)``, plain or ``async``), ``config`` being ``plugin_config.<name>`` as a ``dict``
+        without the rollout's own keys ``max_turns`` and ``max_tokens``. Raise ``ValueError`` naming
+        the key for a bad setting.
+    """
+
+
+@hookspec
+def rlcore_tool_parser(register: Callable[[str, Callable[[str], Any]], None]) -> None:
+    """Register named tool-call parsers, chosen by ``env.tool_parser``.
+
+    :param register: call ``register(name, parser)``; ``parser(text)`` returns a
+        :class:`rlcore.envs.ParsedTurn` (a malformed call is a :class:`rlcore.envs.ToolCallError`
+        in it, never an exception).
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Components (factory hooks)
 # --------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ def preflight(cfg, names):
     given = {"config": to_container(cfg), "plugins": list(names)}
     for impl in pm.hook.rlcore_preflight.get_hookimpls():  # each plugin's checks, all reported
         attempt(_plugin_check, impl, given)
+    attempt(_check_environments, cfg, pm)
     attempt(_check_rank_groups, cfg)
     if not problems:  # two plugins answering one factory hook, found as train would find it
         attempt(check_conflicts, pm, cfg, _world_size(cfg), lambda: _tokenizer(cfg))
@@ -104,6 +105,28 @@ def _tokenizer(cfg):
     from rlcore.trainer.models import load_tokenizer
 
     return load_tokenizer(cfg.actor.model_path or demo_model(cfg.trainer.output_dir, DistInfo()))
+
+
+def _check_environments(cfg, pm) -> None:
+    """With ``data.env_key``: the tool-call parser exists, and every environment configured under
+    ``plugin_config`` builds from its settings (a bad key fails here, naming it)."""
+    if not cfg.data.env_key:
+        return
+    from omegaconf import OmegaConf
+
+    from rlcore.envs.runner import collect_environments
+    from rlcore.errors import EnvError
+
+    envs = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True), cfg.env.tool_parser)
+    if cfg.env.tool_parser not in envs.parsers:
+        raise EnvError(f"env.tool_parser: '{cfg.env.tool_parser}' is not a registered tool-call parser; parsers: "
+                       f"{', '.join(sorted(envs.parsers))}")
+    for name in cfg.plugin_config:
+        if name in envs.factories:
+            try:
+                envs.make(name)
+            except ValueError as error:
+                raise EnvError(f"environment '{name}': {error}") from error
 
 
 def _check_devices(cfg) -> None:

@@ -8,7 +8,9 @@
 - checkpoint: every ``trainer.save_steps``, keep the last N, atomic, resumable;
 - rollout backend: Hugging Face ``generate`` for ``actor.rollout_backend`` ``auto`` or ``hf`` and for every
   tensor-parallel replica (the built-in ``engine`` plugin answers first for the models it supports);
-- metrics: one console line per logged step.
+- metrics: one console line per logged step;
+- environments: ``python`` (a sandboxed Python tool), ``guess`` (a number-guessing game), ``demo_lookup``
+  (the demo's tool task); tool-call parser ``hermes``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,24 @@ def rlcore_register_rewards(register):
 
     for name, fn in BUILTIN_REWARDS.items():
         register(name, fn)
+
+
+@hookimpl
+def rlcore_environment(register):
+    from rlcore.demo import LookupEnv
+    from rlcore.envs.builtin import BUILTIN_ENVIRONMENTS
+
+    for name, factory in BUILTIN_ENVIRONMENTS.items():
+        register(name, factory)
+    register("demo_lookup", LookupEnv)
+
+
+@hookimpl
+def rlcore_tool_parser(register):
+    from rlcore.envs.tools import BUILTIN_PARSERS
+
+    for name, parser in BUILTIN_PARSERS.items():
+        register(name, parser)
 
 
 @hookimpl

@@ -249,6 +249,13 @@ def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | 
     rbs = cfg.ppo.rollout_batch_size
     if not (rbs == "auto" or (isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0)):
         errors.append(f"'ppo.rollout_batch_size' = {rbs!r} must be a positive integer or 'auto'")
+    for key in ("env.max_turns", "env.max_concurrency"):
+        if OmegaConf.select(cfg, key) < 1:
+            errors.append(f"'{key}' must be >= 1, got {OmegaConf.select(cfg, key)}")
+    if cfg.env.max_tokens is not None and cfg.env.max_tokens < 2:
+        errors.append(f"'env.max_tokens' must be >= 2 (a turn and one observation token) or null, got {cfg.env.max_tokens}")
+    if not cfg.env.timeout_s > 0:
+        errors.append(f"'env.timeout_s' must be > 0, got {cfg.env.timeout_s}")
     positive = ["ppo.generation.batch_size", "ppo.generation.max_new_tokens", "ppo.generation.n",
                 "ppo.ppo_epochs", "trainer.gradient_accumulation_steps", "trainer.log_steps",
                 "data.max_prompt_length", "trainer.nproc_per_node", "data.prefetch_factor"]

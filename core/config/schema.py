@@ -112,6 +112,8 @@ class DataConfig:
     custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
     #: Rows the ``streaming`` plugin keeps for shuffling.
     shuffle_buffer: int = 1024
+    #: Column naming each row's environment (multi-turn episodes, see ``env``); None = single-turn rollouts. A row whose value is empty is a single turn.
+    env_key: Optional[str] = None
 
 
 @dataclass
@@ -579,6 +581,22 @@ class PlacementConfig:
 
 
 @dataclass
+class EnvConfig:
+    #: Most model turns per episode (``plugin_config.<environment>.max_turns`` overrides it per environment).
+    max_turns: int = 4
+    #: Most tokens after the prompt, model and observation tokens together; None = ``ppo.generation.max_new_tokens`` (also the upper bound). ``plugin_config.<environment>.max_tokens`` overrides it.
+    max_tokens: Optional[int] = None
+    #: Texts that end a model turn besides EOS (the turn keeps them).
+    stop: list[str] = field(default_factory=lambda: ["</tool_call>"])
+    #: Tool-call parser of tool environments, by registered name.
+    tool_parser: str = "hermes"
+    #: Environment calls running at once (coroutines, and worker threads for plain functions).
+    max_concurrency: int = 64
+    #: Seconds an environment may take to answer a turn; past it the episode ends (counted in ``env/timeouts``).
+    timeout_s: float = 60.0
+
+
+@dataclass
 class RLCoreConfig:
     #: Plugins to load by name from the ``rlcore.plugins`` entry-point group.
     plugins: list[str] = field(default_factory=list)
@@ -595,5 +613,7 @@ class RLCoreConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     #: Which ranks hold each role (default: every role on every rank).
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    #: Multi-turn episodes: how turns end and the limits of an episode (used when ``data.env_key`` is set).
+    env: EnvConfig = field(default_factory=EnvConfig)
     #: Free-form sections of plugins, keyed by plugin name (``plugin_config.<name>.<key>``).
     plugin_config: dict[str, Any] = field(default_factory=dict)

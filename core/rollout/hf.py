@@ -91,9 +91,21 @@ class HFGenerateBackend:
     def sync_weights(self) -> None:
         """Nothing to do: ``generate`` runs the live model."""
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
-        """Sample one response per prompt (see :class:`~rlcore.rollout.base.RolloutBackend`)."""
+        """Sample one response per prompt (see :class:`~rlcore.rollout.base.RolloutBackend`).
+        Prompts that carry an episode (:class:`rlcore.envs.runner.EpisodePrompt`) are played turn
+        by turn (:func:`rlcore.rollout.turns.generate_turn_by_turn`)."""
+        from rlcore.envs.runner import episodes_of
+
+        episodes, runner = episodes_of(prompts)
+        if runner is None:
+            return self._generate(prompts, params)
+        from rlcore.rollout.turns import generate_turn_by_turn
+
+        return generate_turn_by_turn(self._generate, prompts, params, episodes, runner, self.device)
+
+    @torch.no_grad()
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         vocab = getattr(self.model.config, "vocab_size", None)
         validate_params(params, vocab)
         start = time.perf_counter()

@@ -126,14 +126,38 @@ def build_reward(cfg: DictConfig, pm: Any, placement: Any, tokenizer: Any, dist:
     :class:`~rlcore.rewards.routed.RoutedReward` that scores its samples there."""
     from rlcore.rewards.routed import build_routed_reward
 
+    reward_cfg = obj(cfg.reward)
+    if cfg.data.env_key and not reward_cfg.weights and not cfg.custom_reward_function.path \
+            and not cfg.reward_model.enable:
+        reward_cfg.weights = {"env_reward": 1.0}  # multi-turn episodes: the environments' rewards by default
+
     def build() -> Any:
         rewards: dict[str, Any] = {}
         pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
         return pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
-                        reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
+                        reward_function=obj(cfg.custom_reward_function), reward=reward_cfg,
                         placement=placement, tokenizer=tokenizer, rewards=rewards, run_dir=cfg.trainer.output_dir)
 
     return build_routed_reward(build, placement, dist)
+
+
+def build_episode_runner(cfg: DictConfig, pm: Any, tokenizer: Any) -> Any:
+    """The runner of multi-turn episodes when ``data.env_key`` is set (else ``None``): every
+    environment and tool-call parser the plugins register, configured by ``plugin_config`` and
+    the ``env`` section."""
+    if not cfg.data.env_key:
+        return None
+    from rlcore.envs.runner import EpisodeLimits, EpisodeRunner, collect_environments
+    from rlcore.errors import ConfigError
+
+    if cfg.actor.remeshing.enabled:
+        raise ConfigError(["'data.env_key' (multi-turn episodes) does not work with 'actor.remeshing.enabled': "
+                           "generation groups pool prompts across ranks as plain token ids"])
+    env = obj(cfg.env)
+    max_tokens = min(env.max_tokens or cfg.ppo.generation.max_new_tokens, cfg.ppo.generation.max_new_tokens)
+    environments = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True),
+                                        env.tool_parser, EpisodeLimits(env.max_turns, max_tokens, env.timeout_s))
+    return EpisodeRunner(environments, tokenizer, env.max_concurrency, env.stop)
 
 
 def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
@@ -282,7 +306,7 @@ def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, 
     """The actor's rollout: backends of its generation layouts from ``rlcore_rollout_backend``, built on first use."""
     request = RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
                              max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
-                             engine=actor_cfg.rollout_engine.engine_kwargs())
+                             engine=_engine_settings(actor_cfg.rollout_engine, data_cfg))
 
     def build(module: torch.nn.Module, tensor_parallel: bool) -> RolloutBackend:
         return pm.build("rlcore_rollout_backend", model=module,
@@ -292,6 +316,16 @@ def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, 
     if not dist.distributed:  # single process: the backend reads the training module directly
         prebuilt[id(actor)] = build(actor_module, False)
     return ActorGeneration(actor, reshard, build, int(ppo.generation.batch_size), prebuilt=prebuilt)
+
+
+def _engine_settings(engine: Any, data_cfg: Any) -> dict[str, Any]:
+    """The rollout engine's keyword arguments: ``actor.rollout_engine``, with the static KV cache for
+    multi-turn episodes (``data.env_key``: observations are written into a slot's cache row)."""
+    kwargs = engine.engine_kwargs()
+    if data_cfg.env_key and kwargs["kv_cache"] == "paged":
+        log.info("data.env_key is set: the rollout engine keeps a static KV cache (multi-turn episodes)")
+        kwargs["kv_cache"] = "static"
+    return kwargs
 
 
 def demo_model(output_dir: str, dist: DistInfo) -> str:

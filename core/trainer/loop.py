@@ -71,6 +71,10 @@ class Trainer:
         #: "completed" or "interrupted" once :meth:`train` returns (a failed run raises)
         self.status = "not started"
         self.c: Components = build_components(cfg, pm, dist)
+        from rlcore.trainer.components import build_episode_runner
+
+        #: plays rows as multi-turn episodes (``data.env_key``), else None
+        self.episodes = build_episode_runner(cfg, pm, self.c.tokenizer)
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
@@ -252,13 +256,17 @@ class Trainer:
         """Generate ``n`` responses for each of ``rows`` and score them (with overlong shaping, and
         the greedy baseline of ReMax)."""
         prompts, extras = self.expand(rows)
+        # multi-turn rows play their episodes (data.env_key)
+        prompts, episodes = self.start_episodes(rows, prompts)
         self.hook.rlcore_before_generation(step=step, prompts=prompts)
-        # finished samples are scored while the rest decode (reward.stream), what is left once the rollout ends
-        scorer = self.streaming_scorer(prompts, extras)
+        # finished samples are scored while the rest decode (reward.stream), what is left once the rollout ends;
+        # an episode's reward is known only once it ends, so episodes are scored after the rollout
+        scorer = None if episodes else self.streaming_scorer(prompts, extras)
         try:
             with self.timer("generate"):
                 rollout = self.c.generation.generate(prompts, self.sampling(step, round=round), on_finished=scorer)
             self.hook.rlcore_after_generation(step=step, rollout=rollout)
+            episode_metrics = self.end_episodes(episodes, extras)
             with self.timer("reward"):
                 raw, m_reward = scorer.finish(rollout) if scorer is not None else self.score(rollout, extras)
         finally:
@@ -267,12 +275,14 @@ class Trainer:
         if scorer is not None:
             m_reward["reward/streamed_frac"] = scorer.streamed_frac
         scores, shaping = self.shape_scores(rollout, raw)
-        m_reward.update(shaping)
+        m_reward.update(shaping, **episode_metrics)
         baseline = None
         if self.algo.adv_estimator == "remax":
             with self.timer("remax_baseline"):
                 greedy_prompts, greedy_extras = self.expand(rows, n=1)
+                greedy_prompts, greedy_episodes = self.start_episodes(rows, greedy_prompts, n=1)
                 greedy = self.c.generation.generate(greedy_prompts, self.sampling(step, greedy=True, round=round))
+                self.end_episodes(greedy_episodes, greedy_extras)
                 b_raw, _ = self.score(greedy, greedy_extras)
                 b_scores, _ = self.shape_scores(greedy, b_raw)
                 baseline = b_scores.repeat_interleave(self.n)
@@ -358,6 +368,36 @@ class Trainer:
         if not self.cfg.reward.stream or self.dist.world_size > 1 or self.cfg.reward_model.enable:
             return None
         return StreamingScorer(self.c.reward, self.c.tokenizer, self._request(prompts, extras))
+
+    def start_episodes(self, rows: list[dict], prompts: list[list[int]], n: int | None = None) -> tuple[list, list]:
+        """With ``data.env_key``: start an episode per sample (``n`` a row, default ``ppo.generation.n``)
+        whose row names an environment; its prompt then carries it (and becomes the environment's
+        initial messages if it gives some)."""
+        if self.episodes is None:
+            return prompts, []
+        from rlcore.envs.runner import EpisodePrompt
+
+        key = self.cfg.data.env_key
+        n = self.n if n is None else n
+        samples = [r for r in rows for _ in range(n)]
+        missing = [r for r in samples if key not in r]
+        if missing:
+            from rlcore.errors import DataError
+            raise DataError(f"data.env_key is '{key}' but a row has no such column; its columns: "
+                            f"{', '.join(sorted(missing[0]))}")
+        episodes = self.episodes.start([r.get(key) for r in samples], samples)
+        out = [EpisodePrompt(getattr(e, "prompt", None) or p, e) if e is not None else p
+               for p, e in zip(prompts, episodes)]
+        return out, episodes
+
+    def end_episodes(self, episodes: list, extras: dict[str, list]) -> dict[str, float]:
+        """The episodes' rewards into the reward's extras (``env_reward``) and their metrics."""
+        if not episodes:
+            return {}
+        from rlcore.envs.runner import episode_metrics
+
+        extras["env_reward"] = [None if e is None else e.reward for e in episodes]
+        return episode_metrics(episodes)
 
     def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
         """Scores of ``rollout``, in one reward call. Prompt and response texts are decoded alike, from
@@ -457,8 +497,11 @@ class Trainer:
         batches += [None] * (total - len(batches))
         sums = {"reward": 0.0, "length": 0.0, "count": 0.0}
         for rows in batches:
-            prompts, extras = self.expand(rows if rows is not None else [spare], n=1)
+            rows_now = rows if rows is not None else [spare]
+            prompts, extras = self.expand(rows_now, n=1)
+            prompts, episodes = self.start_episodes(rows_now, prompts, n=1)
             rollout = c.generation.generate(prompts, self.sampling(0, greedy=True))
+            self.end_episodes(episodes, extras)
             s, _ = self.score(rollout, extras)
             if rows is not None:
                 sums["reward"] += float(s.sum())
@@ -493,7 +536,9 @@ class Sampled:
                                prompt_mask=r.prompt_mask[idx.to(r.prompt_ids.device)],
                                response_ids=r.response_ids[idx.to(r.response_ids.device)],
                                response_mask=r.response_mask[idx.to(r.response_ids.device)],
-                               logprobs=r.logprobs[idx.to(r.logprobs.device)], stats=dict(r.stats))
+                               logprobs=r.logprobs[idx.to(r.logprobs.device)], stats=dict(r.stats),
+                               response_attention=None if r.response_attention is None else
+                               r.response_attention[idx.to(r.response_attention.device)])
         return Sampled(rollout=rollout, scores=self.scores[idx], raw_scores=self.raw_scores[idx],
                        reward_metrics=dict(self.reward_metrics), truncated=self.truncated[idx],
                        group_ids=self.group_ids[idx], baseline=None if self.baseline is None else self.baseline[idx],

@@ -20,6 +20,8 @@ CASES = {
     "lora": ["bench_lora.py", "--tiny", "--rank", "4", "--configs", "lora-7b-r4", "--workdir", "{tmp}", "--out",
              "{out}"],
     "reward": ["bench_reward.py", "--tiny", "--out", "{out}"],
+    "multiturn": ["bench_multiturn.py", "--shape", "tiny", "--device", "cpu", "--sequences", "4", "--budget", "32",
+                  "--tool-ms", "5", "--obs-tokens", "4", "--repeats", "1", "--out", "{out}"],
     "reshard": ["bench_reshard.py", "--tiny", "--out", "{out}"],
     "checkpoint": ["bench_checkpoint.py", "--hidden", "64", "--layers", "2", "--vocab", "512", "--dir", "{tmp}",
                    "--json", "{out}"],

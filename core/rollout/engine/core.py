@@ -350,8 +350,15 @@ class RolloutEngine:
 
         ``on_finished(indices, responses)``, if given, is called from the decode loop as requests
         finish, with their prompt indices and response tokens (up to and including the first EOS,
-        as in the result); it should return quickly (hand the work to another thread)."""
+        as in the result); it should return quickly (hand the work to another thread).
+
+        Prompts that carry an episode (:class:`rlcore.envs.runner.EpisodePrompt`) are played as
+        multi-turn episodes (:mod:`rlcore.rollout.engine.turns`, static KV cache only):
+        ``max_new_tokens`` then bounds each response with its observations; ``on_finished`` is not
+        called for them."""
+        from rlcore.envs.runner import episodes_of
         from rlcore.rollout.engine.scheduler import Scheduler
+        from rlcore.rollout.engine.turns import TurnScheduler
 
         validate_params(params, self.spec.vocab_size)
         if len(prompts) == 0:
@@ -365,7 +372,14 @@ class RolloutEngine:
         start = time.perf_counter()
         # the sharing kernel only when some prompt repeats (it loads two more numbers a slot)
         self.state.share_active = self.prompt_sharing and len({tuple(p) for p in prompts}) < len(prompts)
-        run = Scheduler(self, prompts, params, on_finished)
+        episodes, runner = episodes_of(prompts)
+        if runner is None:
+            run = Scheduler(self, prompts, params, on_finished)
+        elif self.paged:
+            raise ValueError("RolloutEngine: multi-turn episodes need kv_cache='static' (observations are written "
+                             "into a slot's cache row); the trainer builds its engine so when data.env_key is set")
+        else:
+            run = TurnScheduler(self, prompts, params, episodes, *runner.stops(), runner.decode)
         run.loop()
         batch = run.result()
         batch.stats["rollout/seconds"] = time.perf_counter() - start
@@ -598,6 +612,26 @@ class RolloutEngine:
         dev = self.device
         self.state.table[torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(at, device=dev)] = \
             torch.tensor(fresh, dtype=torch.int32, device=dev)
+
+    def _extend(self, slot: int, ids: Sequence[int], column: int, position: int) -> torch.Tensor:
+        """Append ``ids`` to slot ``slot``'s sequence at cache column ``column`` and position
+        ``position`` (a prefill of these tokens only, writing their keys/values; the slot's cache is
+        kept) and make the slot continue after them. Columns from ``column`` on that the slot had
+        written before (tokens decoded past a turn's end) are dropped. Returns the ``[V]`` logits
+        of the token after ``ids``."""
+        if column + len(ids) >= self.max_seq_len:
+            raise ValueError(f"RolloutEngine: appending {len(ids)} tokens at column {column} exceeds max_seq_len "
+                             f"{self.max_seq_len}")
+        st = self.state
+        st.bias[slot, column:] = float("-inf")
+        valid = st.bias[slot, :column] == 0
+        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        logits = llama.extend(self.weights, self.spec, self.cache, slot, tokens, column, position, valid,
+                              self.cos, self.sin)
+        st.bias[slot, column:column + len(ids)] = 0.0
+        st.positions[slot] = position + len(ids)
+        st.cache_index[slot] = column + len(ids)
+        return logits
 
     def _release(self, slots: list[int]) -> None:
         """Freed slots keep decoding (their output is ignored) until reused: give each a valid

@@ -362,3 +362,45 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
         x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
     last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
     return F.linear(last, weights.lm_head)
+
+
+@torch.no_grad()
+def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slot: int, ids: torch.Tensor,
+           column: int, position: int, valid: torch.Tensor, cos_table: torch.Tensor,
+           sin_table: torch.Tensor) -> torch.Tensor:
+    """Append ``ids`` to the sequence of cache row ``slot``: run them at cache columns
+    ``column..column+k-1`` and positions ``position..``, attending to the row's valid earlier
+    columns (``valid [column]`` bool) and causally to each other, and write their keys/values.
+    The history is read from the cache, not recomputed (a multi-turn observation costs a prefill
+    of its own tokens only).
+
+    Args:
+        ids: ``[k]`` token ids. cos_table, sin_table: as for :func:`prefill`.
+    Returns:
+        ``[V]`` next-token logits (compute dtype) after the last of ``ids``.
+    """
+    k = ids.shape[0]
+    dtype = weights.embed.dtype
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    pos = torch.arange(position, position + k, device=ids.device)
+    cos = cos_table[pos].to(dtype)[None, :, None]  # [1, k, 1, D]
+    sin = sin_table[pos].to(dtype)[None, :, None]
+    end = column + k
+    causal = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril_()
+    allowed = torch.cat([valid[:column].to(torch.bool)[None].expand(k, column), causal], dim=1)[None, None]
+    x = F.embedding(ids[None], weights.embed)
+    for index, lw in enumerate(weights.layers):
+        q, key, value = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
+        q = rotate(q.view(1, k, heads, dim), cos, sin).transpose(1, 2)
+        key = rotate(key.view(1, k, kv_heads, dim), cos, sin).transpose(1, 2)
+        cache[index, 0, slot, :, column:end] = key[0]
+        cache[index, 1, slot, :, column:end] = value.view(k, kv_heads, dim).transpose(0, 1)
+        keys, values = cache[index, 0, slot, :, :end][None], cache[index, 1, slot, :, :end][None]
+        if spec.group > 1:
+            keys = keys.repeat_interleave(spec.group, dim=1)
+            values = values.repeat_interleave(spec.group, dim=1)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        x = residual_linear(x, attn.transpose(1, 2).reshape(1, k, heads * dim), lw.o, lw.o_bias)
+        x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
+    last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
+    return F.linear(last, weights.lm_head)[0]
