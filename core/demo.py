@@ -248,10 +248,10 @@ class LookupEnv:
 
     A turn with a well-formed ``lookup`` call (``<tool_call>{"name": "lookup", ...}</tool_call>``,
     parsed by the configured tool-call parser) is answered with the secret as a plain message
-    (a tiny model copies a letter it has just read more easily than one inside markup); any other turn is the answer and ends the episode. Reward:
-    :data:`CALL_REWARD` for a call in the first turn (a hint to start from; a call in a later turn
-    takes it back), plus ``1 - CALL_REWARD`` times the share
-    of the secret's letters the answer has right, position by position. Without the tool an
+    (a tiny model copies a letter it has just read more easily than one inside markup); any other
+    turn is the answer and ends the episode. Reward: :data:`CALL_REWARD` for a call in the first
+    turn (a hint to start from; a call in a later turn takes it back), plus ``1 - CALL_REWARD``
+    times the share of the secret's letters the answer has right, position by position. Without the tool an
     answer is a guess (each letter right one time in ``len(LETTERS)``), so a fresh model scores
     about 0.1 and a trained one near 1.
     """

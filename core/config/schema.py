@@ -112,7 +112,8 @@ class DataConfig:
     custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
     #: Rows the ``streaming`` plugin keeps for shuffling.
     shuffle_buffer: int = 1024
-    #: Column naming each row's environment (multi-turn episodes, see ``env``); None = single-turn rollouts. A row whose value is empty is a single turn.
+    #: Column naming each row's environment (multi-turn episodes, see ``env``); None = single-turn rollouts. A row
+    #: whose value is empty is a single turn.
     env_key: Optional[str] = None
 
 
@@ -584,7 +585,9 @@ class PlacementConfig:
 class EnvConfig:
     #: Most model turns per episode (``plugin_config.<environment>.max_turns`` overrides it per environment).
     max_turns: int = 4
-    #: Most tokens after the prompt, model and observation tokens together; None = ``ppo.generation.max_new_tokens`` (also the upper bound). ``plugin_config.<environment>.max_tokens`` overrides it.
+    #: Most tokens after the prompt, model and observation tokens together; None =
+    #: ``ppo.generation.max_new_tokens`` (also the upper bound). ``plugin_config.<environment>.max_tokens``
+    #: overrides it.
     max_tokens: Optional[int] = None
     #: Texts that end a model turn besides EOS (the turn keeps them).
     stop: list[str] = field(default_factory=lambda: ["</tool_call>"])

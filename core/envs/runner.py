@@ -263,7 +263,7 @@ class EpisodeRunner:
     def __del__(self):  # pragma: no cover - best effort
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - nothing to report to at interpreter exit
             pass
 
     # -- episodes
