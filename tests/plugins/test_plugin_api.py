@@ -147,7 +147,8 @@ def test_validate_names_a_rollout_backend_no_plugin_provides(tmp_path):
 def test_plugins_lists_a_broken_plugin_as_a_row(installed):
     code, out, err = run_cli(["plugins"])
     assert code == 0, err
-    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    table = out.split("\n\n")[0]  # the plugin table; the environments follow after a blank line
+    rows = {line.split()[0]: line for line in table.splitlines()[1:]}
     assert "ERROR" in rows["broken"] and "rlcore_no_such_module" in rows["broken"]
     assert "dataset_provider" in rows["everything"] and "ERROR" not in rows["defaults"]
 

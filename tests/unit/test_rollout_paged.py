@@ -221,5 +221,6 @@ def test_preemptions_reach_the_step_metrics(qwen2):
     batch = engine.generate([p for p in PROMPTS[3:] for _ in range(2)], SamplingParams(max_new_tokens=30))
     assert batch.stats["rollout/preemptions"] > 0
     trainer = SimpleNamespace(gen_cfg=SimpleNamespace(max_new_tokens=30), c=SimpleNamespace(eos_ids=[]))
+    trainer.truncated = lambda rollout: Trainer.truncated(trainer, rollout)
     metrics = Trainer.rollout_metrics(trainer, batch, torch.zeros(len(batch.response_ids)))
     assert metrics["rollout/preemptions"] == batch.stats["rollout/preemptions"]
