@@ -125,7 +125,7 @@ def device_ceilings() -> dict[str, float]:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = cuda_ms(lambda: a @ b)
     flops = 2 * 8192**3 / (ms / 1e3)
-    del a, b
+    a = b = None  # free the inputs (the lambda above still refers to them)
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": bandwidth, "bf16_matmul_flops": flops}
 
@@ -144,9 +144,14 @@ def run_train_steps(trainer, count: int, before_step: Callable[[int], None] | No
                     label: str = "rlcore") -> tuple[list[float], list[dict[str, float]]]:
     """Steps ``1..count`` of an rlcore ``Trainer`` with its GPU monitor on; ``(seconds of each step,
     its numeric metrics)``, the device synchronised around each step. ``before_step(step)`` runs first."""
+    from omegaconf import OmegaConf
+
     times: list[float] = []
     steps: list[dict[str, float]] = []
-    trainer.c.gpu_monitor.start()
+    # the lifecycle hooks around the steps, as Trainer.train calls them: the gpu-monitor plugin samples between them
+    trainer.hook.rlcore_train_start(run_dir=str(trainer.cfg.trainer.output_dir), dist=trainer.dist,
+                                    config=OmegaConf.to_container(trainer.cfg, resolve=True))
+    status = "failed"
     try:
         for step in range(1, count + 1):
             if before_step is not None:
@@ -156,6 +161,7 @@ def run_train_steps(trainer, count: int, before_step: Callable[[int], None] | No
             steps.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
             print(f"  {label} step {step}: {seconds:.3f} s  " + "  ".join(
                 f"{k[5:-2]}={v:.3f}" for k, v in metrics.items() if k.startswith("time/")), flush=True)
+        status = "completed"
     finally:
-        trainer.c.gpu_monitor.stop()
+        trainer.hook.rlcore_train_end(step=len(times), status=status, summary={})
     return times, steps

@@ -58,7 +58,7 @@ def build_state(hidden: int, layers: int, vocab: int):
 def measure_saves(root: str, state: dict) -> dict:
     from rlcore.config.schema import TrainerConfig
     from rlcore.protocols import DistInfo
-    from rlcore.trainer import checkpoint_store as store
+    from rlcore.trainer.store import manifest as store
     from rlcore.trainer.checkpoint import DefaultCheckpointPolicy
 
     manifest_s: list[float] = []  # per save, in order
@@ -103,15 +103,19 @@ def measure_saves(root: str, state: dict) -> dict:
 
 
 def measure_logging(root: str, calls: int = 2000) -> float:
+    from rlcore.plugins.metrics_file import METRICS_FILE, JsonlSink
     from rlcore.plugins.sparse_logging import SparseLogger
 
     metrics = {f"group{i % 8}/metric{i}": 0.123456 * i for i in range(40)}
     metrics["time/step_s"] = 1.234
     logger = SparseLogger(root, tensorboard=False, stream=io.StringIO())
+    record = JsonlSink(os.path.join(root, METRICS_FILE), fresh=True)  # every run's metrics.jsonl
     t = time.perf_counter()
     for step in range(calls):
+        record.metrics(step, metrics, "train")
         logger.metrics(step, metrics, "train")
     per_call = (time.perf_counter() - t) / calls
+    record.close(calls, "completed", {})
     logger.close(calls, "completed", {})
     return per_call * 1e6
 

@@ -57,9 +57,9 @@ def bench_sampler(batch: int, vocab: int) -> list[dict[str, Any]]:
 
 
 #: block_n 64 (the default for head dim 64); 32/64/128, 1-4 chunks, a 128-register cap and the merge kernel were
-#: swept at commit 1b0714d (bench/results/decode_parts_h200_run8_attention_sweep.json)
+#: swept at commit 1b0714d (bench/results/history/decode_parts_h200_run8_attention_sweep.json)
 #: loading the first block before the RoPE work ("peel", commit f594770) was slower at every setting
-#: (bench/results/decode_parts_h200_run9_attention.json)
+#: (bench/results/history/decode_parts_h200_run9_attention.json)
 ATTENTION_SWEEPS = {
     "rope": [dict(rope_rows=rope_rows, num_warps=warps, num_stages=stages)
              for rope_rows, warps, stages in itertools.product((False, True), (2, 4, 8), (2, 3))],
@@ -187,7 +187,7 @@ def loop_profile(shape: str, batch: int, prompt: int, new: int, engine_kwargs: d
           f"{out['kernel_ms_per_step']:.3f} ms/step", flush=True)
     for item in out["top"]:
         print(f"      {item['ms_per_step']:7.4f} ms  x{item['calls_per_step']:<6.1f} {item['name']}", flush=True)
-    del engine, model
+    engine = model = None  # free the GPU memory (the closures above refer to them)
     torch.cuda.empty_cache()
     return out
 

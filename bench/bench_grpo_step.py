@@ -168,8 +168,7 @@ def run_rlcore(spec: dict[str, Any], gradient_checkpointing: bool) -> dict[str, 
     extra = {k: measured[-1][k] for k in measured[-1] if k in keep or k.startswith("gpu/")}
     return {"step_s": _steady(times, spec["warmup"]), "step_times": times, "setup_s": setup_s,
             "breakdown": breakdown, "last": extra,
-            "rollout_backend": type(trainer.c.backends.get(trainer.c.actor)).__name__
-            if hasattr(trainer.c.backends, "get") else None}
+            "rollout_backend": ", ".join(sorted({type(b).__name__ for b in trainer.c.generation.backends.values()}))}
 
 
 # ------------------------------------------------------------------------------------------------ TRL

@@ -259,11 +259,10 @@ def rlcore_features() -> dict[str, bool]:
     from _common import import_rlcore
 
     import_rlcore()
-    from rlcore.config.schema import PPOConfig
-    from rlcore.rollout.engine import CONFIG_KEYS
+    from rlcore.config.schema import PPOConfig, RolloutEngineConfig
 
     return {"token_budget": "max_tokens_per_micro_batch" in {f.name for f in dataclasses.fields(PPOConfig)},
-            "paged_kv": "kv_cache" in CONFIG_KEYS}
+            "paged_kv": "kv_cache" in {f.name for f in dataclasses.fields(RolloutEngineConfig)}}
 
 
 def rlcore_overrides(spec: dict[str, Any], setting: dict[str, Any]) -> list[str]:
@@ -303,14 +302,14 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     trainer.c.eos_ids = list(spec["stop_ids"])  # the stop rule (see the module docstring)
     setup_s = time.perf_counter() - t0
     rollouts: list[tuple[list[int], list[int]]] = []
-    plain_generate = trainer.generate
+    plain_generate = trainer.c.generation.generate
 
     def recording_generate(prompts, params, *args, **kwargs):
         batch = plain_generate(prompts, params, *args, **kwargs)
         rollouts.append((batch.prompt_mask.sum(-1).tolist(), batch.response_mask.sum(-1).tolist()))
         return batch
 
-    trainer.generate = recording_generate
+    trainer.c.generation.generate = recording_generate
     plain_sampling = trainer.sampling
 
     def sampling(step: int, *args, **kwargs):
@@ -357,7 +356,7 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     parts["other"] = step_s - sum(parts.values())
     peak = peak_flops(trainer.c.train_device)
     steps_measured = max(1, len(times[first:]))
-    flops = update_flops(trainer.c.actor_module.config, sequences) / steps_measured
+    flops = update_flops(trainer.c.policy.config, sequences) / steps_measured
     result = {"step_s": step_s, "step_times": times, "setup_s": setup_s, "parts": parts,
               "tokens_per_step": sum(sequences) / steps_measured, "lengths": length_stats(lengths, spec["cap"]),
               "update_mfu": flops / parts["update"] / peak if peak and parts["update"] > 0 else None,
@@ -381,7 +380,7 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
 
 def _the_backend(trainer):
     """The rollout backend the trainer built (one process: one), without refreshing it."""
-    return next(iter(getattr(trainer.c.backends, "_backends", {}).values()), None)
+    return next(iter(trainer.c.generation.backends.values()), None)
 
 
 def _backend_name(trainer) -> str | None:
@@ -418,9 +417,9 @@ def rlcore_numerics(trainer, spec: dict[str, Any], setting: dict[str, Any]) -> d
         # eager, as TRL runs it: the training layers' compiled forms are not traced through generate
         stance = getattr(torch.compiler, "set_stance", None)
         with stance("force_eager") if stance is not None else contextlib.nullcontext():
-            return HFGenerateBackend(c.actor_module).generate(prompts, params)
+            return HFGenerateBackend(c.policy).generate(prompts, params)
 
-    runs = {"rlcore_rollout": lambda: c.generate(prompts, params), "hf_generate": hf_generate}
+    runs = {"rlcore_rollout": lambda: c.generation.generate(prompts, params), "hf_generate": hf_generate}
     for name, generate in runs.items():
         _sync()
         start = time.perf_counter()
@@ -428,9 +427,9 @@ def rlcore_numerics(trainer, spec: dict[str, Any], setting: dict[str, Any]) -> d
         _sync()
         seconds = time.perf_counter() - start
         ids, mask = (t.to(c.train_device) for t in batch.sequences())
-        c.actor_module.eval()
+        c.policy.eval()
         with torch.no_grad():
-            trained = batched_logprobs(c.actor, ids, mask, batch.response_ids.shape[1], 1.0, setting["micro"],
+            trained = batched_logprobs(c.actor.model, ids, mask, batch.response_ids.shape[1], 1.0, setting["micro"],
                                        batch.response_mask.to(c.train_device))
         out[name] = {**mismatch(batch.logprobs.cpu(), trained.cpu(), batch.response_mask.cpu()),
                      "seconds": seconds, "mean_len": float(batch.response_mask.sum(-1).float().mean())}

@@ -143,7 +143,10 @@ class Layout:
 
     def generate(self, fn, prompts, params):
         """Through the policy, as the trainer does (tensor-parallel replicas pool their ranks' prompts)."""
-        return self.policy.generate_distributed(fn, prompts, params) if self.policy is not None else fn(prompts, params)
+        if self.policy is None:
+            return fn(prompts, params)
+        share = self.policy.generation_share(prompts, params)
+        return share.own(fn(share.prompts, share.params))
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats() if self.policy is not None else dict(self.timer.values)
@@ -213,7 +216,7 @@ def main() -> int:
         for name in layouts:
             try:
                 rec = measure(shape, name, dist, args.repeats, args.seq)
-            except Exception as e:  # keep measuring the other layouts; the record says what failed
+            except Exception as e:  # noqa: BLE001 - keep measuring the other layouts; the record says what failed
                 import traceback
 
                 rec = {"shape": shape, "layout": name, "error": f"{type(e).__name__}: {e}",

@@ -224,7 +224,7 @@ def measure_scoring(args: argparse.Namespace, device: torch.device, rm_shape: di
     out["max_abs_diff_cpu"] = float((cpu_scores - ref[:k]).abs().max())
     out["score_scale"] = float(ref.abs().mean())
     out["cpu_score_s"] = out["cpu_score_s_per_sample"] * args.score_batch
-    del resident, swapped, cpu, rm
+    resident = swapped = cpu = rm = None  # free the GPU memory (the closures above refer to them)
     gc.collect()
 
 

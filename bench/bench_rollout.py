@@ -8,7 +8,7 @@ step: bytes (weights + the KV cache at the mean context) over the measured copy 
 FLOPs over the measured bf16 matmul rate.
 
 The engine is timed in several configurations (``--variants``: the defaults, without
-``torch.compile``, with matmul attention, with the PyTorch sampler, with the Triton decode
+``torch.compile``, with SDPA attention, with the PyTorch sampler, with the Triton decode
 attention), each after capturing its graphs; its 1-token and full calls are each the median of
 ``--repeats`` calls (HF's are timed once); for each the device time of one replayed decode
 graph (at the mean context's attention length) and of one sampling call are reported too, and
@@ -140,7 +140,6 @@ def run_system(name: str, call, batch: int, new: int, prefill_s: float | None, r
 VARIANTS = {
     "engine": {},
     "engine_uncompiled": {"compile": False},
-    "engine_matmul_attn": {"attention": "matmul"},
     "engine_torch_sampler": {"fused_sampling": False},
     "engine_sdpa_attn": {"attention": "sdpa"},
     "engine_rope_separate": {"rope_in_attention": False},
@@ -203,7 +202,7 @@ def engine_run(name: str, model, prompts, batch: int, args, kwargs: dict, profil
             row.update(step_parts(engine, batch, engine._length_bucket(prompt + new // 2 + 1), profile))
         except Exception as error:  # noqa: BLE001 - the timings above stand without the breakdown
             row["step_parts_error"] = repr(error)[:300]
-    del engine
+    engine = None  # free the GPU memory (the closures above refer to it)
     return row
 
 

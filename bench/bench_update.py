@@ -12,8 +12,8 @@ on a fresh copy of the same random-init model:
 
 Two more variants change how the defaults compute rather than what they cut:
 
-* ``chunked``  — the defaults with the log-probs in PyTorch chunks instead of the one-pass kernels
-  of ``rlcore.kernels.logprob`` (which run on CUDA only; on CPU the two are the same);
+* ``chunked``  — the defaults with the log-probs by the reference (``rlcore.rlmath``, PyTorch chunks)
+  instead of the one-pass kernels of ``rlcore.kernels.logprob`` (which run on CUDA only; on CPU the two are the same);
 * ``compiled`` — the defaults with each decoder layer compiled (``actor.compile=true``).
 
 Variable-length training (same update, other forwards):
@@ -106,12 +106,12 @@ def ragged_rollout(args: argparse.Namespace, vocab: int, device: str):
 def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[float], list[torch.Tensor]]:
     from rlcore.config.schema import PPOConfig
     from rlcore.distributed.fsdp import compile_layers
-    from rlcore.trainer.models import ChunkedLogprobs
+    from rlcore.trainer import models
     from rlcore.trainer.update import ppo_update
 
     trim, group, kernels, compiled, packed, budget = VARIANTS[variant]
     times, last = [], []
-    ChunkedLogprobs.use_kernels = kernels
+    models.LOGPROB_KERNELS = kernels
     try:
         for repeat in range(args.repeats + 1 + bool(profile)):  # warm-up, timed repeats, profiled run
             profiled = repeat == args.repeats + 1
@@ -137,7 +137,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
             last = [p.detach().float().cpu() for p in m.parameters()]
             del m, opt
     finally:
-        ChunkedLogprobs.use_kernels = True
+        models.LOGPROB_KERNELS = True
     return times[1:], last
 
 

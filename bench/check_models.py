@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         if shape not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
-    payload: dict[str, Any] = {"env": environment(), "command": " ".join(["python", "bench/check_models.py", *(argv or sys.argv[1:])]),
+    command = " ".join(["python", "bench/check_models.py", *(argv or sys.argv[1:])])
+    payload: dict[str, Any] = {"env": environment(), "command": command,
                                "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": []}
     print(payload["env"], flush=True)
     start = time.perf_counter()

@@ -42,9 +42,57 @@ DEMO_OVERRIDES = (
     "data.max_prompt_length=16",
 )
 
+#: Keys whose presence means the user gave data or a model (no demo then).
+_SOURCE_KEYS = ("data.train_files", "actor.model_path", "data.custom_cls.path")
 
-def build_tokenizer(save_dir: str):
-    """Train a word-level tokenizer over the demo alphabet and save it as a HF tokenizer directory."""
+
+def is_demo(config_files: Sequence[str], overrides: Sequence[str], plugins: Sequence[str] = ()) -> bool:
+    """No config file, no data, no model and no plugin that provides data: ``rlcore train`` runs the
+    built-in demo. A selected plugin implementing ``rlcore_dataset_provider`` is a data source even
+    when it reads no files."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    if config_files or set(_SOURCE_KEYS) & keys:
+        return False
+    if plugins:
+        from rlcore.plugin_checks import provides_data
+        from rlcore.plugin_manager import build_plugin_manager
+
+        return not provides_data(build_plugin_manager(plugins))
+    return True
+
+
+def with_demo_preset(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` with :data:`DEMO_OVERRIDES` in front (the user's win), for a command that runs the demo."""
+    return list(DEMO_OVERRIDES) + list(overrides)
+
+
+def demo_preset_keys(overrides: Sequence[str]) -> set[str]:
+    """The keys the demo preset sets that the user's ``overrides`` do not."""
+    return {o.split("=", 1)[0] for o in DEMO_OVERRIDES} - {o.split("=", 1)[0] for o in overrides}
+
+
+def announce(cfg: Any, demo: bool, provides_data: bool = False) -> None:
+    """Say at start that the run is the demo, or trains on the demo's task or model for want of the
+    user's (``provides_data``: a selected plugin is the data source)."""
+    import logging
+
+    log = logging.getLogger("rlcore")
+    if demo:
+        log.warning("no data or model given: running the built-in demo (tiny model, alphabet task)")
+    elif not cfg.data.train_files and not cfg.data.custom_cls.path and not provides_data:
+        log.warning("data.train_files is not set: the run trains on the built-in demo task (the alphabet "
+                    "prompts)%s", "" if cfg.actor.model_path else " with the demo's tiny model")
+
+
+#: Words of the demo's tool task (:class:`LookupEnv`): a call of the ``lookup`` tool written as one
+#: word, so a tiny model can learn to emit it; the stop string ``</tool_call>`` ends its turn.
+TOOL_CALL = '<tool_call>{"name":"lookup","arguments":{}}</tool_call>'
+TOOL_WORDS = (TOOL_CALL, "<tool_response>", "</tool_response>")
+
+
+def build_tokenizer(save_dir: str, extra_words: Sequence[str] = ()):
+    """Train a word-level tokenizer over the demo alphabet (plus ``extra_words``) and save it as a HF
+    tokenizer directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,7 +101,7 @@ def build_tokenizer(save_dir: str):
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIALS), min_frequency=1)
     rng = random.Random(0)
-    corpus = [" ".join(rng.choice(LETTERS) for _ in range(8)) for _ in range(200)]
+    corpus = [" ".join(rng.choice(LETTERS) for _ in range(8)) for _ in range(200)] + list(extra_words)
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>", padding_side="left")
@@ -62,13 +110,13 @@ def build_tokenizer(save_dir: str):
 
 
 def build_model_dir(save_dir: str, *, hidden_size: int = 64, layers: int = 2, seed: int = 0,
-                    arch: str = "qwen2") -> str:
+                    arch: str = "qwen2", extra_words: Sequence[str] = ()) -> str:
     """Write a tiny randomly initialised causal LM plus its tokenizer to ``save_dir``; return the path."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     os.makedirs(save_dir, exist_ok=True)
-    tok = build_tokenizer(save_dir)
+    tok = build_tokenizer(save_dir, extra_words)
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}[arch]
     config = config_cls(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
@@ -82,11 +130,30 @@ def build_model_dir(save_dir: str, *, hidden_size: int = 64, layers: int = 2, se
     return save_dir
 
 
+#: Files of a complete demo model directory.
+DEMO_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
 def ensure_demo_model(root: str) -> str:
-    """Build the demo model directory under ``root`` once; later calls reuse it."""
+    """Build the demo model directory under ``root`` once; later calls reuse it.
+
+    The build is atomic: it writes into a temporary directory that is renamed into place when
+    complete, so a process killed mid-build leaves no directory that later runs would take for a
+    model (one left by an older, non-atomic build is built again)."""
+    import shutil
+
     path = os.path.join(root, "demo-model")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        build_model_dir(path)
+    if all(os.path.exists(os.path.join(path, name)) for name in DEMO_MODEL_FILES):
+        return path
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp-demo-model-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_model_dir(tmp)
+    if os.path.exists(path):  # an incomplete directory: moved aside, then removed
+        trash = os.path.join(root, f".trash-demo-model-{os.getpid()}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(tmp, path)
     return path
 
 
@@ -138,18 +205,86 @@ def alphabet_score(prompts: Sequence[str], responses: Sequence[str], **_: Any) -
     The letter before the first one is the prompt's last letter, so a perfect answer to ``"c k a f"`` is
     ``"g h i j"``. Each position is judged on its own (``"g x i j"`` scores 0.5: ``x`` and ``i`` are wrong,
     ``j`` follows ``i``). Letters are single characters, so the score does not depend on how a tokenizer
-    joins them when decoding.
+    joins them when decoding (``"ckaf"`` and ``"c k a f"`` are the same prompt).
     """
     scores = []
     for prompt, response in zip(prompts, responses):
-        words = prompt.split()
-        if not words or words[-1] not in LETTERS:
+        letters = [c for c in prompt if not c.isspace()]
+        if not letters or letters[-1] not in LETTERS:
             scores.append(0.0)
             continue
-        prev, hits = words[-1], 0
+        prev, hits = letters[-1], 0
         for ch in [c for c in response if not c.isspace()][:ANSWER_LEN]:
             if prev in LETTERS and ch == LETTERS[(LETTERS.index(prev) + 1) % len(LETTERS)]:
                 hits += 1
             prev = ch
         scores.append(hits / ANSWER_LEN)
     return scores
+
+
+# ------------------------------------------------------------------------------ the tool task
+
+SECRET_LEN = 1
+#: The share of the tool task's reward given for a well-formed ``lookup`` call.
+CALL_REWARD = 0.2
+
+
+def lookup_rows(split: str, n: int, env: str = "demo_lookup") -> list[dict[str, Any]]:
+    """Rows of the tool task: a prompt of random letters, and a secret of :data:`SECRET_LEN` letters
+    that only the ``lookup`` tool returns (nothing in the prompt predicts it)."""
+    rng = random.Random({"train": 11, "val": 12}.get(split, 13))
+    return [{"prompt": _prompt(rng), "secret": " ".join(rng.choice(LETTERS) for _ in range(SECRET_LEN)), "env": env}
+            for _ in range(n)]
+
+
+def build_tool_model_dir(save_dir: str) -> str:
+    """The demo model with the tool task's words in its vocabulary (a Llama-family config: its
+    tokenizer directory loads back as the word-level tokenizer that was saved)."""
+    return build_model_dir(save_dir, arch="llama", extra_words=TOOL_WORDS)
+
+
+class LookupEnv:
+    """``demo_lookup``: the answer is the row's secret, which only the ``lookup`` tool tells.
+
+    A turn with a well-formed ``lookup`` call (``<tool_call>{"name": "lookup", ...}</tool_call>``,
+    parsed by the configured tool-call parser) is answered with the secret as a plain message
+    (a tiny model copies a letter it has just read more easily than one inside markup); any other
+    turn is the answer and ends the episode. Reward: :data:`CALL_REWARD` for a call in the first
+    turn (a hint to start from; a call in a later turn takes it back), plus ``1 - CALL_REWARD``
+    times the share of the secret's letters the answer has right, position by position. Without the tool an
+    answer is a guess (each letter right one time in ``len(LETTERS)``), so a fresh model scores
+    about 0.1 and a trained one near 1.
+    """
+
+    observation_role = "user"
+
+    def __init__(self, config: dict | None = None):
+        from rlcore.envs.tools import parse_hermes
+
+        if config:
+            raise ValueError(f"plugin_config.demo_lookup.{sorted(config)[0]}: the 'demo_lookup' environment has "
+                             "no settings")
+        self.parser = parse_hermes
+        self.secret: list[str] = []
+
+    def start(self, row: dict[str, Any]):
+        self.secret = str(row["secret"]).split()
+        return None
+
+    def step(self, turn):
+        from rlcore.envs.base import Step
+        from rlcore.envs.tools import ToolCall
+
+        parsed = self.parser(turn.text)
+        calls = [c for c in parsed.calls if isinstance(c, ToolCall) and c.name == "lookup"]
+        if calls and not turn.truncated:
+            return Step(observation=" ".join(self.secret),
+                        reward=CALL_REWARD if turn.index == 0 else -CALL_REWARD,
+                        metrics={"tool_calls": float(len(parsed.calls)),
+                                 "tool_errors": float(len(parsed.calls) - len(calls))})
+        if parsed.calls:
+            return Step(reward=0.0, done=True, metrics={"tool_calls": float(len(parsed.calls)),
+                                                         "tool_errors": float(len(parsed.calls))})
+        answer = turn.text.split()
+        hits = sum(a == b for a, b in zip(answer, self.secret))
+        return Step(reward=(1.0 - CALL_REWARD) * hits / len(self.secret), done=True)

@@ -5,6 +5,18 @@ from __future__ import annotations
 from typing import Sequence
 
 
+#: Exit codes of ``rlcore`` commands (see docs/observability.md, "Exit codes").
+EXIT_OK = 0
+#: An unexpected failure (a bug or a crash in a plugin): the traceback is printed.
+EXIT_CRASH = 1
+#: A user-facing error (config, data, checkpoint, reward, diverged training), printed without a traceback.
+EXIT_ERROR = 2
+#: The run stopped early on SIGTERM/SIGINT after saving a checkpoint; the same command resumes it.
+EXIT_INTERRUPTED = 75
+#: Stopped at once by a second Ctrl-C (no checkpoint of the current step).
+EXIT_KEYBOARD = 130
+
+
 class RLCoreError(Exception):
     """Base of every user-facing rlcore error; the CLI prints it without a traceback."""
 
@@ -35,6 +47,10 @@ class CheckpointError(RLCoreError):
     """A checkpoint could not be written or read."""
 
 
+class EnvError(RLCoreError):
+    """An environment is unknown, misconfigured, or failed during an episode."""
+
+
 class PlacementError(RLCoreError, ValueError):
     """Roles cannot be placed on the devices or ranks available."""
 
@@ -56,3 +72,7 @@ class PreflightError(RLCoreError):
             text = item.splitlines() or [""]
             lines += [f"  - {text[0]}"] + [f"    {line}" for line in text[1:]]
         super().__init__("\n".join(lines))
+
+
+class TrainingError(RLCoreError):
+    """Training cannot go on: e.g. the loss or gradients stayed non-finite (the run diverged)."""

@@ -9,7 +9,9 @@ Three shapes of hook:
 * **event** hooks are broadcast to every plugin; their return values are ignored.
 
 All arguments are keyword-only. An implementation may accept any subset of a spec's arguments,
-so specs can grow without breaking plugins.
+so specs can grow without breaking plugins. Every implementation may also ask for ``settings``:
+its own plugin's ``plugin_config.<name>`` section, checked against the dataclass the plugin
+declares as ``settings_schema`` (see :mod:`rlcore.plugin_settings`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
         PlacementRequest,
         ReshardPolicy,
         RewardBackend,
+        RolloutBackend,
+        RolloutRequest,
         WorldSplit,
     )
     from rlcore.rollout.base import RolloutBatch
@@ -54,6 +58,7 @@ FACTORY_HOOKS = (
     "rlcore_reshard_policy",
     "rlcore_reward_backend",
     "rlcore_checkpoint_policy",
+    "rlcore_rollout_backend",
 )
 
 
@@ -98,6 +103,29 @@ def rlcore_register_rewards(register: Callable[[str, Callable[..., Any]], None])
 
     :param register: call ``register(name, fn)``; ``fn(prompts, responses, **extras) -> list[float]``
         (batched) or ``fn(prompt, response, **extras) -> float`` when ``fn.per_sample = True``.
+    """
+
+
+@hookspec
+def rlcore_environment(register: Callable[[str, Callable[[dict], Any]], None]) -> None:
+    """Register named environments for multi-turn rollouts; a dataset row picks one by name in its
+    ``data.env_key`` column.
+
+    :param register: call ``register(name, factory)``; ``factory(config)`` returns a fresh
+        environment for one episode (see :class:`rlcore.envs.Environment`: ``start(row)`` and
+        ``step(turn)``, plain or ``async``), ``config`` being ``plugin_config.<name>`` as a ``dict``
+        without the rollout's own keys ``max_turns`` and ``max_tokens``. Raise ``ValueError`` naming
+        the key for a bad setting.
+    """
+
+
+@hookspec
+def rlcore_tool_parser(register: Callable[[str, Callable[[str], Any]], None]) -> None:
+    """Register named tool-call parsers, chosen by ``env.tool_parser``.
+
+    :param register: call ``register(name, parser)``; ``parser(text)`` returns a
+        :class:`rlcore.envs.ParsedTurn` (a malformed call is a :class:`rlcore.envs.ToolCallError`
+        in it, never an exception).
     """
 
 
@@ -159,6 +187,7 @@ def rlcore_reward_backend(
     placement: PlacementPolicy,
     tokenizer: Any,
     rewards: dict[str, Callable[..., Any]],
+    run_dir: str,
 ) -> Optional[RewardBackend]:
     """Build the scorer of rollouts.
 
@@ -172,6 +201,7 @@ def rlcore_reward_backend(
     :param placement: where the reward role lives.
     :param tokenizer: the actor's tokenizer (to decode or re-tokenize).
     :param rewards: named reward functions collected by :func:`rlcore_register_rewards`.
+    :param run_dir: the run directory (``trainer.output_dir``), e.g. for a scorer's own log or cache.
     :returns: a :class:`~rlcore.protocols.RewardBackend`, or None.
     """
 
@@ -183,6 +213,26 @@ def rlcore_checkpoint_policy(trainer: TrainerConfig, dist: DistInfo) -> Optional
     :param trainer: the ``trainer`` section (``save_steps``, ``save_total_limit``, ``resume``, ``output_dir`` …).
     :param dist: rank and world size.
     :returns: a :class:`~rlcore.protocols.CheckpointPolicy`, or None.
+    """
+
+
+@hookspec
+def rlcore_rollout_backend(model: torch.nn.Module, request: RolloutRequest, dist: DistInfo) -> Optional[RolloutBackend]:
+    """Build the generator of rollouts for ``model``.
+
+    Called once per generation module the reshard policy yields (in a single process: once, for the
+    training model, after the models load), inside the generation layout; afterwards the trainer
+    calls ``sync_weights()`` before every rollout that follows an update. The built-in ``defaults``
+    plugin answers with Hugging Face ``generate`` (``request.backend`` ``auto`` or ``hf``, and every
+    tensor-parallel replica); the built-in ``engine`` plugin with the in-process engine for the models
+    it supports (``auto`` or ``engine``). A backend plugin answers for its own name (``actor.rollout_backend``).
+    Check it with :func:`rlcore.testing.check_rollout_backend`.
+
+    :param model: the Hugging Face causal LM to generate with (the live training weights, or a
+        gathered or tensor-parallel copy of them).
+    :param request: ``actor.rollout_backend``, the largest batch and sequence, the engine's settings.
+    :param dist: rank, world size and the local device.
+    :returns: a :class:`~rlcore.protocols.RolloutBackend`, or None to pass.
     """
 
 
@@ -211,7 +261,8 @@ def rlcore_step_start(step: int) -> None:
 
 @hookspec
 def rlcore_before_generation(step: int, prompts: list[list[int]]) -> None:
-    """Rollout is about to start.
+    """Rollout is about to start (once per rollout round: several times in a step when DAPO's dynamic
+    sampling draws more prompts).
 
     :param step: the step number.
     :param prompts: prompt token ids, one list per sample.
@@ -262,5 +313,7 @@ def rlcore_train_end(step: int, status: str, summary: dict[str, float]) -> None:
 
     :param step: the last completed step.
     :param status: ``"completed"``, ``"interrupted"`` or ``"failed"``.
-    :param summary: final evaluation numbers.
+    :param summary: final evaluation numbers; an implementation may add to it in place (it is what
+        ``Trainer.train`` returns). One that records it and wants every addition uses
+        ``@hookimpl(trylast=True)``.
     """

@@ -12,28 +12,35 @@ import importlib
 import logging
 import os
 import sys
+import typing
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import pluggy
 from stevedore import NamedExtensionManager
 
 from rlcore import hookspecs
 from rlcore.errors import PluginError
+from rlcore.plugin_settings import SETTINGS_ARG, parse_settings, schema_of
 
 log = logging.getLogger(__name__)
 
 GROUP = "rlcore.plugins"
 #: Built-in plugins registered before any selected one, like pytest's default plugins.
-DEFAULT_PLUGINS = ("defaults",)
-#: Built-in plugins and their modules: available even when entry-point autoload is disabled.
+DEFAULT_PLUGINS = ("defaults", "engine", "gpu-monitor", "profiler", "metrics-file")
+#: Built-in plugins and their modules (``module`` or ``module:Class``): available even when entry-point
+#: autoload is disabled.
 BUILTIN_MODULES = {
     "defaults": "rlcore.plugins.defaults",
+    "engine": "rlcore.plugins.engine",
+    "gpu-monitor": "rlcore.plugins.gpu_monitor:GPUMonitorPlugin",
+    "profiler": "rlcore.plugins.profiler:ProfilerPlugin",
+    "metrics-file": "rlcore.plugins.metrics_file:MetricsFilePlugin",
     "streaming": "rlcore.plugins.streaming",
     "remesh": "rlcore.plugins.remesh",
     "rm-offload": "rlcore.plugins.rm_offload",
-    "sparse-logging": "rlcore.plugins.sparse_logging",
+    "sparse-logging": "rlcore.plugins.sparse_logging:SparseLoggingPlugin",
 }
 ENV_DISABLE_AUTOLOAD = "RLCORE_DISABLE_PLUGIN_AUTOLOAD"
 ENV_TRACE = "RLCORE_TRACE_PLUGINS"
@@ -116,6 +123,7 @@ class RLCorePluginManager(pluggy.PluginManager):
         self.default_names: list[str] = []
         self.selected_names: list[str] = []
         self._infos: dict[str, PluginInfo] = {}
+        self._settings: dict[str, Any] = {}
         self._undo_trace = None
         if _truthy(os.environ.get(ENV_TRACE)):
             self.enable_trace(sys.stderr)
@@ -161,12 +169,18 @@ class RLCorePluginManager(pluggy.PluginManager):
             ep = eps.get(n)  # installed after stevedore's path cache was filled in this process
             dist = _distribution_of(ep)
             try:
-                loaded[n] = (ep.load() if ep is not None else importlib.import_module(BUILTIN_MODULES[n]), dist)
+                loaded[n] = (ep.load() if ep is not None else _import_builtin(BUILTIN_MODULES[n]), dist)
             except Exception as err:
                 raise PluginError(f'Error importing plugin "{n}" (distribution {dist[0]}): '
                                   f"{type(err).__name__}: {err}") from err
         for n in names:
             plugin, dist = loaded[n]
+            if isinstance(plugin, type):  # a plugin class: one instance per manager holds its per-run state
+                try:
+                    plugin = plugin()
+                except Exception as err:
+                    raise PluginError(f'plugin "{n}" (distribution {dist[0]}): creating {plugin.__name__}() '
+                                      f"failed: {type(err).__name__}: {err}") from err
             try:
                 self.register_plugin(plugin, n, default=default, distribution=dist)
             except pluggy.PluginValidationError as err:
@@ -176,11 +190,52 @@ class RLCorePluginManager(pluggy.PluginManager):
         except pluggy.PluginValidationError as err:
             raise PluginError(f"plugin implements an unknown hook: {err}") from err
 
+    def _verify_hook(self, hook: Any, hookimpl: Any) -> None:
+        """pluggy's check of an implementation, after giving one that asks for ``settings`` its plugin's."""
+        if SETTINGS_ARG in hookimpl.argnames:
+            function, name = hookimpl.function, hookimpl.plugin_name
+            rest = tuple(a for a in hookimpl.argnames if a != SETTINGS_ARG)
+
+            def with_settings(*args: Any, **kwargs: Any) -> Any:
+                return function(**dict(zip(rest, args)), **kwargs, **{SETTINGS_ARG: self.settings_of(name)})
+
+            hookimpl.function, hookimpl.argnames = with_settings, rest
+        super()._verify_hook(hook, hookimpl)
+
+    # -- settings -------------------------------------------------------------------------
+    def configure(self, plugin_config: Optional[Mapping[str, Any]]) -> None:
+        """Check ``plugin_config.<name>`` of every registered plugin against the schema it declares;
+        hooks receive the result as ``settings``. A section of a plugin that is not registered is
+        logged: it has no effect.
+
+        :raises ConfigError: every unknown key and wrong value, each named ``plugin_config.<name>.<key>``.
+        """
+        from rlcore.errors import ConfigError
+
+        given = dict(plugin_config or {})
+        problems: list[str] = []
+        for name in self.default_names + self.selected_names:
+            try:
+                self._settings[name] = parse_settings(name, schema_of(self.get_plugin(name)), given.get(name))
+            except ConfigError as e:
+                problems.extend(e.problems)
+        for name in sorted(set(given) - set(self.default_names + self.selected_names)):
+            log.warning("plugin_config.%s has no effect: no plugin named '%s' is selected", name, name)
+        if problems:
+            raise ConfigError(problems)
+
+    def settings_of(self, name: str) -> Any:
+        """The settings plugin ``name`` receives (its schema's defaults before :meth:`configure`)."""
+        if name not in self._settings:
+            self._settings[name] = parse_settings(name, schema_of(self.get_plugin(name)), None)
+        return self._settings[name]
+
     def unregister_plugin(self, name: str) -> None:
         """Remove a plugin registered under ``name`` (and its introspection record)."""
         if self.has_plugin(name):
             self.unregister(name=name)
         self._infos.pop(name, None)
+        self._settings.pop(name, None)
         for names in (self.default_names, self.selected_names):
             if name in names:
                 names.remove(name)
@@ -207,29 +262,82 @@ class RLCorePluginManager(pluggy.PluginManager):
         """
         if hook_name not in hookspecs.FACTORY_HOOKS:
             raise PluginError(f"'{hook_name}' is not a factory hook")
-        caller = getattr(self.hook, hook_name)
-        impls = caller.get_hookimpls()
-        selected = [i for i in impls if self.get_name(i.plugin) not in self.default_names]
-        defaults = [i for i in impls if self.get_name(i.plugin) in self.default_names]
-        answers = self._answers(hook_name, selected, kwargs)
-        if len(answers) > 1:
-            raise PluginError(f"plugins '{answers[0][0]}' and '{answers[1][0]}' both answer {hook_name}; "
-                              "select only one of them")
-        if not answers:  # defaults are asked only when no selected plugin answers
-            answers = self._answers(hook_name, defaults, kwargs)[-1:]
+        answers = self.selected_answers(hook_name, **kwargs)
+        defaults = [i for i in getattr(self.hook, hook_name).get_hookimpls()
+                    if self.get_name(i.plugin) in self.default_names]
+        if not answers:  # built-in defaults only when no selected plugin answers, the last registered first
+            answers = self._answers(hook_name, defaults[::-1], kwargs, first=True)
         if answers:
+            check_answer(hook_name, *answers[0])
             return answers[0][1]
         raise PluginError(f"no plugin answers {hook_name}")
 
-    def _answers(self, hook_name: str, impls: Sequence[Any], kwargs: dict) -> list[tuple[str, Any]]:
-        """Call each implementation alone (through pluggy, so tracing sees it); keep non-None answers."""
+    def selected_answers(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """``[(plugin name, answer)]`` of the selected plugins (not the defaults) for a factory hook.
+
+        :raises PluginError: two selected plugins answer.
+        """
+        impls = [i for i in getattr(self.hook, hook_name).get_hookimpls()
+                 if self.get_name(i.plugin) not in self.default_names]
+        answers = self._answers(hook_name, impls, kwargs)
+        if len(answers) > 1:
+            raise PluginError(f"plugins '{answers[0][0]}' and '{answers[1][0]}' both answer {hook_name}; "
+                              "select only one of them")
+        return answers
+
+    def _answers(self, hook_name: str, impls: Sequence[Any], kwargs: dict,
+                 first: bool = False) -> list[tuple[str, Any]]:
+        """Call each implementation alone (through pluggy, so tracing sees it); keep non-None answers
+        (only the first with ``first``)."""
         out = []
         for impl in impls:
             others = [p for p in self.get_plugins() if p is not impl.plugin]
             result = self.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
             if result:
                 out.append((self.get_name(impl.plugin) or repr(impl.plugin), result[0]))
+                if first:
+                    break
         return out
+
+
+def factory_protocols() -> dict[str, type]:
+    """The protocol (``rlcore.protocols``) each factory hook's answer must satisfy."""
+    from rlcore import protocols
+
+    return {"rlcore_placement_policy": protocols.PlacementPolicy, "rlcore_reshard_policy": protocols.ReshardPolicy,
+            "rlcore_reward_backend": protocols.RewardBackend, "rlcore_checkpoint_policy": protocols.CheckpointPolicy,
+            "rlcore_rollout_backend": protocols.RolloutBackend, "rlcore_world_split": protocols.WorldSplit}
+
+
+def protocol_methods(protocol: type) -> list[str]:
+    """The methods a protocol declares (the ones the core calls)."""
+    return sorted(n for klass in protocol.__mro__ if klass not in (object, typing.Protocol, typing.Generic)
+                  for n, v in vars(klass).items() if callable(v) and not n.startswith("_"))
+
+
+def check_answer(hook_name: str, plugin: str, answer: Any) -> None:
+    """Raise :class:`PluginError` naming ``plugin`` and what is missing when ``answer`` does not
+    satisfy the protocol of ``hook_name`` (a dataset: neither ``__getitem__`` nor ``__iter__``)."""
+    if hook_name == "rlcore_dataset_provider":
+        if not (hasattr(answer, "__getitem__") or hasattr(answer, "__iter__")):
+            raise PluginError(f"plugin '{plugin}' answered {hook_name} with a {type(answer).__name__}, which is "
+                              "neither a map-style dataset (__getitem__, __len__) nor an iterable one (__iter__)")
+        return
+    protocol = factory_protocols().get(hook_name)
+    if protocol is None or isinstance(answer, protocol):
+        return
+    methods = protocol_methods(protocol)
+    missing = [m for m in methods if not callable(getattr(answer, m, None))]
+    raise PluginError(f"plugin '{plugin}' answered {hook_name} with a {type(answer).__name__}, which lacks "
+                      f"{', '.join(m + '()' for m in missing)}: a {protocol.__name__} (rlcore.protocols) has "
+                      f"{', '.join(m + '()' for m in methods)}")
+
+
+def _import_builtin(spec: str) -> Any:
+    """``module`` or ``module:attribute``."""
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
 
 
 def build_plugin_manager(selected: Sequence[str] = ()) -> RLCorePluginManager:

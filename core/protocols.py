@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, ru
 
 import torch
 
+from rlcore.rollout.base import RolloutBackend, RolloutBatch, SamplingParams, slice_rollout
+
 if TYPE_CHECKING:
     from rlcore.config.schema import FSDPConfig
 
@@ -49,6 +51,23 @@ class PlacementRequest:
     rank_groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What the trainer asks of a rollout backend (``rlcore_rollout_backend``)."""
+
+    #: ``actor.rollout_backend``: ``auto``, ``engine``, ``hf`` or the name a backend plugin answers to.
+    backend: str = "auto"
+    #: the most prompts one ``generate`` call receives (``ppo.generation.batch_size``); None: not known.
+    max_batch_size: Optional[int] = None
+    #: the longest sequence, prompt plus new tokens (``data.max_prompt_length + ppo.generation.max_new_tokens``);
+    #: None: not known.
+    max_seq_len: Optional[int] = None
+    #: ``actor.rollout_engine``: the built-in engine's settings.
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    #: the model has DTensor weights (a tensor-parallel replica of the ``remesh`` plugin).
+    tensor_parallel: bool = False
+
+
 @runtime_checkable
 class PlacementPolicy(Protocol):
     """Decides where each role (actor, critic, ref, reward) lives."""
@@ -66,21 +85,44 @@ class PlacementPolicy(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class GenerationShare:
+    """What one rank generates inside :meth:`ReshardPolicy.generation`: ``prompts`` sampled with
+    ``params``; the rows ``rows = (start, stop)`` of the result are this rank's own (``None``: all)."""
+
+    prompts: Sequence[Sequence[int]]
+    params: SamplingParams
+    rows: Optional[tuple[int, int]] = None
+
+    def own(self, batch: RolloutBatch) -> RolloutBatch:
+        """This rank's rows of ``batch`` (generated from :attr:`prompts`)."""
+        return batch if self.rows is None else slice_rollout(batch, *self.rows)
+
+
 @runtime_checkable
 class ReshardPolicy(Protocol):
-    """Switches the actor between its training layout and its generation layout."""
+    """Switches the actor between its training layout and its generation layout.
+
+    The trainer calls exactly these four methods: ``prepare`` once per trained role,
+    then per rollout ``generation`` (a context manager) and, inside it, ``generation_share``;
+    ``stats`` after every step."""
 
     def prepare(self, model: torch.nn.Module, role: str, fsdp: Optional[FSDPConfig] = None) -> torch.nn.Module:
         """Wrap ``model`` for training (e.g. ``fully_shard``) and return the module to train.
 
         ``fsdp`` is the role's own effective sharding settings (``<role>.fsdp`` over the top-level
-        ``fsdp``); ``None`` means the settings the policy was built with (the actor's). A policy
-        whose ``prepare`` takes no ``fsdp`` keeps its own settings for every role (with a warning
-        when the critic's differ)."""
+        ``fsdp``); ``None`` means the settings the policy was built with (the actor's)."""
         ...
 
     def generation(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[torch.nn.Module]:
         """Context manager yielding a module that generates; on exit the training layout is restored."""
+        ...
+
+    def generation_share(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationShare:
+        """Which prompts this rank generates (inside :meth:`generation`) and which rows of the result
+        are its own. A policy where every rank generates its own prompts returns
+        ``GenerationShare(prompts, params)``; one whose generation module spans several ranks pools
+        their prompts (every rank of the group generates the pool with one seed) and names this rank's rows."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -90,7 +132,14 @@ class ReshardPolicy(Protocol):
 
 @dataclass
 class RewardInput:
-    """One batch to score. Lists have one entry per sample."""
+    """One batch to score. Lists have one entry per sample.
+
+    ``prompts`` and ``responses`` are decoded alike: each from its own tokens (``prompt_ids``,
+    ``response_ids``, without padding) by the actor's tokenizer with ``skip_special_tokens=True``, so
+    special tokens (EOS, chat-template markers that are special tokens) are left out of both and
+    spacing follows the tokenizer's decoder for both. The dataset's own prompt text, as written in
+    the data, is in ``extras`` under ``data.prompt_key`` (with every other column of the row).
+    """
 
     prompts: list[str]
     responses: list[str]
@@ -129,7 +178,9 @@ class CheckpointPolicy(Protocol):
     """When to save, what to keep, how to resume."""
 
     def should_save(self, step: int, *, final: bool = False) -> bool:
-        """Whether to save after optimizer step ``step``."""
+        """Whether to save after optimizer step ``step``; ``final=True`` is asked once when the run
+        ends (completed or interrupted), after the last step. The default policy answers yes to it
+        (a run always leaves a resumable checkpoint); a policy may answer no."""
         ...
 
     def save(self, step: int, state: Mapping[str, Stateful]) -> Optional[str]:
@@ -144,6 +195,10 @@ class CheckpointPolicy(Protocol):
         """Write ``model`` and ``tokenizer`` as a Hugging Face directory; return its path."""
         ...
 
+    def wait(self) -> None:
+        """Block until every save started so far has landed (a policy that saves synchronously
+        returns at once). Called before the run ends."""
+        ...
 
 
 @runtime_checkable
@@ -151,10 +206,9 @@ class RolloutSource(Protocol):
     """Where the trainer's rollouts come from, step by step (the default generates them in place;
     ``async`` receives them from the rollout ranks)."""
 
-    def next(self, step: int) -> tuple[Any, Any, dict[str, float]]:
-        """``(rollout, scores, reward metrics)`` for optimizer step ``step``: a
-        :class:`~rlcore.rollout.base.RolloutBatch` of this rank's samples, their rewards ``[B]`` and
-        the reward's metrics (``reward/...``)."""
+    def next(self, step: int) -> Any:
+        """This rank's scored samples of optimizer step ``step``: a :class:`~rlcore.trainer.loop.Sampled`
+        (the rollout, its scores, truncation flags and group ids, the reward's metrics)."""
         ...
 
     def data_state(self) -> Stateful:
@@ -180,11 +234,17 @@ class WorldSplit(Protocol):
     #: what the weights travel over from the trainers to the rollout ranks: ``gloo``, ``nccl`` or ``auto``
     weights_backend: str
 
-    def run_rollout_rank(self, config: Any, split: Any) -> int:
-        """The whole life of a rollout rank (``split`` is its :class:`~rlcore.distributed.split.SplitInfo`);
-        returns the process's exit status."""
+    def run_rollout_rank(self, config: Any, split: Any, pm: Any) -> int:
+        """The whole life of a rollout rank (``split`` is its :class:`~rlcore.distributed.split.SplitInfo`,
+        ``pm`` the run's plugin manager, which builds its rollout backend); returns the process's exit status."""
         ...
 
     def rollout_source(self, trainer: Any, split: Any) -> RolloutSource:
         """The source of rollouts of a training rank's trainer."""
         ...
+
+
+__all__ = ["CheckpointPolicy", "DistInfo", "GenerationShare", "PlacementPolicy", "PlacementRequest",
+           "ReshardPolicy", "RewardBackend", "RewardInput", "RewardOutput", "RolloutBackend", "RolloutRequest",
+           "RolloutSource", "Stateful", "WorldSplit"]
+

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from rlcore.config.schema import KLControllerKind, KLEstimator, LossAgg, PolicyLoss
+
 __all__ = [
     "masked_fill_zero",
     "masked_sum",
@@ -28,14 +30,21 @@ __all__ = [
     "logprobs_from_logits",
     "entropy_from_logits",
     "compute_gae",
+    "group_index",
     "grpo_advantages",
     "rloo_advantages",
+    "discounted_returns",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "remax_advantages",
+    "overlong_penalty",
     "KL_ESTIMATORS",
     "kl_penalty",
     "token_level_rewards",
     "broadcast_sequence_advantages",
     "LOSS_AGG_MODES",
     "aggregate_loss",
+    "POLICY_LOSSES",
     "policy_loss",
     "value_loss",
     "ROLLOUT_IS_MODES",
@@ -271,85 +280,194 @@ def compute_gae(
     return adv, returns
 
 
-def _grouped(scores: torch.Tensor, group_size: int, fn: str) -> torch.Tensor:
+def group_index(n: int | None = None, group_size: int | None = None, index=None,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """Dense group ids ``[N]`` (``0..G-1``) of ``N`` samples.
+
+    Either ``index`` (one key per sample: ints, strings or any hashable, e.g. a prompt id; samples
+    with equal keys form one group, in any order and of any size) or ``group_size`` (consecutive
+    groups of that size) must be given.
+
+    :raises ValueError: neither given, a length mismatch, or ``N`` not a multiple of ``group_size``.
+    """
+    if index is not None:
+        if isinstance(index, torch.Tensor):
+            if index.dim() != 1 or (n is not None and index.shape[0] != n):
+                raise ValueError(f"group index must be 1-D [{n}], got shape {tuple(index.shape)}")
+            return torch.unique(index, return_inverse=True)[1].to(device or index.device)
+        keys = list(index)
+        if n is not None and len(keys) != n:
+            raise ValueError(f"group index has {len(keys)} keys for {n} samples")
+        ids: dict = {}
+        return torch.tensor([ids.setdefault(k, len(ids)) for k in keys], dtype=torch.long, device=device)
+    if group_size is None or n is None:
+        raise ValueError("pass either group_size or index (one group key per sample)")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if n % group_size:
+        raise ValueError(f"{n} scores do not split into groups of {group_size}")
+    return torch.arange(n, device=device) // group_size
+
+
+def _group_stats(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample ``(group count, group sum, unbiased group std)`` of ``scores [N]`` (std 0 for size 1)."""
+    groups = int(gid.max()) + 1 if gid.numel() else 0  # no samples: empty results
+    x = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    count = torch.zeros(groups, dtype=x.dtype, device=x.device).index_add_(0, gid, torch.ones_like(x))
+    total = torch.zeros(groups, dtype=x.dtype, device=x.device).index_add_(0, gid, x)
+    mean = total / count
+    sq = torch.zeros(groups, dtype=x.dtype, device=x.device).index_add_(0, gid, (x - mean[gid]).square())
+    std = (sq / (count - 1).clamp_min(1)).sqrt()
+    return count[gid], total[gid], std[gid]
+
+
+def _scored_groups(scores: torch.Tensor, group_size: int | None, index, fn: str):
+    """:func:`_group_stats` of ``scores`` grouped by ``group_size`` or ``index``; errors name ``fn``."""
     if scores.dim() != 1:
         raise ValueError(f"{fn}: scores must be 1-D [N], got shape {tuple(scores.shape)}")
-    if group_size < 1:
-        raise ValueError(f"{fn}: group_size must be >= 1, got {group_size}")
-    if scores.shape[0] % group_size:
-        raise ValueError(
-            f"{fn}: {scores.shape[0]} scores do not split into groups of {group_size}"
-        )
-    return scores.view(-1, group_size)
+    try:
+        gid = group_index(scores.shape[0], group_size, index, scores.device)
+    except ValueError as e:
+        raise ValueError(f"{fn}: {e}") from None
+    return _group_stats(scores, gid)
 
 
 def grpo_advantages(
-    scores: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor,
+    group_size: int | None = None,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+    *,
+    index=None,
 ) -> torch.Tensor:
-    """Group-relative advantages (GRPO): each score minus its group's mean, over its std.
+    """Group-relative advantages (GRPO, Shao et al., 2024): a score minus its group's mean, over its std.
 
-    Samples ``[k * group_size, (k + 1) * group_size)`` form group ``k`` (same prompt).
-    The std is the unbiased sample std of the group. A group of size 1 has no baseline and
-    gets advantage 0.
+    Groups are consecutive blocks of ``group_size`` samples, or (``index``) the samples sharing a
+    key such as a prompt id, which may differ in size (e.g. after filtering). The std is the
+    unbiased sample std of the group. A group of one sample has no baseline: advantage 0.
 
-    :param scores: ``[N]`` sequence scores, ``N`` a multiple of ``group_size``.
-    :param group_size: samples per prompt.
-    :param norm_by_std: divide by ``std + eps`` (False gives Dr. GRPO-style mean centring).
+    :param scores: ``[N]`` sequence scores.
+    :param group_size: samples per prompt (when ``index`` is not given).
+    :param norm_by_std: divide by ``std + eps``; False is Dr. GRPO's mean centring (Liu et al., 2025).
     :param eps: added to the std.
+    :param index: ``[N]`` group keys (tensor or sequence of hashables), instead of ``group_size``.
     :returns: ``[N]``.
     """
-    groups = _grouped(scores, group_size, "grpo_advantages")
-    if group_size == 1:
-        return torch.zeros_like(scores)
-    centred = groups - groups.mean(dim=1, keepdim=True)
+    count, total, std = _scored_groups(scores, group_size, index, "grpo_advantages")
+    centred = scores - total / count
     if norm_by_std:
-        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+        centred = centred / (std + eps)
+    return torch.where(count > 1, centred, torch.zeros_like(centred)).to(scores.dtype)
 
 
-def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """REINFORCE leave-one-out advantages: ``s_i - mean(s_j for j != i in the group)``.
+def rloo_advantages(scores: torch.Tensor, group_size: int | None = None, *, index=None) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages (Ahmadian et al., 2024): ``s_i - mean(s_j, j != i)`` in the group.
 
-    :param scores: ``[N]`` sequence scores in consecutive groups of ``group_size``.
-    :param group_size: samples per prompt, >= 2.
+    Groups as in :func:`grpo_advantages` (``group_size`` or ``index``). With ``index``, a group
+    of one sample has no other sample to form a baseline and gets advantage 0.
+
+    :param scores: ``[N]`` sequence scores.
+    :param group_size: samples per prompt, >= 2 (when ``index`` is not given).
+    :param index: ``[N]`` group keys instead of ``group_size``.
     :returns: ``[N]``.
     :raises ValueError: ``group_size < 2`` (no other samples to form the baseline).
     """
-    if group_size < 2:
+    if index is None and group_size is not None and group_size < 2:
         raise ValueError(f"rloo_advantages: group_size must be >= 2, got {group_size}")
-    groups = _grouped(scores, group_size, "rloo_advantages")
-    others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - others_mean).reshape(-1)
+    count, total, _ = _scored_groups(scores, group_size, index, "rloo_advantages")
+    others = (total - scores) / (count - 1).clamp_min(1)
+    return torch.where(count > 1, scores - others, torch.zeros_like(scores)).to(scores.dtype)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Reward-to-go over valid tokens: ``G_t = r_t + gamma * G_next`` (0 after the last valid token).
+
+    :param rewards: ``[B, T]`` per-token rewards (e.g. :func:`token_level_rewards`).
+    :param mask: ``[B, T]``; masked positions neither add a reward nor count as a time step.
+    :param gamma: discount.
+    :returns: ``[B, T]``, zero where ``mask`` is not set.
+    """
+    valid = _as_bool(mask)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    out = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+        out[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
+    return out
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ (Hu, 2025): discounted token returns, whitened over the whole batch.
+
+    ``A_t = whiten(G_t)`` with ``G_t`` from :func:`discounted_returns` (the per-token KL penalty,
+    if any, is part of ``rewards``); mean and std are taken over every valid token of the batch,
+    the global normalisation that replaces a critic.
+
+    :param rewards: ``[B, T]`` token rewards. :param mask: ``[B, T]``. :param gamma: discount.
+    :returns: ``[B, T]``.
+    """
+    return masked_whiten(discounted_returns(rewards, mask, gamma), mask)
+
+
+def reinforce_pp_baseline_advantages(scores: torch.Tensor, mask: torch.Tensor, group_size: int | None = None,
+                                     *, index=None) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu, 2025): a score minus its group's mean, given to every token, then
+    whitened over the batch's valid tokens (the group mean removes the prompt's difficulty, the global
+    whitening sets the scale, with no per-group std).
+
+    :param scores: ``[N]`` sequence scores. :param mask: ``[N, T]``.
+    :param group_size: samples per prompt, or ``index``: group keys (see :func:`grpo_advantages`).
+    :returns: ``[N, T]``.
+    """
+    centred = grpo_advantages(scores, group_size, norm_by_std=False, index=index)
+    return masked_whiten(broadcast_sequence_advantages(centred, mask), mask)
+
+
+def remax_advantages(rewards: torch.Tensor, mask: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al., 2023): reward-to-go minus the score of the prompt's greedy response.
+
+    ``A_t = sum_{s >= t} r_s - b`` where ``b`` is the reward of a greedy (argmax) rollout of the same
+    prompt: a baseline that needs one extra generation per prompt and no critic.
+
+    :param rewards: ``[B, T]`` token rewards. :param mask: ``[B, T]``.
+    :param baseline: ``[B]`` greedy-response scores.
+    :returns: ``[B, T]``, zero where ``mask`` is not set.
+    """
+    if baseline.shape != rewards.shape[:1]:
+        raise ValueError(f"remax_advantages: baseline {tuple(baseline.shape)} must be [B] for rewards "
+                         f"{tuple(rewards.shape)}")
+    returns = discounted_returns(rewards, mask, 1.0)
+    return masked_fill_zero(returns - baseline.to(returns.dtype).unsqueeze(1), mask)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al., 2025): 0 up to ``max_length - buffer`` tokens, then
+    falling linearly to ``-factor`` at ``max_length`` (and ``-factor`` beyond).
+
+    ``R(|y|) = -factor * clip((|y| - (L_max - L_buffer)) / L_buffer, 0, 1)``.
+
+    :param lengths: ``[B]`` response lengths in tokens.
+    :param max_length: ``L_max``, the length cap. :param buffer: ``L_buffer`` in ``(0, L_max]``.
+    :param factor: the penalty at the cap.
+    :returns: ``[B]`` float32, added to the scores.
+    """
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"overlong buffer must be in (0, max_length={max_length}], got {buffer}")
+    over = (lengths.float() - (max_length - buffer)) / buffer
+    return -float(factor) * over.clamp(0.0, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
 # KL and rewards
 # ---------------------------------------------------------------------------------------------
 
-#: Names accepted by :func:`kl_penalty`, aliases included.
-KL_ESTIMATORS = ("abs", "k1", "k2", "k3", "low_var_kl", "mse")
+#: Names accepted by :func:`kl_penalty`, aliases included (``ppo.kl_estimator``'s enum).
+KL_ESTIMATORS = KLEstimator.values()
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of ``KL(policy || reference)`` from sampled-token log-probs.
-
-    With ``d = logprob - ref_logprob``:
-
-    - ``"k1"``: ``d``
-    - ``"abs"``: ``|d|``
-    - ``"k2"`` / ``"mse"``: ``0.5 * d**2``
-    - ``"k3"`` / ``"low_var_kl"``: ``exp(-d) + d - 1`` (non-negative, low variance); ``-d`` is
-      clamped to ``[-20, 20]`` before ``exp`` and the result to ``[-10, 10]``.
-
-    :param logprob: ``[B, T]`` policy log-probs of the sampled tokens.
-    :param ref_logprob: ``[B, T]`` reference-model log-probs of the same tokens.
-    :param estimator: one of :data:`KL_ESTIMATORS`.
-    :returns: ``[B, T]``.
-    :raises ValueError: unknown estimator.
-    """
-    diff = logprob - ref_logprob
+def _kl_value(diff: torch.Tensor, estimator: str) -> torch.Tensor:
     match estimator:
-        case "k1":
+        case "k1" | "kl":
             return diff
         case "abs":
             return diff.abs()
@@ -361,6 +479,33 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str)
     raise ValueError(
         f"unknown KL estimator {estimator!r}; valid names: {', '.join(KL_ESTIMATORS)}"
     )
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of ``KL(policy || reference)`` from sampled-token log-probs.
+
+    With ``d = logprob - ref_logprob`` (Schulman, 2020, "Approximating KL divergence"):
+
+    - ``"k1"`` / ``"kl"``: ``d``
+    - ``"abs"``: ``|d|``
+    - ``"k2"`` / ``"mse"``: ``0.5 * d**2``
+    - ``"k3"`` / ``"low_var_kl"``: ``exp(-d) + d - 1`` (non-negative, low variance); ``-d`` is
+      clamped to ``[-20, 20]`` before ``exp`` and the result to ``[-10, 10]``.
+    - ``"k1+"`` / ``"k3+"``: straight-through: the value of ``k1`` / ``k3`` with the gradient of
+      ``k2`` (``d * grad d``, whose expectation under the policy is the gradient of the true KL; the
+      gradients of ``k1`` and ``k3`` used as a loss are biased). Same as the plain estimator in a reward.
+
+    :param logprob: ``[B, T]`` policy log-probs of the sampled tokens.
+    :param ref_logprob: ``[B, T]`` reference-model log-probs of the same tokens.
+    :param estimator: one of :data:`KL_ESTIMATORS`.
+    :returns: ``[B, T]``.
+    :raises ValueError: unknown estimator.
+    """
+    diff = logprob - ref_logprob
+    if estimator in ("k1+", "k3+"):
+        grad_part = 0.5 * diff.square()
+        return grad_part - grad_part.detach() + _kl_value(diff, estimator[:-1]).detach()
+    return _kl_value(diff, estimator)
 
 
 def _last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,33 +567,60 @@ def broadcast_sequence_advantages(adv: torch.Tensor, response_mask: torch.Tensor
 # Losses
 # ---------------------------------------------------------------------------------------------
 
-#: Ways :func:`aggregate_loss` turns a ``[B, T]`` loss into a scalar.
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+#: Ways :func:`aggregate_loss` turns a ``[B, T]`` loss into a scalar (``ppo.loss_agg``'s enum).
+LOSS_AGG_MODES = LossAgg.values()
 
 
-def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str,
+                   horizon: int | None = None) -> torch.Tensor:
     """Reduce a per-token loss to a scalar.
 
-    - ``"token-mean"``: mean over all valid tokens of the batch.
+    - ``"token-mean"``: mean over all valid tokens of the batch (DAPO's token-level loss).
     - ``"seq-mean-token-sum"``: sum over each sequence's valid tokens, mean over sequences.
-    - ``"seq-mean-token-mean"``: mean over each sequence's valid tokens, mean over sequences.
+    - ``"seq-mean-token-mean"``: mean over each sequence's valid tokens, mean over sequences
+      (GRPO's original form; GSPO's sequence-level objective).
+    - ``"seq-mean-token-sum-norm"``: each sequence's token sum divided by the constant ``horizon``
+      (the generation length cap), mean over sequences: Dr. GRPO's length-unbiased form
+      ``1/G sum_i 1/L sum_t l_{i,t}`` (Liu et al., 2025).
+    - ``"token-sum"``: sum over all valid tokens (no normalisation).
 
     Sequence means count only rows with at least one valid token.
 
     :param loss: ``[B, T]``.
     :param mask: ``[B, T]``.
     :param loss_agg: one of :data:`LOSS_AGG_MODES`.
+    :param horizon: the constant ``L`` of ``seq-mean-token-sum-norm``; None uses ``T`` (pass the
+        length cap when responses are cut to their used columns).
     :returns: scalar.
-    :raises ValueError: unknown mode.
+    :raises ValueError: unknown mode or a horizon < 1.
     """
     match loss_agg:
         case "token-mean":
             return masked_mean(loss, mask)
-        case "seq-mean-token-sum" | "seq-mean-token-mean":
-            reduce = masked_sum if loss_agg == "seq-mean-token-sum" else masked_mean
+        case "token-sum":
+            return masked_sum(loss, mask)
+        case "seq-mean-token-sum" | "seq-mean-token-mean" | "seq-mean-token-sum-norm":
+            reduce = masked_mean if loss_agg == "seq-mean-token-mean" else masked_sum
             per_seq = reduce(loss, mask, dim=-1)
+            if loss_agg == "seq-mean-token-sum-norm":
+                length = loss.shape[-1] if horizon is None else int(horizon)
+                if length < 1:
+                    raise ValueError(f"seq-mean-token-sum-norm needs a horizon >= 1, got {length}")
+                per_seq = per_seq / length
             return masked_mean(per_seq, _as_bool(mask).any(dim=-1))
     raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGG_MODES)}")
+
+
+#: Policy-gradient losses of :func:`policy_loss` (``ppo.policy_loss``).
+POLICY_LOSSES = PolicyLoss.values()
+
+
+def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's token log-ratios: ``log s_i + logp_t - sg(logp_t)``, ``s_i`` the length-normalised
+    sequence ratio (detached), so the value is ``log s_i`` at every token and the gradient of token
+    ``t`` is ``grad logp_t``."""
+    seq = masked_mean(log_ratio, mask, dim=-1).detach().unsqueeze(-1)
+    return (log_ratio - log_ratio.detach() + seq).clamp(max=10.0)
 
 
 def policy_loss(
@@ -461,13 +633,23 @@ def policy_loss(
     dual_clip: float | None = None,
     loss_agg: str = "token-mean",
     token_weights: torch.Tensor | None = None,
+    kind: str = "vanilla",
+    horizon: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss, with optional clip-higher and dual-clip.
+    """Policy-gradient loss: PPO's clipped surrogate (with clip-higher and dual-clip), GSPO or CISPO.
 
-    With ``r = exp(logprob - old_logprob)`` (log-ratio clamped to ``[-20, 20]``):
-    ``l = max(-A * r, -A * clip(r, 1 - cliprange, 1 + cliprange_high))``. With ``dual_clip = c``
-    the loss of tokens with ``A < 0`` is further capped at ``-c * A`` (Ye et al., 2020), which
-    bounds the update when the ratio is far above 1 on a bad action.
+    With token ratios ``r = exp(logprob - old_logprob)`` (log-ratio clamped to ``[-20, 20]``),
+    ``lo = 1 - cliprange`` and ``hi = 1 + cliprange_high``:
+
+    - ``"vanilla"`` (Schulman et al., 2017): ``l = max(-A * r, -A * clip(r, lo, hi))``. With
+      ``dual_clip = c`` the loss of tokens with ``A < 0`` is further capped at ``-c * A`` (Ye et
+      al., 2020), which bounds the update when the ratio is far above 1 on a bad action.
+    - ``"gspo"`` (Zheng et al., 2025): the same clipped surrogate on the sequence ratio
+      ``s_i = exp(mean_t log r_{i,t})`` (geometric mean of the token ratios), one value per sequence;
+      a token's gradient is ``s_i * grad logprob_t`` (GSPO-token with a sequence-level advantage).
+      With ``loss_agg="seq-mean-token-mean"`` this is the paper's objective.
+    - ``"cispo"`` (MiniMax, 2025): ``l = -sg(clip(r, lo, hi)) * A * logprob``: the importance weight
+      is clipped and detached instead of the update, so clipped tokens still give gradients.
 
     :param logprob: ``[B, T]`` current policy log-probs (carries the gradient).
     :param old_logprob: ``[B, T]`` log-probs of the policy that sampled the data.
@@ -475,14 +657,17 @@ def policy_loss(
     :param mask: ``[B, T]`` valid response tokens.
     :param cliprange: lower (and default upper) clip distance, e.g. 0.2.
     :param cliprange_high: upper clip distance; None uses ``cliprange``.
-    :param dual_clip: the constant ``c > 1``, or None to disable.
+    :param dual_clip: the constant ``c > 1``, or None to disable (``vanilla`` only).
     :param loss_agg: one of :data:`LOSS_AGG_MODES`.
     :param token_weights: ``[B, T]`` factors multiplying each token's loss before aggregation
         (e.g. :func:`rollout_is_weights`; no gradient flows into them), or None.
+    :param kind: one of :data:`POLICY_LOSSES`.
+    :param horizon: the constant length of ``seq-mean-token-sum-norm`` (see :func:`aggregate_loss`).
     :returns: ``(loss, metrics)``: scalar loss; metrics are detached float scalars
-        ``clipfrac`` (share of valid tokens where the clipped branch is taken),
+        ``clipfrac`` (share of valid tokens where clipping changed the term),
         ``approx_kl`` (k3 estimate of ``KL(old || new)``) and ``dual_clipfrac``.
-    :raises ValueError: negative clip ranges, ``dual_clip <= 1`` or an unknown ``loss_agg``.
+    :raises ValueError: negative clip ranges, ``dual_clip <= 1`` (or set for another kind), an
+        unknown ``loss_agg`` or ``kind``.
     """
     high = cliprange if cliprange_high is None else cliprange_high
     if cliprange < 0 or high < 0:
@@ -491,27 +676,38 @@ def policy_loss(
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if loss_agg not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGG_MODES)}")
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {kind!r}; valid names: {', '.join(POLICY_LOSSES)}")
+    if dual_clip is not None and kind != "vanilla":
+        raise ValueError(f"dual_clip applies to the vanilla policy loss only, not {kind!r}")
 
-    log_ratio = (logprob - old_logprob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    token_log_ratio = (logprob - old_logprob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = _sequence_log_ratio(token_log_ratio, mask) if kind == "gspo" else token_log_ratio
     ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
-    loss = torch.maximum(unclipped, clipped)
-    dual_taken = torch.zeros_like(loss, dtype=torch.bool)
-    if dual_clip is not None:
-        cap = -advantages * dual_clip
-        dual_taken = (advantages < 0) & (loss > cap)
-        loss = torch.where(dual_taken, cap, loss)
+    dual_taken = torch.zeros_like(ratio, dtype=torch.bool)
+    if kind == "cispo":
+        weight = ratio.detach().clamp(1.0 - cliprange, 1.0 + high)
+        loss = -advantages * weight * logprob
+        clip_taken = weight != ratio.detach()
+    else:
+        unclipped = -advantages * ratio
+        clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
+        loss = torch.maximum(unclipped, clipped)
+        clip_taken = clipped > unclipped
+        if dual_clip is not None:
+            cap = -advantages * dual_clip
+            dual_taken = (advantages < 0) & (loss > cap)
+            loss = torch.where(dual_taken, cap, loss)
     if token_weights is not None:
         loss = loss * token_weights.detach()
 
     with torch.no_grad():
         metrics = {
-            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).float(),
+            "clipfrac": masked_mean(clip_taken.float(), mask),
+            "approx_kl": masked_mean(token_log_ratio.exp() - 1.0 - token_log_ratio, mask).float(),
             "dual_clipfrac": masked_mean(dual_taken.float(), mask),
         }
-    return aggregate_loss(loss, mask, loss_agg), metrics
+    return aggregate_loss(loss, mask, loss_agg, horizon), metrics
 
 
 def value_loss(
@@ -703,4 +899,4 @@ def make_kl_controller(
             if target is None or horizon is None:
                 raise ValueError("adaptive KL controller needs both target and horizon")
             return AdaptiveKLController(kl_coef, target, horizon)
-    raise ValueError(f"unknown KL controller kind {kind!r}; valid names: adaptive, fixed")
+    raise ValueError(f"unknown KL controller kind {kind!r}; valid names: {', '.join(sorted(KLControllerKind.values()))}")

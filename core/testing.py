@@ -8,14 +8,17 @@ Fixtures:
   Hugging Face directory; shared by the whole test session.
 * ``tiny_tokenizer`` — the tokenizer of ``tiny_model_dir`` loaded through ``from_pretrained``.
 
-Helpers usable outside pytest: :func:`make_tiny_model_dir`, :func:`run_cli`, :func:`teacher_forced_logprobs`.
+Helpers usable outside pytest: :func:`make_tiny_model_dir`, :func:`run_cli`,
+:func:`teacher_forced_logprobs`, and :func:`check_rollout_backend`, the conformance suite any
+rollout backend plugin can run on itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import pytest
 
@@ -39,6 +42,119 @@ def run_cli(argv: Sequence[str]) -> tuple[int, str, str]:
         except SystemExit as e:  # argparse exits
             code = e.code if isinstance(e.code, int) else 1
     return int(code or 0), out.getvalue(), err.getvalue()
+
+
+class RolloutConformanceError(AssertionError):
+    """A rollout backend does not behave as the trainer needs (the message names the check)."""
+
+
+def check_rollout_backend(make_backend: Callable[[Any], Any], model: Any, *, vocab_size: Optional[int] = None,
+                          max_new_tokens: int = 6, atol: float = 2e-3) -> list[str]:
+    """Check a rollout backend against what the trainer relies on; return the names of the checks passed.
+
+    ``make_backend(model)`` builds the backend for ``model`` (a Hugging Face causal LM, e.g.
+    :func:`rlcore.rollout.tiny.tiny_causal_lm`), as ``rlcore_rollout_backend`` would. The checks:
+
+    * ``protocol`` — the backend has ``generate`` and ``sync_weights`` (:class:`~rlcore.protocols.RolloutBackend`);
+    * ``shapes`` — prompts of different lengths give ``[B, P]`` left-padded prompts and ``[B, R]``
+      responses (``R <= max_new_tokens``) with matching masks, one row per prompt, in order;
+    * ``masks`` — masked response positions hold the pad id and log-prob 0; a response mask is ones then zeros;
+    * ``eos`` — with an EOS id that greedy decoding produces, each row stops right after its first EOS
+      (the EOS itself is kept) and the tokens before it are unchanged;
+    * ``seeds`` — the same seed gives the same sample, twice;
+    * ``logprobs`` — the sampled tokens' log-probs equal teacher-forced ``log_softmax(logits / T)`` of
+      the model (within ``atol``), greedy and sampled;
+    * ``sync_weights`` — after the model's weights change in place, ``sync_weights()`` makes the
+      backend's log-probs follow the new weights. This check modifies ``model``.
+
+    :raises RolloutConformanceError: naming the first check that fails and what differed.
+    """
+    import torch
+
+    from rlcore.protocols import RolloutBackend
+    from rlcore.rollout.base import SamplingParams
+    from rlcore.trainer.models import response_logprobs
+
+    def fail(check: str, why: str) -> None:
+        raise RolloutConformanceError(f"rollout backend {type(backend).__name__}: check '{check}' failed: {why}")
+
+    vocab = int(vocab_size or model.config.vocab_size)
+    pad = 0
+    prompts = [[5, 9, 14, 3], [7], [11, 12, 13], [4, 4, 8, 21, 6, 2]]
+    prompts = [[t % vocab or 1 for t in p] for p in prompts]
+    passed: list[str] = []
+    backend = make_backend(model)
+    if not isinstance(backend, RolloutBackend):
+        fail("protocol", "it lacks generate() or sync_weights()")
+    passed.append("protocol")
+
+    def teacher_forced(batch: Any, temperature: float) -> torch.Tensor:
+        ids, mask = batch.sequences()
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            out = response_logprobs(model, ids.to(device), mask.to(device), batch.response_ids.shape[1],
+                                    temperature)[0].float().cpu()
+        return out * batch.response_mask.cpu()
+
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, pad_token_id=pad)
+    batch = backend.generate(prompts, greedy)
+    b, r = batch.response_ids.shape
+    if b != len(prompts) or batch.prompt_ids.shape[0] != b or not 0 < r <= max_new_tokens:
+        fail("shapes", f"{len(prompts)} prompts gave prompts {tuple(batch.prompt_ids.shape)}, responses {(b, r)}")
+    for i, p in enumerate(prompts):
+        row = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+        if row != p or batch.prompt_mask[i, -len(p):].sum() != len(p):
+            fail("shapes", f"prompt row {i} is {row}, expected {p} left padded")
+    if batch.logprobs.shape != (b, r) or batch.response_mask.shape != (b, r):
+        fail("shapes", f"logprobs {tuple(batch.logprobs.shape)} / response_mask {tuple(batch.response_mask.shape)}")
+    passed.append("shapes")
+
+    def check_masks(batch: Any, check: str) -> None:
+        mask = batch.response_mask.cpu().long()
+        if (mask[:, 1:] > mask[:, :-1]).any():
+            fail(check, "a response mask has a one after a zero")
+        off = mask == 0
+        if (batch.response_ids.cpu()[off] != pad).any() or (batch.logprobs.cpu()[off] != 0).any():
+            fail(check, "masked response positions must hold the pad id and log-prob 0")
+
+    check_masks(batch, "masks")
+    passed.append("masks")
+
+    full = batch.response_ids.cpu()
+    eos = int(full[0, min(2, r - 1)])
+    stopped = backend.generate(prompts, dataclasses.replace(greedy, eos_token_ids=(eos,)))
+    check_masks(stopped, "eos")
+    for i in range(b):
+        ids, keep = stopped.response_ids[i].cpu(), stopped.response_mask[i].cpu().bool()
+        row = ids[keep].tolist()
+        hits = (full[i] == eos).nonzero()
+        expected = full[i, :int(hits[0]) + 1].tolist() if len(hits) else full[i].tolist()
+        if row != expected:
+            fail("eos", f"row {i} with EOS id {eos}: kept {row}, expected {expected}")
+    passed.append("eos")
+
+    sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=1234, pad_token_id=pad)
+    first, second = backend.generate(prompts, sampled), backend.generate(prompts, sampled)
+    if not torch.equal(first.response_ids.cpu(), second.response_ids.cpu()):
+        fail("seeds", "the same seed gave different samples")
+    passed.append("seeds")
+
+    for name, got, temperature in (("greedy", batch, 1.0), ("sampled", first, 1.0)):
+        diff = float((got.logprobs.float().cpu() - teacher_forced(got, temperature)).abs().max())
+        if diff > atol:
+            fail("logprobs", f"{name} log-probs differ from teacher forcing by {diff:.2e} (> {atol})")
+    passed.append("logprobs")
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    backend.sync_weights()
+    after = backend.generate(prompts, greedy)
+    diff = float((after.logprobs.float().cpu() - teacher_forced(after, 1.0)).abs().max())
+    if diff > atol or torch.allclose(after.logprobs.float().cpu(), batch.logprobs.float().cpu()):
+        fail("sync_weights", f"after the weights changed, log-probs differ from teacher forcing by {diff:.2e}")
+    passed.append("sync_weights")
+    return passed
 
 
 @pytest.fixture

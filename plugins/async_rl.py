@@ -92,38 +92,41 @@ class AsyncSettings:
     weights_backend: str = "auto"
 
 
-def settings_from(config: dict[str, Any]) -> AsyncSettings:
-    """The plugin's settings from the resolved config, checked; errors name ``plugin_config.async.<key>``."""
-    raw = dict((config.get("plugin_config") or {}).get(NAME) or {})
-    fields = {f.name for f in dataclasses.fields(AsyncSettings)}
-    problems = [f"'plugin_config.{NAME}.{key}' is not a setting of plugin '{NAME}' (settings: "
-                f"{', '.join(sorted(fields))})" for key in raw if key not in fields]
-    if problems:
-        raise ConfigError(problems)
-    s = AsyncSettings(**raw)
+settings_schema = AsyncSettings
 
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
 
-    checks = [(is_int(s.rollout_ranks) and s.rollout_ranks >= 0, "rollout_ranks", "an integer >= 0"),
-              (isinstance(s.rollout_fraction, (int, float)) and 0.0 < float(s.rollout_fraction) < 1.0,
-               "rollout_fraction", "a number in (0, 1)"),
-              (is_int(s.max_staleness) and s.max_staleness >= 0, "max_staleness", "an integer >= 0"),
-              (is_int(s.bucket_mb) and s.bucket_mb >= 1, "bucket_mb", "an integer >= 1"),
+def check_settings(s: AsyncSettings) -> None:
+    """The ranges of the settings (their types are checked against :class:`AsyncSettings`)."""
+    checks = [(s.rollout_ranks >= 0, "rollout_ranks", "an integer >= 0"),
+              (0.0 < float(s.rollout_fraction) < 1.0, "rollout_fraction", "a number in (0, 1)"),
+              (s.max_staleness >= 0, "max_staleness", "an integer >= 0"),
+              (s.bucket_mb >= 1, "bucket_mb", "an integer >= 1"),
               (s.weights_backend in ("auto", "gloo", "nccl"), "weights_backend", "auto, gloo or nccl")]
     bad = [f"'plugin_config.{NAME}.{key}' = {getattr(s, key)!r} must be {want}" for ok, key, want in checks if not ok]
     if bad:
         raise ConfigError(bad)
-    return s
 
 
 def check_run(config: dict[str, Any], s: AsyncSettings) -> None:
     """What the rest of the config must be for an asynchronous run."""
-    ppo = config.get("ppo") or {}
+    check_settings(s)
+    ppo, algo, data = config.get("ppo") or {}, config.get("algorithm") or {}, config.get("data") or {}
+    problems = []
     if s.max_staleness > 0 and str(ppo.get("rollout_is", "none")) == "none":
-        raise ConfigError([f"plugin '{NAME}' with 'plugin_config.{NAME}.max_staleness' = {s.max_staleness} trains "
-                           "on samples of an older policy: set 'ppo.rollout_is' to token or sequence (the clipped "
-                           "importance weight that corrects for it), or max_staleness to 0"])
+        problems.append(f"plugin '{NAME}' with 'plugin_config.{NAME}.max_staleness' = {s.max_staleness} trains on "
+                        "samples of an older policy: set 'ppo.rollout_is' to token or sequence (the clipped "
+                        "importance weight that corrects for it), or max_staleness to 0")
+    # what the rollout ranks do not do: generate greedily beside the samples, draw more rounds, play episodes
+    if str(algo.get("adv_estimator")) == "remax":
+        problems.append(f"plugin '{NAME}' does not run algorithm.adv_estimator=remax (its greedy baseline is "
+                        "generated with the step's samples); use grpo, rloo or gae")
+    if (algo.get("dynamic_sampling") or {}).get("enable"):
+        problems.append(f"plugin '{NAME}' does not run algorithm.dynamic_sampling (its extra rounds are drawn "
+                        "after scoring); turn it off")
+    if data.get("env_key"):
+        problems.append(f"plugin '{NAME}' does not play multi-turn episodes (data.env_key); unset it")
+    if problems:
+        raise ConfigError(problems)
     nproc = int((config.get("trainer") or {}).get("nproc_per_node", 1) or 1)
     if nproc > 1:  # rlcore's own launcher: the world size is known before any process starts
         rollout_rank_count(nproc, s)
@@ -142,15 +145,14 @@ def rollout_rank_count(world_size: int, s: AsyncSettings) -> int:
 
 
 @hookimpl
-def rlcore_preflight(config, plugins):
-    if NAME in plugins:
-        check_run(config, settings_from(config))
+def rlcore_preflight(config, settings):
+    check_run(config, settings)
 
 
 @hookimpl
-def rlcore_world_split(world_size, config):
-    s = settings_from(config)
-    return AsyncSplit(s, rollout_rank_count(world_size, s))
+def rlcore_world_split(world_size, settings):
+    check_settings(settings)
+    return AsyncSplit(settings, rollout_rank_count(world_size, settings))
 
 
 class AsyncSplit:
@@ -160,8 +162,8 @@ class AsyncSplit:
         self.settings, self.rollout_ranks = settings, rollout_ranks
         self.weights_backend = settings.weights_backend
 
-    def run_rollout_rank(self, config: Any, split: Any) -> int:
-        return RolloutWorker(split).run()
+    def run_rollout_rank(self, config: Any, split: Any, pm: Any) -> int:
+        return RolloutWorker(split, pm).run()
 
     def rollout_source(self, trainer: Any, split: Any) -> "AsyncSource":
         return AsyncSource(trainer, split, self.settings)
@@ -278,7 +280,7 @@ class AsyncSource:
 
     def __init__(self, trainer: Any, split: Any, settings: AsyncSettings):
         self.trainer, self.split, self.settings = trainer, split, settings
-        self.filler = trainer.c.ensure_ids
+        self.filler = trainer.c.prompts.fill
         self.bridge = split.bridge  # training rank 0 only
         self.staleness = int(settings.max_staleness)
         self.max_steps = int(trainer.tcfg.max_steps)
@@ -292,7 +294,9 @@ class AsyncSource:
         self._metrics: dict[str, float] = {}
         self._weights_s = 0.0
 
-    def next(self, step: int):
+    def next(self, step: int) -> Any:
+        from rlcore.trainer.loop import Sampled
+
         t = self.trainer
         if not self.started:
             self._start()
@@ -311,12 +315,15 @@ class AsyncSource:
             raise RuntimeError(f"plugin '{NAME}': the samples of step {step} come from policy version {version}, "
                                f"{lag} steps old, outside 0..max_staleness={self.staleness}")
         with t.timer("reward"):
-            scores, m_reward = t.score(rollout, extras)
+            raw, m_reward = t.score(rollout, extras)
+        scores, shaping = t.shape_scores(rollout, raw)
+        m_reward.update(shaping)
         self._metrics = {"async/staleness": float(lag), "async/policy_version": float(version),
                          "async/wait_s": wait, "async/weights_sync_s": self._weights_s,
                          "async/queued_steps": float(len(self.pending))}
         self._weights_s = 0.0
-        return rollout, scores, m_reward
+        return Sampled(rollout=rollout, scores=scores, raw_scores=raw, reward_metrics=m_reward,
+                       truncated=t.truncated(rollout), group_ids=torch.arange(rollout.batch_size // t.n).repeat_interleave(t.n))
 
     def data_state(self) -> _Position:
         return _Position(self)
@@ -352,16 +359,20 @@ class AsyncSource:
         self.started = True
         if self.bridge is None:
             return
-        model = c.actor_module
+        from omegaconf import OmegaConf
+
+        from rlcore.trainer.components import rollout_request
+
+        model = c.policy
+        request = rollout_request(*(OmegaConf.to_object(t.cfg[key]) for key in ("actor", "data", "ppo")))
         init = {"config": model.config, "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                "backend": str(t.cfg.actor.rollout_backend), "engine": _engine_kwargs(t.cfg),
-                "micro_batch": int(t.gen_cfg.batch_size)}
+                "request": request, "micro_batch": int(t.gen_cfg.batch_size)}
         for peer in range(1, self.bridge.size):
             self.bridge.send(("init", init), peer)
 
     def _publish(self, version: int) -> None:
         with self.trainer.timer("weights_sync"):
-            items = full_weights(self.trainer.c.actor_module)  # a collective over the training ranks
+            items = full_weights(self.trainer.c.policy)  # a collective over the training ranks
             if self.bridge is not None:
                 self._weights_s += send_weights(self.bridge, items, version, int(self.settings.bucket_mb) << 20)
         self.sent_version = version
@@ -371,7 +382,7 @@ class AsyncSource:
 
         t, c = self.trainer, self.trainer.c
         before = copy.deepcopy(self.filler.state_dict())
-        rows = self.filler(c.train_loader.next_batch())
+        rows = self.filler(c.prompts.loader.next_batch())
         prompts, extras = t.expand(rows)
         t.hook.rlcore_before_generation(step=step, prompts=prompts)
         self.pending[step] = (before, extras)
@@ -416,14 +427,6 @@ def _take(batch: Any, a: int, b: int) -> Any:
                                logprobs=batch.logprobs[a:b], stats=dict(batch.stats))
 
 
-def _engine_kwargs(cfg: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    engine = OmegaConf.to_container(cfg.actor.rollout_engine, resolve=True) or {}
-    return dict(engine, max_batch_size=int(cfg.ppo.generation.batch_size),
-                max_seq_len=int(cfg.data.max_prompt_length) + int(cfg.ppo.generation.max_new_tokens))
-
-
 # ----------------------------------------------------------------------------------------------
 # the rollout ranks' side
 # ----------------------------------------------------------------------------------------------
@@ -437,8 +440,8 @@ class RolloutWorker:
     """A rollout rank: wait for the model, then generate whatever training rank 0 queues, taking new
     weights between two generation calls, until told to stop (see the module docstring)."""
 
-    def __init__(self, split: Any):
-        self.split, self.bridge = split, split.bridge
+    def __init__(self, split: Any, pm: Any):
+        self.split, self.bridge, self.pm = split, split.bridge, pm
         self.device = split.dist.device
         self.model: Optional[torch.nn.Module] = None
         self.backend: Any = None
@@ -526,10 +529,9 @@ class RolloutWorker:
         self.model = model.eval()
 
     def _make_backend(self) -> None:
-        from rlcore.rollout import make_backend
-
-        kw = dict(self.init["engine"], device=self.device)
-        self.backend = make_backend(self.model, self.init["backend"], **kw)
+        request = self.init["request"]
+        request = dataclasses.replace(request, engine={**dict(request.engine), "device": self.device})
+        self.backend = self.pm.build("rlcore_rollout_backend", model=self.model, request=request, dist=self.split.dist)
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], params: Any) -> Any:

@@ -6,12 +6,54 @@
 - reshard: FSDP2 over all ranks for training, full weights for generation;
 - reward: Python function rewards (and a Hugging Face reward model where ``reward_model.enable``);
 - checkpoint: every ``trainer.save_steps``, keep the last N, atomic, resumable;
-- metrics: one console line per logged step.
+- rollout backend: Hugging Face ``generate`` for ``actor.rollout_backend`` ``auto`` or ``hf`` and for every
+  tensor-parallel replica (the built-in ``engine`` plugin answers first for the models it supports);
+- metrics: one console line per logged step;
+- environments: ``python`` (a sandboxed Python tool), ``guess`` (a number-guessing game), ``demo_lookup``
+  (the demo's tool task); tool-call parser ``hermes``.
 """
 
 from __future__ import annotations
 
+import logging
+
 from rlcore.hookspecs import hookimpl
+
+log = logging.getLogger(__name__)
+
+
+@hookimpl
+def rlcore_preflight(config, plugins):
+    """What the default components cannot do: offload a reward model, remesh the actor."""
+    from rlcore.errors import PlacementError, PluginError
+    from rlcore.rewards.backend import OFFLOAD_NEEDS_PLUGIN
+
+    rm, remeshing = config["reward_model"], config["actor"]["remeshing"]
+    if rm["enable"] and rm["offload"] and "rm-offload" not in plugins:
+        raise PlacementError(OFFLOAD_NEEDS_PLUGIN)
+    if remeshing["enabled"] and "remesh" not in plugins:
+        raise PluginError("actor.remeshing.enabled=true needs the 'remesh' plugin: add --plugins remesh "
+                          "(or plugins: [remesh] in the config)")
+    for key, why in inert_keys(config, plugins):
+        log.warning("config key '%s' has no effect in this run: %s", key, why)
+
+
+def inert_keys(config, plugins):
+    """``(key, why)`` for settings only a plugin that is not selected reads."""
+    from rlcore.config.schema import DataConfig, RemeshingConfig
+
+    out = []
+    if "remesh" not in plugins and config["actor"]["remeshing"] != _as_dict(RemeshingConfig()):
+        out.append(("actor.remeshing", "the 'remesh' plugin is not selected"))
+    if "streaming" not in plugins and config["data"]["shuffle_buffer"] != DataConfig().shuffle_buffer:
+        out.append(("data.shuffle_buffer", "only the 'streaming' plugin uses it"))
+    return out
+
+
+def _as_dict(obj):
+    import dataclasses
+
+    return dataclasses.asdict(obj)
 
 
 @hookimpl
@@ -20,6 +62,24 @@ def rlcore_register_rewards(register):
 
     for name, fn in BUILTIN_REWARDS.items():
         register(name, fn)
+
+
+@hookimpl
+def rlcore_environment(register):
+    from rlcore.demo import LookupEnv
+    from rlcore.envs.builtin import BUILTIN_ENVIRONMENTS
+
+    for name, factory in BUILTIN_ENVIRONMENTS.items():
+        register(name, factory)
+    register("demo_lookup", LookupEnv)
+
+
+@hookimpl
+def rlcore_tool_parser(register):
+    from rlcore.envs.tools import BUILTIN_PARSERS
+
+    for name, parser in BUILTIN_PARSERS.items():
+        register(name, parser)
 
 
 @hookimpl
@@ -62,6 +122,15 @@ def rlcore_world_split(world_size, config):
     from rlcore.trainer.loop import WholeWorld
 
     return WholeWorld()
+
+
+@hookimpl
+def rlcore_rollout_backend(model, request):
+    if request.backend not in ("auto", "hf") and not request.tensor_parallel:
+        return None
+    from rlcore.rollout.hf import HFGenerateBackend
+
+    return HFGenerateBackend(model, device=request.engine.get("device"))
 
 
 @hookimpl

@@ -13,7 +13,28 @@ explains the layouts and the cost of each switch.
 
 from __future__ import annotations
 
+import logging
+
 from rlcore.hookspecs import hookimpl
+
+log = logging.getLogger(__name__)
+
+
+@hookimpl
+def rlcore_preflight(config):
+    """Shard sizes against the world size, where it is known before any process starts."""
+    remeshing = config["actor"]["remeshing"]
+    if not remeshing["enabled"]:
+        log.warning("plugin 'remesh' is selected but does nothing in this run: actor.remeshing.enabled is false")
+        return
+    from rlcore.distributed.init import known_world_size
+
+    world = known_world_size(config["trainer"]["nproc_per_node"])
+    if world is not None:
+        from rlcore.config.schema import RemeshingConfig
+        from rlcore.distributed.remesh import check_sizes
+
+        check_sizes(RemeshingConfig(**remeshing), world)
 
 
 @hookimpl

@@ -202,6 +202,13 @@ def _gpu_count() -> int:
 
 
 @hookimpl
+def rlcore_preflight(config):
+    if not config["reward_model"]["enable"]:
+        log.warning("plugin 'rm-offload' is selected but does nothing in this run: reward_model.enable is false "
+                    "(no reward model to place)")
+
+
+@hookimpl
 def rlcore_reward_backend(reward_model, reward_function, reward, placement, tokenizer, rewards):
     if not reward_model.enable:
         return None

@@ -13,6 +13,17 @@ from rlcore.hookspecs import hookimpl
 
 
 @hookimpl
+def rlcore_preflight(config):
+    from rlcore.config.schema import DataConfig
+
+    if config["data"]["cache_dir"] != DataConfig().cache_dir:
+        import logging
+
+        logging.getLogger(__name__).warning("config key 'data.cache_dir' has no effect in this run: the 'streaming' "
+                                            "plugin reads the files itself, without the tokenized cache")
+
+
+@hookimpl
 def rlcore_dataset_provider(config, tokenizer, split, dist):
     files = config.train_files if split == "train" else config.val_files
     if config.custom_cls.path or not files:

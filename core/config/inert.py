@@ -23,14 +23,12 @@ def changed_keys(cfg: DictConfig) -> list[str]:
     return out
 
 
-def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int,
-               ignore: Iterable[str] = ()) -> list[tuple[str, str]]:
-    """``(key, reason)`` for every key set by the user that this run will not use; keys in ``ignore``
-    (e.g. set by a preset, not by the user) are left out."""
+def inert_keys(cfg: DictConfig, world_size: int, ignore: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """``(key, reason)`` for every key set by the user that the core will not use; keys in ``ignore``
+    (e.g. set by a preset, not by the user) are left out. Settings that only a plugin reads are that
+    plugin's to report (in its ``rlcore_preflight``)."""
     ignore = set(ignore)
-    plugins = set(plugins)
     rules = [
-        ("actor.remeshing.", "remesh" not in plugins, "the 'remesh' plugin is not selected"),
         ("fsdp.", world_size == 1, "a single process does not shard (start with torchrun or trainer.nproc_per_node)"),
         ("actor.fsdp.", world_size == 1, "a single process does not shard"),
         ("critic.fsdp.", world_size == 1, "a single process does not shard"),
@@ -40,9 +38,9 @@ def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int,
         ("reward_model.", not cfg.reward_model.enable, "reward_model.enable is false"),
         ("data.prefetch_factor", cfg.data.num_workers == 0, "data.num_workers is 0"),
         ("trainer.profile_steps", not cfg.trainer.enable_profiling, "trainer.enable_profiling is false"),
-        ("data.shuffle_buffer", "streaming" not in plugins, "only the 'streaming' plugin uses it"),
-        ("data.cache_dir", "streaming" in plugins or bool(cfg.data.custom_cls.path),
-         "the 'streaming' plugin and data.custom_cls read the files themselves, without the tokenized cache"),
+        ("data.shuffle_buffer", True, ""),  # the streaming plugin's: reported by the plugins
+        ("data.cache_dir", bool(cfg.data.custom_cls.path),
+         "data.custom_cls reads the files itself, without the tokenized cache"),
         ("ppo.kl_", cfg.ppo.kl_coeff == 0, "ppo.kl_coeff is 0"),
         ("ppo.cliprange_value", cfg.algorithm.adv_estimator != "gae", "no critic is trained"),
         ("ppo.vf_coef", cfg.algorithm.adv_estimator != "gae", "no critic is trained"),
@@ -66,16 +64,7 @@ def inert_keys(cfg: DictConfig, plugins: Iterable[str], world_size: int,
             continue
         for prefix, inert, why in rules:
             if inert and (key == prefix or key.startswith(prefix)) and key != "ppo.kl_coeff":
-                out.append((key, why))
+                if why:
+                    out.append((key, why))
                 break
     return out
-
-
-def idle_plugins(cfg: DictConfig, plugins: Iterable[str]) -> list[tuple[str, str]]:
-    """``(plugin, reason)`` for selected built-in plugins that this config leaves with nothing to do."""
-    plugins = set(plugins)
-    rules = [
-        ("remesh", not cfg.actor.remeshing.enabled, "actor.remeshing.enabled is false"),
-        ("rm-offload", not cfg.reward_model.enable, "reward_model.enable is false (no reward model to place)"),
-    ]
-    return [(name, why) for name, idle, why in rules if name in plugins and idle]

@@ -8,36 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import os
+import typing
 from typing import Any, Iterable, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rlcore.config.schema import RLCoreConfig, trains_critic
+from rlcore.config.schema import GROUP_ESTIMATORS, Choice, RLCoreConfig, trains_critic
 from rlcore.errors import ConfigError
 
 # Dict-typed fields whose keys are free-form (not checked against the schema).
-_FREE_FORM = {"kwargs", "plugin_config", "weights", "rank_groups", "rollout_engine"}
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo"),
-    "ppo.kl_estimator": ("k1", "k2", "mse", "k3", "low_var_kl", "abs"),
-    "ppo.kl_ctrl": ("fixed", "adaptive"),
-    "ppo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "ppo.rollout_is": ("none", "token", "sequence"),
-    "data.truncation": ("error", "left", "right"),
-    "fsdp.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
-    "fsdp.param_dtype": ("bf16", "fp16", "fp32"),
-    "fsdp.reduce_dtype": ("bf16", "fp32"),
-    "actor.dtype": ("fp32", "bf16"),
-    "critic.dtype": ("fp32", "bf16"),
-    "actor.lr_scheduler": ("constant", "cosine", "linear"),
-    "critic.lr_scheduler": ("constant", "cosine", "linear"),
-    "actor.rollout_backend": ("auto", "engine", "hf"),
-    "reward_model.dtype": ("fp32", "bf16", "fp16"),
-}
+_FREE_FORM = {"kwargs", "plugin_config", "weights", "rank_groups", "lr_scheduler_kwargs"}
 
 
 def _schema_keys(cls: type, prefix: str = "") -> dict[str, bool]:
@@ -70,6 +54,49 @@ def _list_keys(cls: type, prefix: str = "") -> set[str]:
 
 
 LIST_KEYS = _list_keys(RLCoreConfig)
+
+
+def _choice_keys(cls: type, prefix: str = "") -> dict[str, type[Choice]]:
+    """Dotted keys typed with a :class:`~rlcore.config.schema.Choice` enum (or an optional one) -> the enum."""
+    out: dict[str, type[Choice]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(args) == 1:
+            kind = args[0]
+        if dataclasses.is_dataclass(kind):
+            out.update(_choice_keys(kind, f"{prefix}{f.name}."))
+        elif isinstance(kind, type) and issubclass(kind, Choice):
+            out[f"{prefix}{f.name}"] = kind
+    return out
+
+
+#: Keys with a fixed set of allowed values (``key -> enum``): the one place the config checks and
+#: the reference page take them from.
+CHOICE_KEYS = _choice_keys(RLCoreConfig)
+
+
+def _member(kind: type[Choice], value: Any) -> Choice | None:
+    """The member of ``kind`` whose value (or name) is ``value``; ``None`` if there is none."""
+    if isinstance(value, kind):
+        return value
+    for member in kind:
+        if value in (member.value, member.name):
+            return member
+    return None
+
+
+def to_container(cfg: DictConfig) -> dict:
+    """The config as plain Python data (allowed values as their strings), for YAML, JSON and plugins."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value.value if isinstance(value, enum.Enum) else value
+
+    return plain(OmegaConf.to_container(cfg, resolve=True))
 
 
 def _flatten(d: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -173,7 +200,9 @@ def _rank_group_problems(value: Any) -> list[str]:
 _PRECHECKS = {"placement.rank_groups": _rank_group_problems}
 
 
-def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> None:
+def _apply(base: DictConfig, source: dict, origin: str, errors: list[str], refused: dict[str, str]) -> None:
+    """Merge ``source`` into ``base``; a value outside a key's allowed set goes to ``refused``
+    (``key -> message``), reported by :func:`_check_values` once it is known whether the key is read."""
     for key, value in _flatten(source):
         if not key:
             continue
@@ -183,6 +212,14 @@ def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> No
             continue
         if key in LIST_KEYS and isinstance(value, str):
             value = [value]
+        if key in CHOICE_KEYS and value is not None:
+            member = _member(CHOICE_KEYS[key], value)
+            if member is None:
+                refused[key] = (f"{origin}: '{key}' = {value!r} is not one of "
+                                + ", ".join(CHOICE_KEYS[key].values()))
+                continue
+            refused.pop(key, None)
+            value = member
         if key in _PRECHECKS:
             problems = _PRECHECKS[key](value)
             if problems:
@@ -195,20 +232,15 @@ def _apply(base: DictConfig, source: dict, origin: str, errors: list[str]) -> No
             errors.append(f"{origin}: bad value for '{key}': {value!r} ({detail})")
 
 
-def _check_values(cfg: DictConfig, errors: list[str]) -> None:
+def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | None = None) -> None:
     # Without a critic (GRPO, RLOO) its settings are never read, so they are not held against the run.
     no_critic = not trains_critic(cfg.algorithm.adv_estimator)
-    for key, allowed in CHOICES.items():
-        if no_critic and key.startswith("critic."):
-            continue
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value not in allowed:
-            errors.append(f"'{key}' = {value!r} is not one of {', '.join(allowed)}")
+    errors.extend(msg for key, msg in (refused or {}).items() if not (no_critic and key.startswith("critic.")))
     for role in ("actor",) if no_critic else ("actor", "critic"):
-        for name in ("sharding_strategy", "param_dtype", "reduce_dtype"):  # per-role refinements of ``fsdp``
-            v = OmegaConf.select(cfg, f"{role}.fsdp.{name}")
-            if v is not None and v not in CHOICES[f"fsdp.{name}"]:
-                errors.append(f"'{role}.fsdp.{name}' = {v!r} is not one of " + ", ".join(CHOICES[f"fsdp.{name}"]))
+        scheduler = cfg[role].lr_scheduler
+        problem = lr_scheduler_problem(scheduler, OmegaConf.to_container(cfg[role].lr_scheduler_kwargs))
+        if problem:
+            errors.append(f"'{role}.lr_scheduler' = {scheduler!r}: {problem}")
         if not cfg[role].lr > 0:
             errors.append(f"'{role}.lr' must be > 0, got {cfg[role].lr}")
         for key in ("warmup_steps", "grad_clip", "weight_decay"):
@@ -217,6 +249,13 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
     rbs = cfg.ppo.rollout_batch_size
     if not (rbs == "auto" or (isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0)):
         errors.append(f"'ppo.rollout_batch_size' = {rbs!r} must be a positive integer or 'auto'")
+    for key in ("env.max_turns", "env.max_concurrency"):
+        if OmegaConf.select(cfg, key) < 1:
+            errors.append(f"'{key}' must be >= 1, got {OmegaConf.select(cfg, key)}")
+    if cfg.env.max_tokens is not None and cfg.env.max_tokens < 2:
+        errors.append(f"'env.max_tokens' must be >= 2 (a turn and one observation token) or null, got {cfg.env.max_tokens}")
+    if not cfg.env.timeout_s > 0:
+        errors.append(f"'env.timeout_s' must be > 0, got {cfg.env.timeout_s}")
     positive = ["ppo.generation.batch_size", "ppo.generation.max_new_tokens", "ppo.generation.n",
                 "ppo.ppo_epochs", "trainer.gradient_accumulation_steps", "trainer.log_steps",
                 "data.max_prompt_length", "trainer.nproc_per_node", "data.prefetch_factor"]
@@ -228,6 +267,7 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
                 "ppo.max_tokens_per_micro_batch"]:
         if OmegaConf.select(cfg, key) < 0:
             errors.append(f"'{key}' must be >= 0, got {OmegaConf.select(cfg, key)}")
+    _check_ranges(cfg, errors)
     if not 0.0 < cfg.ppo.generation.top_p <= 1.0:
         errors.append(f"'ppo.generation.top_p' must be in (0, 1], got {cfg.ppo.generation.top_p}")
     for key in ("ppo.pack_sequences", "actor.gradient_checkpointing", "critic.gradient_checkpointing"):
@@ -240,22 +280,170 @@ def _check_values(cfg: DictConfig, errors: list[str]) -> None:
         errors.append("'ppo.generation.temperature' must be >= 0")
     if cfg.ppo.generation.top_k < 0:
         errors.append(f"'ppo.generation.top_k' must be >= 0 (0 = off), got {cfg.ppo.generation.top_k}")
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.ppo.generation.n < 2:
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.ppo.generation.n < 2:
         errors.append(f"'algorithm.adv_estimator' = {cfg.algorithm.adv_estimator} needs "
                       f"'ppo.generation.n' >= 2 samples per prompt, got {cfg.ppo.generation.n}")
+    _check_recipes(cfg, errors)
     rm = cfg.actor.remeshing
     for key in ("generation_shard_size", "training_shard_size"):
         if rm[key] < 1:
             errors.append(f"'actor.remeshing.{key}' must be >= 1, got {rm[key]}")
-    engine = OmegaConf.to_container(cfg.actor.rollout_engine)
-    if engine:
-        from rlcore.rollout.engine import check_config_settings
-
-        errors.extend(f"'actor.rollout_engine.{key}': {problem}" for key, problem in check_config_settings(engine))
+    errors.extend(_engine_problems(cfg.actor.rollout_engine))
     if cfg.custom_reward_function.path is not None and not cfg.custom_reward_function.name:
         errors.append("'custom_reward_function.name' is required with 'custom_reward_function.path'")
     if (cfg.data.custom_cls.path is None) != (cfg.data.custom_cls.name is None):
         errors.append("'data.custom_cls.path' and 'data.custom_cls.name' must be given together")
+
+
+def lr_scheduler_problem(name: str, kwargs: dict) -> str | None:
+    """Why ``name`` with ``kwargs`` (``lr_scheduler_kwargs``) cannot be a role's schedule, ``None`` when it
+    can: the schedule is built once on a stand-in optimizer, so unknown names and missing or unknown
+    keyword arguments show before any model loads."""
+    import torch
+    from transformers import SchedulerType
+
+    from rlcore.trainer.models import METRIC_SCHEDULES, build_scheduler
+
+    names = [s.value for s in SchedulerType if s.value not in METRIC_SCHEDULES]
+    if name not in names and name not in METRIC_SCHEDULES:
+        near = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+        return f"not a schedule of transformers.get_scheduler ({', '.join(names)})" + (
+            f"; did you mean '{near[0]}'?" if near else "")
+    try:
+        build_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), name, 1, 10, kwargs)
+    except (TypeError, ValueError) as error:
+        return f"{error} (schedule arguments go in lr_scheduler_kwargs)"
+    return None
+
+
+def _engine_problems(engine: DictConfig) -> list[str]:
+    """Values of ``actor.rollout_engine`` its types allow but the engine cannot use, each naming its key."""
+    from rlcore.rollout.engine import decode
+    from rlcore.rollout.engine.core import check_page_size
+
+    problems = []
+
+    def bad(key: str, message: str) -> None:
+        problems.append(f"'actor.rollout_engine.{key}': {message}")
+
+    for key in ("eos_check_interval", "max_prefill_tokens"):
+        if engine[key] < 1:
+            bad(key, f"must be >= 1, got {engine[key]}")
+    if engine.attention_length_step is not None and engine.attention_length_step < 1:
+        bad("attention_length_step", f"must be >= 1 or null, got {engine.attention_length_step}")
+    if not 0.0 < engine.admit_fraction <= 1.0:
+        bad("admit_fraction", f"must be in (0, 1], got {engine.admit_fraction}")
+    if not 0.0 < engine.kv_memory_fraction <= 1.0:
+        bad("kv_memory_fraction", f"must be in (0, 1], got {engine.kv_memory_fraction}")
+    if engine.kv_pages is not None and engine.kv_pages < 2:
+        bad("kv_pages", f"must be >= 2 or null, got {engine.kv_pages}")
+    try:
+        check_page_size(engine.page_size)
+    except ValueError as error:
+        bad("page_size", str(error).removeprefix("RolloutEngine: "))
+    if not engine.graph_batch_buckets or any(b < 1 for b in engine.graph_batch_buckets):
+        bad("graph_batch_buckets", f"must be batch sizes >= 1, got {list(engine.graph_batch_buckets)}")
+    for key, check in (("split_k", decode.split_k_tuple), ("attention_tuning", decode.check_attention_tuning)):
+        given = {k: v for k, v in OmegaConf.to_container(engine[key]).items() if v is not None}
+        try:
+            check(given)
+        except ValueError as error:
+            bad(key, str(error))
+    return problems
+
+
+def _check_ranges(cfg: DictConfig, errors: list[str]) -> None:
+    """Numeric ranges of the RL settings, so a bad value fails at load time, not after a model loads
+    and a rollout ran; and the mini-batch size against the rollout it cuts."""
+    ppo, algo = cfg.ppo, cfg.algorithm
+
+    def need(ok: bool, key: str, what: str, value: Any) -> None:
+        if not ok:
+            errors.append(f"'{key}' must be {what}, got {value}")
+
+    need(ppo.cliprange >= 0, "ppo.cliprange", ">= 0 (the ratio clip distance, e.g. 0.2)", ppo.cliprange)
+    if ppo.cliprange_high is not None:
+        need(ppo.cliprange_high >= 0, "ppo.cliprange_high", ">= 0 or null", ppo.cliprange_high)
+    if ppo.dual_clip is not None:
+        need(ppo.dual_clip > 1, "ppo.dual_clip", "> 1 (e.g. 3.0) or null to turn it off", ppo.dual_clip)
+    need(ppo.cliprange_value >= 0, "ppo.cliprange_value", ">= 0", ppo.cliprange_value)
+    need(ppo.vf_coef >= 0, "ppo.vf_coef", ">= 0", ppo.vf_coef)
+    need(ppo.entropy_coeff >= 0, "ppo.entropy_coeff", ">= 0 (a bonus weight)", ppo.entropy_coeff)
+    need(ppo.kl_target > 0, "ppo.kl_target", "> 0", ppo.kl_target)
+    need(ppo.kl_horizon >= 1, "ppo.kl_horizon", ">= 1", ppo.kl_horizon)
+    need(0.0 <= algo.gamma <= 1.0, "algorithm.gamma", "in [0, 1] (the discount)", algo.gamma)
+    need(0.0 <= algo.lam <= 1.0, "algorithm.lam", "in [0, 1] (the GAE lambda)", algo.lam)
+    need(cfg.trainer.eval_samples >= 0, "trainer.eval_samples", ">= 0 (0 = no evaluation)", cfg.trainer.eval_samples)
+    need(cfg.trainer.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", ">= 0", cfg.trainer.max_nonfinite_steps)
+    rw = cfg.reward
+    need(rw.num_workers >= 0, "reward.num_workers", ">= 0", rw.num_workers)
+    need(rw.timeout_s > 0, "reward.timeout_s", "> 0 seconds", rw.timeout_s)
+    need(0.0 <= rw.max_fallback_share <= 1.0, "reward.max_fallback_share", "in [0, 1]", rw.max_fallback_share)
+    rbs, mini = ppo.rollout_batch_size, ppo.mini_batch_size
+    if isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0 and mini > 0 and ppo.generation.n > 0:
+        problem = mini_batch_problem(rbs * ppo.generation.n, mini)
+        if problem:
+            errors.append(f"'ppo.mini_batch_size' = {mini}: {problem} (ppo.rollout_batch_size={rbs} prompts x "
+                          f"ppo.generation.n={ppo.generation.n})")
+
+
+def mini_batch_problem(samples: int, mini: int) -> str | None:
+    """Why ``mini`` samples per optimizer step cannot cut a rollout of ``samples`` (None: they can)."""
+    if mini <= 0 or mini >= samples or samples % mini == 0:
+        return None
+    lower = max(d for d in range(1, mini + 1) if samples % d == 0)
+    return (f"does not divide the {samples} samples of a rollout, so {samples % mini} samples per epoch would "
+            f"never be trained on; use a divisor of {samples} (e.g. {lower}) or 0 for the whole rollout")
+
+
+def config_warnings(cfg: DictConfig) -> list[str]:
+    """Settings that are valid but almost certainly not what the user wants (logged, not raised)."""
+    out = []
+    est, gen = cfg.algorithm.adv_estimator, cfg.ppo.generation
+    if est in GROUP_ESTIMATORS and gen.temperature == 0 and gen.n > 1:
+        out.append(f"ppo.generation.temperature=0 with algorithm.adv_estimator={est}: the {gen.n} samples of a "
+                   "prompt are the same greedy response, so every group advantage is zero and nothing is learned; "
+                   "sample with a temperature > 0 (e.g. 1.0)")
+    return out
+
+
+def _check_recipes(cfg: DictConfig, errors: list[str]) -> None:
+    """Policy-loss, DAPO and LoRA settings (docs/recipes.md)."""
+    ppo, algo, lora = cfg.ppo, cfg.algorithm, cfg.actor.lora
+    if ppo.dual_clip is not None and ppo.policy_loss != "vanilla":
+        errors.append(f"'ppo.dual_clip' applies to 'ppo.policy_loss' = vanilla only, not {ppo.policy_loss!r} "
+                      "(set ppo.dual_clip=null)")
+    ds = algo.dynamic_sampling
+    if ds.enable:
+        if algo.adv_estimator not in GROUP_ESTIMATORS:
+            errors.append(f"'algorithm.dynamic_sampling.enable' drops groups of equal rewards, which needs a group "
+                          f"estimator ({', '.join(GROUP_ESTIMATORS)}), not 'algorithm.adv_estimator' = "
+                          f"{algo.adv_estimator!r}")
+        if ds.max_rounds < 0:
+            errors.append(f"'algorithm.dynamic_sampling.max_rounds' must be >= 0, got {ds.max_rounds}")
+    ob = algo.overlong_buffer
+    if ob.length < 0:
+        errors.append(f"'algorithm.overlong_buffer.length' must be >= 0 (0 = off), got {ob.length}")
+    elif ob.length > cfg.ppo.generation.max_new_tokens:
+        errors.append(f"'algorithm.overlong_buffer.length' = {ob.length} exceeds 'ppo.generation.max_new_tokens' = "
+                      f"{cfg.ppo.generation.max_new_tokens}")
+    if ob.penalty_factor < 0:
+        errors.append(f"'algorithm.overlong_buffer.penalty_factor' must be >= 0, got {ob.penalty_factor}")
+    if lora.rank < 0:
+        errors.append(f"'actor.lora.rank' must be >= 0 (0 = no adapters), got {lora.rank}")
+    elif lora.rank > 0:
+        if not lora.alpha > 0:
+            errors.append(f"'actor.lora.alpha' must be > 0, got {lora.alpha}")
+        if not 0.0 <= lora.dropout < 1.0:
+            errors.append(f"'actor.lora.dropout' must be in [0, 1), got {lora.dropout}")
+        if not lora.target_modules:
+            errors.append("'actor.lora.target_modules' is empty: name the linear layers that get adapters, "
+                          "e.g. [q_proj, v_proj]")
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            errors.append(f"'actor.lora.rank' = {lora.rank} needs the peft package, which is not installed: "
+                          "pip install 'rlcore[lora]' (or set actor.lora.rank=0 for full fine-tuning)")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -276,17 +464,18 @@ def load_config(config_files: Sequence[str] = (), overrides: Sequence[str] = ())
     """
     cfg = OmegaConf.structured(RLCoreConfig)
     errors: list[str] = []
+    refused: dict[str, str] = {}
     for path in config_files:
         try:
             data = read_yaml(path)
         except ConfigError as e:
             errors.extend(e.problems)
             continue
-        _apply(cfg, data, path, errors)
+        _apply(cfg, data, path, errors, refused)
     tree, parse_errors = parse_overrides(overrides)
     errors.extend(parse_errors)
-    _apply(cfg, tree, "override", errors)
-    _check_values(cfg, errors)  # keys that failed to apply keep valid defaults, so this is safe
+    _apply(cfg, tree, "override", errors, refused)
+    _check_values(cfg, errors, refused)  # keys that failed to apply keep valid defaults, so this is safe
     if errors:
         raise ConfigError(errors)
     OmegaConf.set_struct(cfg, True)
@@ -294,7 +483,7 @@ def load_config(config_files: Sequence[str] = (), overrides: Sequence[str] = ())
 
 
 def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg)
+    return OmegaConf.to_yaml(OmegaConf.create(to_container(cfg)))
 
 
 def section(cfg: DictConfig, name: str):

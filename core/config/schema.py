@@ -5,13 +5,71 @@ unknown key is an error. Each component is handed its own section (``cfg.data``,
 never the whole tree. Keys of the seed template (``fast_train_config.yaml``) keep the meaning the
 seed gives them; ``docs/config.md`` documents every key and a test keeps it in step with this file.
 
-Field comments (``#:``) are the reference text: ``python -m rlcore.config.docgen`` turns them into docs/config.md.
+Field comments (``#:``) are the reference text: ``python tools/docgen.py`` turns them into docs/config.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional
+
+
+# --------------------------------------------------------------------------------------------
+# Allowed values: one str enum per kind of choice. The config checks, the math and the reference
+# page all read them, so adding a member (one line) makes a value valid everywhere at once.
+# --------------------------------------------------------------------------------------------
+
+
+class Choice(str, Enum):
+    """A set of allowed string values. Members compare equal to their value (``KLEstimator.k1 ==
+    "k1"``) and print as it, so code may keep comparing with plain strings."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:  # as its value's, so a member finds a dict entry keyed by the plain string
+        return str.__hash__(self)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
+
+
+def choice(name: str, *values: str) -> type[Choice]:
+    """A :class:`Choice` enum whose members are named by their values (``choice("Kind", "a", "b-c")``):
+    omegaconf, the YAML a run saves and the user all spell a value the same way."""
+    return Choice(name, [(value, value) for value in values], module=__name__, qualname=name)
+
+
+AdvEstimator = choice("AdvEstimator", "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                      "remax")
+KLEstimator = choice("KLEstimator", "k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k3+")
+KLControllerKind = choice("KLControllerKind", "fixed", "adaptive")
+LossAgg = choice("LossAgg", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                 "token-sum")
+PolicyLoss = choice("PolicyLoss", "vanilla", "gspo", "cispo")
+Truncation = choice("Truncation", "error", "left", "right")
+ShardingStrategy = choice("ShardingStrategy", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+#: dtype names; :func:`torch_dtype` maps them to torch's
+Dtype = choice("Dtype", "fp32", "bf16", "fp16")
+#: dtypes a role trains in and gradients are reduced in (no fp16: it needs loss scaling)
+TrainDtype = choice("TrainDtype", "fp32", "bf16")
+AttentionKind = choice("AttentionKind", "auto", "sdpa", "triton")
+CompileMode = choice("CompileMode", "default", "max-autotune-no-cudagraphs")
+KVCacheKind = choice("KVCacheKind", "paged", "static")
+RolloutIS = choice("RolloutIS", "none", "token", "sequence")
+
+
+def torch_dtype(name: str):
+    """``"bf16"`` -> ``torch.bfloat16``: the one map from the config's dtype names to torch's."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[str(Dtype(name))]
 
 
 @dataclass
@@ -44,8 +102,8 @@ class DataConfig:
     filter_overlong_prompts: bool = True
     #: Longest prompt in tokens.
     max_prompt_length: int = 1024
-    #: What to do with an overlong prompt that is not filtered: error | left | right.
-    truncation: str = "error"
+    #: What to do with an overlong prompt that is not filtered: fail (error) or cut it on the left or right.
+    truncation: Truncation = Truncation.error
     #: Shuffle training prompts (seeded by ``trainer.seed``).
     shuffle: bool = True
     #: Processes used to tokenize and filter.
@@ -54,6 +112,9 @@ class DataConfig:
     custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
     #: Rows the ``streaming`` plugin keeps for shuffling.
     shuffle_buffer: int = 1024
+    #: Column naming each row's environment (multi-turn episodes, see ``env``); None = single-turn rollouts. A row
+    #: whose value is empty is a single turn.
+    env_key: Optional[str] = None
 
 
 @dataclass
@@ -70,16 +131,16 @@ class RemeshingConfig:
 class FSDPConfig:
     #: Accepted for compatibility; FSDP2 always keeps the original parameters.
     use_orig_params: bool = True
-    #: FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD.
-    sharding_strategy: str = "FULL_SHARD"
+    #: How FSDP shards parameters, gradients and optimizer state (docs/distributed.md).
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     #: Keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False
     #: true: rank 0 loads weights and broadcasts; false: every rank loads the same checkpoint path.
     sync_module_states: bool = True
-    #: Compute dtype for FSDP mixed precision: bf16 | fp16 | fp32.
-    param_dtype: str = "bf16"
-    #: Gradient reduction dtype: fp32 | bf16.
-    reduce_dtype: str = "fp32"
+    #: Compute dtype for FSDP mixed precision.
+    param_dtype: Dtype = Dtype.bf16
+    #: Gradient reduction dtype.
+    reduce_dtype: TrainDtype = TrainDtype.fp32
 
 
 @dataclass
@@ -89,15 +150,15 @@ class RoleFSDPConfig:
     #: See ``fsdp.use_orig_params``.
     use_orig_params: Optional[bool] = None
     #: See ``fsdp.sharding_strategy``.
-    sharding_strategy: Optional[str] = None
+    sharding_strategy: Optional[ShardingStrategy] = None
     #: See ``fsdp.cpu_offload``.
     cpu_offload: Optional[bool] = None
     #: See ``fsdp.sync_module_states``.
     sync_module_states: Optional[bool] = None
     #: See ``fsdp.param_dtype``.
-    param_dtype: Optional[str] = None
+    param_dtype: Optional[Dtype] = None
     #: See ``fsdp.reduce_dtype``.
-    reduce_dtype: Optional[str] = None
+    reduce_dtype: Optional[TrainDtype] = None
 
 
 def resolve_fsdp(global_cfg: FSDPConfig, role_cfg: RoleFSDPConfig) -> FSDPConfig:
@@ -122,33 +183,156 @@ class ModelRoleConfig:
     weight_decay: float = 0.0
     #: Warmup steps of the learning-rate schedule.
     warmup_steps: int = 0
-    #: Learning-rate schedule after warmup: constant | cosine | linear.
+    #: Learning-rate schedule: any name ``transformers.get_scheduler`` knows (``transformers.SchedulerType``), e.g.
+    #: constant, linear, cosine, cosine_with_min_lr, polynomial, warmup_stable_decay; warmup for ``warmup_steps``
+    #: first. ``constant`` with warmup steps is ``constant_with_warmup``.
     lr_scheduler: str = "constant"
+    #: Extra keyword arguments of the schedule (``scheduler_specific_kwargs`` of ``get_scheduler``), e.g.
+    #: ``{num_cycles: 2}`` for cosine_with_restarts or ``{min_lr_rate: 0.1}`` for cosine_with_min_lr.
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
     #: Gradient clipping by global norm (0 = off).
     grad_clip: float = 1.0
-    #: Recompute activations in the backward pass to save memory: true | false | auto (per micro-batch, on when its estimated activation memory exceeds the free memory; see docs/architecture.md, Training on variable lengths).
+    #: Recompute activations in the backward pass to save memory: true | false | auto (per micro-batch, on when
+    #: its estimated activation memory exceeds the free memory; see docs/architecture.md, Training on variable
+    #: lengths).
     gradient_checkpointing: Any = "auto"
-    #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products; the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
+    #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products;
+    #: the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
     compile: Optional[bool] = None
-    #: Training dtype of the weights: fp32 | bf16.
-    dtype: str = "fp32"
+    #: Training dtype of the weights.
+    dtype: TrainDtype = TrainDtype.fp32
     #: Per-role FSDP settings (unset keys inherit the top-level ``fsdp``).
     fsdp: RoleFSDPConfig = field(default_factory=RoleFSDPConfig)
+
+
+@dataclass
+class AttentionTuningConfig:
+    """Settings of the Triton decode-attention kernel; a key left null takes the kernel's own choice."""
+
+    #: Key/value columns per block: a power of two >= 16 (null: 64, or 32 for head dims of 128 and more).
+    block_n: Optional[int] = None
+    #: Warps per program: a power of two <= 32 (null: 2 for head dims up to 64, else 4).
+    num_warps: Optional[int] = None
+    #: Software-pipelining stages of the key/value loads (null: Triton's default).
+    num_stages: Optional[int] = None
+    #: Chunks each (slot, key/value head) cuts the attended length into (null: more only when there are few slots).
+    splits: Optional[int] = None
+    #: Softmax states per block, a power of two leaving >= 16 columns each (null: 1).
+    subblocks: Optional[int] = None
+    #: With RoPE in the kernel, gather each slot's RoPE rows once a step instead of in every layer (null: true).
+    rope_rows: Optional[bool] = None
+
+
+@dataclass
+class SplitKConfig:
+    """Slices of the inner dimension the decode step's products are cut into. All null: the engine's
+    choice (on CUDA with compilation o 2, down 4, q/k/v 2; else none); once one is set, unset ones are 1."""
+
+    #: Slices of the attention output projection.
+    o: Optional[int] = None
+    #: Slices of the MLP's gate/up projection.
+    gate_up: Optional[int] = None
+    #: Slices of the MLP's down projection.
+    down: Optional[int] = None
+    #: Slices of the q/k/v projection.
+    qkv: Optional[int] = None
+
+
+@dataclass
+class RolloutEngineConfig:
+    """Settings of the in-process rollout engine (``RolloutEngine``, docs/rollout.md), checked when the config loads."""
+
+    #: Capture each decode step in a CUDA graph and replay it (CUDA only).
+    use_cuda_graphs: bool = True
+    #: Batch sizes whose decode graphs are captured (the generation batch size is always added).
+    graph_batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    #: Refill free slots once at least this fraction of them is free (or nothing runs), so prompts prefill in groups.
+    admit_fraction: float = 0.125
+    #: Decode steps between host reads of the finished flags.
+    eos_check_interval: int = 8
+    #: Bound on prompts x width per prefill call (activation memory).
+    max_prefill_tokens: int = 65536
+    #: On CUDA, sample unfiltered steps (no top-k/top-p) with the one-pass Triton kernel.
+    fused_sampling: bool = True
+    #: Fuse the decode step's pointwise work with torch.compile (null: on CUDA only).
+    compile: Optional[bool] = None
+    #: torch.compile mode (the engine captures its own CUDA graphs, so modes adding graphs are not offered).
+    compile_mode: CompileMode = CompileMode("default")
+    #: Decode attention: auto (triton where it runs and passes its check, else sdpa), sdpa (PyTorch's fused attention)
+    #: or triton (the grouped-query decode kernel).
+    attention: AttentionKind = AttentionKind.auto
+    #: Granularity of the attended cache length in columns (null: 64, coarser for long caches).
+    attention_length_step: Optional[int] = None
+    #: With triton attention, the kernel also applies RoPE and writes the new key/value to the cache.
+    rope_in_attention: bool = True
+    #: Split-K of the decode step's products.
+    split_k: SplitKConfig = field(default_factory=SplitKConfig)
+    #: Take the gate/up product as weight @ norm(x)^T (null: on when the step is compiled on CUDA).
+    mlp_transposed: Optional[bool] = None
+    #: Tuning of the Triton attention kernel.
+    attention_tuning: AttentionTuningConfig = field(default_factory=AttentionTuningConfig)
+    #: With triton attention, the samples of a prompt read its keys/values from one cache row.
+    prompt_sharing: bool = True
+    #: KV cache: paged (a pool of pages taken as samples grow, prompts shared by reference) or static (one row of
+    #: max_seq_len per slot).
+    kv_cache: KVCacheKind = KVCacheKind.paged
+    #: Columns per page of the paged cache (a power of two >= 16).
+    page_size: int = 64
+    #: Pages in the pool, the null page included (null: enough for every slot at the longest sequence, capped on CUDA
+    #: at kv_memory_fraction of the free memory).
+    kv_pages: Optional[int] = None
+    #: Share of the free GPU memory the paged cache's pool takes when kv_pages is null.
+    kv_memory_fraction: float = 0.5
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """These settings as keyword arguments of ``RolloutEngine``."""
+        split = {k: v for k, v in dataclasses.asdict(self.split_k).items() if v is not None}
+        tuning = {k: v for k, v in dataclasses.asdict(self.attention_tuning).items() if v is not None}
+        return dict(use_cuda_graphs=self.use_cuda_graphs, graph_batch_buckets=list(self.graph_batch_buckets),
+                    admit_fraction=self.admit_fraction, eos_check_interval=self.eos_check_interval,
+                    max_prefill_tokens=self.max_prefill_tokens, fused_sampling=self.fused_sampling,
+                    compile=self.compile, compile_mode=str(self.compile_mode), attention=str(self.attention),
+                    attention_length_step=self.attention_length_step, rope_in_attention=self.rope_in_attention,
+                    split_k=split or "auto", attention_tuning=tuning,
+                    mlp_transposed="auto" if self.mlp_transposed is None else self.mlp_transposed,
+                    prompt_sharing=self.prompt_sharing, kv_cache=str(self.kv_cache), page_size=self.page_size,
+                    kv_pages=self.kv_pages, kv_memory_fraction=self.kv_memory_fraction)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (needs ``pip install rlcore[lora]``, which brings ``peft``)."""
+
+    #: Adapter rank r; 0 = no adapters (full fine-tuning).
+    rank: int = 0
+    #: Scaling numerator: the adapter's update is multiplied by alpha / rank.
+    alpha: float = 16.0
+    #: Dropout on the adapter's input during training.
+    dropout: float = 0.0
+    #: Names of the linear layers that get adapters (matched against the end of module names).
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
 
 
 @dataclass
 class ActorConfig(ModelRoleConfig):
     #: Generation vs training layouts of the actor.
     remeshing: RemeshingConfig = field(default_factory=RemeshingConfig)
-    #: Rollout backend: auto (fast engine where supported, else HF generate) | engine | hf.
+    #: Rollout backend: auto (the fast engine where it supports the model, else HF generate), engine, hf, or the
+    #: name a selected backend plugin answers to (``rlcore_rollout_backend``).
     rollout_backend: str = "auto"
-    #: Settings of the rollout engine (ignored by the HF backend), e.g. ``{attention_tuning: {num_warps: 4}, kv_memory_fraction: 0.3}`` (the paged KV cache's share of the free GPU memory): keyword arguments of ``RolloutEngine`` (docs/rollout.md) except the model, batch size, sequence length, device and dtype, which the trainer sets. Checked when the config loads.
-    rollout_engine: dict[str, Any] = field(default_factory=dict)
+    #: LoRA adapters (``rank > 0``): only the adapters train; the reference policy is the same model with the
+    #: adapters disabled (no second copy); the rollout engine generates with the adapters merged into its own weights.
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    #: Settings of the rollout engine (ignored by the HF backend; docs/rollout.md). The trainer sets the model, batch
+    #: size, sequence length, device and dtype.
+    rollout_engine: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)
 
 
 @dataclass
 class CriticConfig(ModelRoleConfig):
-    #: A Hugging Face model directory for the value model (read only with ``algorithm.adv_estimator=gae``). Empty = initialise from the actor's model.
+    #: A Hugging Face model directory for the value model (read only with ``algorithm.adv_estimator=gae``). Empty =
+    #: initialise from the actor's model.
     model_path: Optional[str] = None
     #: Learning rate of the critic's optimizer (only used with ``algorithm.adv_estimator=gae``).
     lr: float = 1e-5
@@ -162,8 +346,8 @@ class RewardModelConfig:
     path: Optional[str] = None
     #: cpu | cuda | cuda:N | auto.
     device: str = "auto"
-    #: fp32 | bf16 | fp16.
-    dtype: str = "bf16"
+    #: Dtype of the reward model's weights.
+    dtype: Dtype = Dtype.bf16
     #: Keep the RM in pinned CPU memory and move it to the GPU only while scoring (``rm-offload``).
     offload: bool = False
     #: Sequences per reward-model forward pass.
@@ -188,12 +372,17 @@ class RewardConfig:
     weights: dict[str, float] = field(default_factory=dict)
     #: Run reward functions in this many worker processes (0 = in process).
     num_workers: int = 0
-    #: Seconds allowed per sample when running in workers.
+    #: Seconds allowed per sample (in worker processes, or in a worker thread with num_workers=0).
     timeout_s: float = 30.0
-    #: Score given when a reward function raises; None = fail the step and show the sample.
+    #: Score given when a reward function raises, times out or returns None; None = fail the step and show the sample.
     fallback_score: Optional[float] = None
-    #: Score finished samples in a worker thread while the rest of the rollout still decodes (rollout engine, one process, no reward model; else after the rollout). Scores are the same; a batched reward function then sees the finished samples in groups: set false if it needs the whole rollout at once.
+    #: Score finished samples in a worker thread while the rest of the rollout still decodes (rollout engine, one
+    #: process, no reward model; else after the rollout). Scores are the same; a batched reward function then sees
+    #: the finished samples in groups: set false if it needs the whole rollout at once.
     stream: bool = True
+    #: Largest share of a step's samples that may get reward.fallback_score; above it the run stops with an error
+    #: (1 = never stop). A warning is logged whenever more than half of a step's samples get it.
+    max_fallback_share: float = 0.9
 
 
 @dataclass
@@ -214,7 +403,8 @@ class GenerationConfig:
 
 @dataclass
 class PPOConfig:
-    #: Prompts per step on each rank, or "auto" to size from free GPU memory (seed's rule: GPU GB x 0.6 / per-sample GB).
+    #: Prompts per step on each rank, or "auto" to size from free GPU memory (seed's rule: GPU GB x 0.6 / per-sample
+    #: GB).
     rollout_batch_size: Any = 8
     #: Rollout settings.
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -222,20 +412,26 @@ class PPOConfig:
     mini_batch_size: int = 0
     #: Samples per forward/backward micro-batch (0 = mini_batch_size / gradient_accumulation_steps).
     micro_batch_size: int = 0
-    #: Token budget of a micro-batch (0 = off): each mini-batch is cut into micro-batches of at most this many tokens (real tokens when packed, rows x padded width otherwise) instead of micro_batch_size samples; the old/reference log-prob and value passes are cut the same way. A longer sample is a micro-batch of its own.
+    #: Token budget of a micro-batch (0 = off): each mini-batch is cut into micro-batches of at most this many
+    #: tokens (real tokens when packed, rows x padded width otherwise) instead of micro_batch_size samples; the
+    #: old/reference log-prob and value passes are cut the same way. A longer sample is a micro-batch of its own.
     max_tokens_per_micro_batch: int = 0
-    #: Pack each training forward's sequences into one row without padding (positions restart at each sequence, attention stays inside it): true | false | auto (pack when the models run a variable-length attention, flash or flex, and pass a packed-attention check at load; with sdpa/eager a packed row is one dense masked attention, quadratic in its length).
+    #: Pack each training forward's sequences into one row without padding (positions restart at each sequence,
+    #: attention stays inside it): true | false | auto (pack when the models run a variable-length attention,
+    #: flash or flex, and pass a packed-attention check at load; with sdpa/eager a packed row is one dense masked
+    #: attention, quadratic in its length).
     pack_sequences: Any = "auto"
     #: Passes over each rollout.
     ppo_epochs: int = 1
     #: KL strength against the reference policy.
     kl_coeff: float = 0.1
-    #: KL estimator: k1 | k2 | mse | k3 | low_var_kl | abs.
-    kl_estimator: str = "k1"
+    #: KL estimator (docs/algorithms.md): kl is an alias of k1; k1+ and k3+ are straight-through (the value of k1/k3
+    #: with the gradient of k2; see docs/recipes.md).
+    kl_estimator: KLEstimator = KLEstimator.k1
     #: true: KL penalty inside the reward; false: KL as a loss term.
     kl_in_reward: bool = True
-    #: fixed | adaptive KL controller.
-    kl_ctrl: str = "fixed"
+    #: KL controller: a fixed coefficient or one adapted towards ``kl_target``.
+    kl_ctrl: KLControllerKind = KLControllerKind.fixed
     #: Target KL of the adaptive controller.
     kl_target: float = 6.0
     #: Horizon (samples) of the adaptive controller.
@@ -250,29 +446,65 @@ class PPOConfig:
     cliprange_value: float = 0.2
     #: Weight of the value loss.
     vf_coef: float = 0.5
-    #: Entropy bonus weight.
+    #: Entropy bonus weight (the entropy term is aggregated by ``ppo.loss_agg`` like the policy loss).
     entropy_coeff: float = 0.0
-    #: Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean.
-    loss_agg: str = "token-mean"
-    #: Cut each training forward to the columns its samples use (leading prompt padding, trailing response padding); exact, only faster.
+    #: How per-token losses (the policy loss, the entropy bonus and the KL loss) are reduced to one number
+    #: (docs/algorithms.md); seq-mean-token-sum-norm is Dr. GRPO's (token sums over the constant
+    #: ``ppo.generation.max_new_tokens``).
+    loss_agg: LossAgg = LossAgg("token-mean")
+    #: Policy-gradient loss: vanilla (PPO clip), gspo (sequence-level ratio, clipped per sequence) or cispo (clipped,
+    #: detached importance weight). See docs/recipes.md.
+    policy_loss: PolicyLoss = PolicyLoss.vanilla
+    #: Cut each training forward to the columns its samples use (leading prompt padding, trailing response padding);
+    #: exact, only faster.
     trim_padding: bool = True
-    #: Sort each mini-batch by length before cutting it into micro-batches, so that similar lengths share a forward (with trim_padding: less padding); the gradient is unchanged.
+    #: Sort each mini-batch by length before cutting it into micro-batches, so that similar lengths share a forward
+    #: (with trim_padding: less padding); the gradient is unchanged.
     group_by_length: bool = True
-    #: Truncated importance sampling for the rollout/trainer mismatch: none | token (per-token weight min(p_trainer / p_rollout, cap)) | sequence (the product over the sequence, capped); multiplies every token's policy-gradient loss.
-    rollout_is: str = "none"
+    #: Truncated importance sampling for the rollout/trainer mismatch: none | token (per-token weight
+    #: min(p_trainer / p_rollout, cap)) | sequence (the product over the sequence, capped); multiplies every
+    #: token's policy-gradient loss.
+    rollout_is: RolloutIS = RolloutIS.none
     #: Cap C of the rollout_is weights (> 0).
     rollout_is_cap: float = 2.0
 
 
 def trains_critic(adv_estimator: str) -> bool:
-    """Whether ``algorithm.adv_estimator`` trains a critic (GAE does; GRPO and RLOO have none)."""
-    return adv_estimator == "gae"
+    """Whether ``algorithm.adv_estimator`` trains a critic (GAE does; the others have none)."""
+    return adv_estimator == AdvEstimator.gae
+
+
+#: Estimators whose baseline is the other samples of a prompt's group (they need ``ppo.generation.n >= 2``).
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped, more prompts drawn."""
+
+    #: Drop groups whose samples all got the same reward (no learning signal) and draw more prompts until the
+    #: batch holds ``ppo.rollout_batch_size`` groups.
+    enable: bool = False
+    #: Extra rollout rounds allowed per step (0 = none: train on the groups that are left). When the cap is
+    #: reached, the step trains on the groups kept so far (with a warning).
+    max_rounds: int = 4
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a soft penalty over the last ``length`` tokens before the cap."""
+
+    #: Tokens before ``ppo.generation.max_new_tokens`` where the penalty ramps from 0 to ``-penalty_factor`` (0 = off).
+    length: int = 0
+    #: Penalty at the length cap.
+    penalty_factor: float = 1.0
 
 
 @dataclass
 class AlgorithmConfig:
-    #: gae (PPO with a critic) | grpo | rloo.
-    adv_estimator: str = "gae"
+    #: Advantage estimator: gae (PPO with a critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline or
+    #: remax (greedy-rollout baseline). See docs/recipes.md.
+    adv_estimator: AdvEstimator = AdvEstimator.gae
     #: Discount.
     gamma: float = 1.0
     #: GAE lambda.
@@ -283,6 +515,13 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     #: Use a frozen reference policy (needed for a KL term; off when kl_coeff == 0).
     use_reference: bool = True
+    #: DAPO dynamic sampling (filter groups with equal rewards, refill the batch).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    #: DAPO overlong reward shaping.
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    #: Leave responses cut at ``ppo.generation.max_new_tokens`` (no end-of-sequence token) out of the loss; they
+    #: still count in their group's baseline.
+    mask_truncated: bool = False
 
 
 @dataclass
@@ -293,11 +532,15 @@ class TrainerConfig:
     save_steps: int = 0
     #: Checkpoints kept.
     save_total_limit: int = 2
+    #: Optimizer steps in a row whose loss or gradient norm is NaN/inf that are skipped before the run stops with an
+    #: error (0 = stop at the first).
+    max_nonfinite_steps: int = 5
     #: Log metrics every N steps.
     log_steps: int = 1
     #: Evaluate on ``data.val_files`` every N steps (0 = only at start and end).
     eval_steps: int = 0
-    #: Micro-batches accumulated per optimizer step (each mini-batch is split into this many; ignored when ppo.micro_batch_size is set).
+    #: Micro-batches accumulated per optimizer step (each mini-batch is split into this many; ignored when
+    #: ppo.micro_batch_size is set).
     gradient_accumulation_steps: int = 1
     #: Write torch.profiler traces.
     enable_profiling: bool = False
@@ -339,6 +582,24 @@ class PlacementConfig:
 
 
 @dataclass
+class EnvConfig:
+    #: Most model turns per episode (``plugin_config.<environment>.max_turns`` overrides it per environment).
+    max_turns: int = 4
+    #: Most tokens after the prompt, model and observation tokens together; None =
+    #: ``ppo.generation.max_new_tokens`` (also the upper bound). ``plugin_config.<environment>.max_tokens``
+    #: overrides it.
+    max_tokens: Optional[int] = None
+    #: Texts that end a model turn besides EOS (the turn keeps them).
+    stop: list[str] = field(default_factory=lambda: ["</tool_call>"])
+    #: Tool-call parser of tool environments, by registered name.
+    tool_parser: str = "hermes"
+    #: Environment calls running at once (coroutines, and worker threads for plain functions).
+    max_concurrency: int = 64
+    #: Seconds an environment may take to answer a turn; past it the episode ends (counted in ``env/timeouts``).
+    timeout_s: float = 60.0
+
+
+@dataclass
 class RLCoreConfig:
     #: Plugins to load by name from the ``rlcore.plugins`` entry-point group.
     plugins: list[str] = field(default_factory=list)
@@ -355,5 +616,7 @@ class RLCoreConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     #: Which ranks hold each role (default: every role on every rank).
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    #: Multi-turn episodes: how turns end and the limits of an episode (used when ``data.env_key`` is set).
+    env: EnvConfig = field(default_factory=EnvConfig)
     #: Free-form sections of plugins, keyed by plugin name (``plugin_config.<name>.<key>``).
     plugin_config: dict[str, Any] = field(default_factory=dict)

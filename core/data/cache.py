@@ -21,7 +21,7 @@ from rlcore.config.schema import DataConfig
 from rlcore.errors import DataError
 
 #: Bump when the table layout changes: every older entry becomes a miss.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: shards combined without loss (rlcore.data.schema); older entries may hold cast values
 _EDGE_BYTES = 64 * 1024
 #: A failure marker older than this (seconds) when a rank starts waiting belongs to an earlier run.
 STALE_MARKER_S = 120.0

@@ -25,10 +25,12 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def render_prompts(prompts: Sequence[Any], tokenizer: Any, where: str) -> tuple[list[str], list[bool]]:
+def render_prompts(prompts: Sequence[Any], tokenizer: Any, where: str,
+                   first_row: int = 0) -> tuple[list[str], list[bool]]:
     """Render each prompt to text; return the texts and which ones were chats.
 
     :param where: names the source (file and column) in errors.
+    :param first_row: the row number of ``prompts[0]`` in its file (errors name file rows).
     :raises DataError: a value that is neither text nor chat messages, or chats without a chat template.
     """
     texts: list[str] = []
@@ -39,12 +41,12 @@ def render_prompts(prompts: Sequence[Any], tokenizer: Any, where: str) -> tuple[
             chats.append(False)
         elif is_chat(p):
             if not getattr(tokenizer, "chat_template", None):
-                raise DataError(f"{where}: row {i} holds chat messages but the tokenizer has no chat template; "
+                raise DataError(f"{where}: row {first_row + i} holds chat messages but the tokenizer has no chat template; "
                                 "give plain-text prompts or a tokenizer with a chat_template")
             texts.append(tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False))
             chats.append(True)
         else:
-            raise DataError(f"{where}: row {i} holds a {type(p).__name__} ({str(p)[:60]!r}); "
+            raise DataError(f"{where}: row {first_row + i} holds a {type(p).__name__} ({str(p)[:60]!r}); "
                             "expected text or a list of chat messages")
     return texts, chats
 
@@ -61,9 +63,11 @@ def tokenize(texts: list[str], tokenizer: Any, add_special_tokens: bool) -> list
     return [list(e) for e in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
-def encode_prompts(prompts: Sequence[Any], tokenizer: Any, where: str) -> tuple[list[str], list[list[int]]]:
-    """Render and tokenize a batch of prompts; return ``(texts, input_ids)``."""
-    texts, chats = render_prompts(prompts, tokenizer, where)
+def encode_prompts(prompts: Sequence[Any], tokenizer: Any, where: str,
+                   first_row: int = 0) -> tuple[list[str], list[list[int]]]:
+    """Render and tokenize a batch of prompts; return ``(texts, input_ids)`` (``first_row``: see
+    :func:`render_prompts`)."""
+    texts, chats = render_prompts(prompts, tokenizer, where, first_row)
     ids: list[list[int]] = [[] for _ in texts]
     for flag in (False, True):
         idx = [i for i, c in enumerate(chats) if c == flag]
@@ -89,9 +93,9 @@ class LengthStats:
         self.longest = max(self.longest, other.longest)
 
 
-def apply_length_policy(ids: list[list[int]], config: DataConfig, where: str, *,
-                        can_drop: bool = True) -> tuple[list[int], list[list[int]], LengthStats]:
-    """Apply ``max_prompt_length`` to a batch.
+def apply_length_policy(ids: list[list[int]], config: DataConfig, where: str, *, can_drop: bool = True,
+                        first_row: int = 0) -> tuple[list[int], list[list[int]], LengthStats]:
+    """Apply ``max_prompt_length`` to a batch (``first_row``: the file row of ``ids[0]``, for errors).
 
     :returns: indices of the rows kept, their (possibly truncated) ids, and the counts.
     :raises DataError: prompts without a single token; overlong rows under ``truncation=error``
@@ -99,7 +103,7 @@ def apply_length_policy(ids: list[list[int]], config: DataConfig, where: str, *,
     """
     empty = [i for i, x in enumerate(ids) if len(x) == 0]
     if empty:
-        raise DataError(f"{where}: {len(empty)} of {len(ids)} prompt(s) give no tokens (first at row {empty[0]}): "
+        raise DataError(f"{where}: {len(empty)} of {len(ids)} prompt(s) give no tokens (first at row {first_row + empty[0]}): "
                         f"empty text in column '{config.prompt_key}' (data.prompt_key), or a tokenizer that does "
                         "not cover the data (is actor.model_path set?)")
     limit = int(config.max_prompt_length)
@@ -114,7 +118,7 @@ def apply_length_policy(ids: list[list[int]], config: DataConfig, where: str, *,
         return keep, [ids[i] for i in keep], stats
     if config.truncation == "error":
         raise DataError(f"{where}: {len(over)} of {len(ids)} prompt(s) exceed data.max_prompt_length={limit} tokens "
-                        f"(longest {stats.longest}, first at row {over[0]}); set data.truncation=left|right"
+                        f"(longest {stats.longest}, first at row {first_row + over[0]}); set data.truncation=left|right"
                         + ("" if can_drop else " (rows of a custom dataset cannot be filtered)")
                         + " or raise data.max_prompt_length")
     out = list(ids)

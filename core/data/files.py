@@ -1,7 +1,7 @@
 """Finding input files and checking them cheaply, before any model loads.
 
-Parquet files are checked from their footer only (schema and row counts); jsonl files from their
-first record. Formats the default provider does not read (``.txt`` …) are only checked to exist:
+Parquet files are checked from their footer only (schema and row counts); jsonl files line by line
+(every line must be a JSON object in UTF-8). Formats the default provider does not read (``.txt`` …) are only checked to exist:
 a plugin may read them.
 """
 
@@ -76,12 +76,12 @@ def resolve_files(spec: Union[str, Sequence[str], None], key: str) -> list[str]:
 
 @dataclass(frozen=True)
 class FileInfo:
-    """What the footer (parquet) or the first record (jsonl) says about one file."""
+    """What the footer (parquet) or the records (jsonl) say about one file."""
 
     path: str
     format: Optional[str]
     columns: tuple[str, ...] = ()
-    #: Row count (parquet only; -1 when unknown without reading the whole file).
+    #: Row count (-1 when unknown: a remote file, or a format the default provider does not read).
     num_rows: int = -1
 
 
@@ -99,19 +99,29 @@ def inspect_parquet(path: str, key: str) -> FileInfo:
 
 
 def inspect_jsonl(path: str, key: str) -> FileInfo:
+    """Read every line of a jsonl file: each must be UTF-8 text holding one JSON object (blank lines
+    are skipped). Returns the columns of all records (in order of first appearance) and the count."""
+    columns: dict[str, None] = {}
+    rows = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{key}: {path} line {lineno} is not valid UTF-8 text ({err.reason} at byte "
+                                f"{err.start}); re-encode the file as UTF-8") from None
+            try:
+                record = json.loads(text)
             except ValueError as err:
                 raise DataError(f"{key}: {path} line {lineno} is not valid JSON: {err}") from err
             if not isinstance(record, dict):
                 raise DataError(f"{key}: {path} line {lineno} holds a {type(record).__name__}, "
                                 "expected one JSON object per line")
-            return FileInfo(path, "jsonl", tuple(record), -1)
-    return FileInfo(path, "jsonl", (), 0)
+            columns.update(dict.fromkeys(record))
+            rows += 1
+    return FileInfo(path, "jsonl", tuple(columns), rows)
 
 
 def inspect_file(path: str, key: str) -> FileInfo:

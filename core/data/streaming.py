@@ -22,11 +22,13 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
+import pyarrow as pa
 from torch.utils.data import IterableDataset, get_worker_info
 
 from rlcore.config.schema import DataConfig
 from rlcore.data.collate import LengthStats, apply_length_policy, encode_prompts
 from rlcore.data.files import FileInfo
+from rlcore.data.schema import check_utf8, conform, unify
 from rlcore.data.table import unreadable_parquet
 from rlcore.errors import DataError
 from rlcore.protocols import DistInfo
@@ -70,8 +72,8 @@ def split_rows(sizes: Sequence[tuple[int, int, int]], slot: int, num_slots: int)
 class _SliceReader:
     """Reads the rows of a list of pieces in order, from any starting row, a chunk at a time."""
 
-    def __init__(self, files: Sequence[str], pieces: Sequence[Piece], start: int):
-        self.files, self.pieces = files, list(pieces)
+    def __init__(self, files: Sequence[str], pieces: Sequence[Piece], start: int, schema: Any = None):
+        self.files, self.pieces, self.schema = files, list(pieces), schema
         self._piece = 0
         while self._piece < len(self.pieces) and start >= self.pieces[self._piece].rows:
             start -= self.pieces[self._piece].rows
@@ -99,7 +101,9 @@ class _SliceReader:
             a, b = max(self._lo, self._at), min(p.stop, self._at + batch.num_rows)
             self._at += batch.num_rows
             if a < b:
-                return batch.slice(a - (self._at - batch.num_rows), b - a).to_pylist()
+                part = batch.slice(a - (self._at - batch.num_rows), b - a)
+                check_utf8(part, f"{self.files[p.file]} (row group {p.row_group})", a)
+                return (conform(part, self.schema) if self.schema is not None else part).to_pylist()
         return None
 
     def read(self, n: int) -> list[dict]:
@@ -132,10 +136,14 @@ class StreamingParquetDataset(IterableDataset):
         self.shuffle, self.seed, self.epoch, self.where = shuffle, int(seed), 0, where
         self.window = max(1, int(config.shuffle_buffer)) if shuffle else READ_ROWS
         self.sizes: list[tuple[int, int, int]] = []
+        #: Every file's columns under one schema (a column a shard lacks is null in its rows).
+        self.schema: Optional[pa.Schema] = None
         for f, path in enumerate(self.files):
             meta = pq.read_metadata(path)
             self.sizes += [(f, rg, meta.row_group(rg).num_rows) for rg in range(meta.num_row_groups)
                            if meta.row_group(rg).num_rows]
+            schema = meta.schema.to_arrow_schema().remove_metadata()
+            self.schema = schema if self.schema is None else unify(self.schema, self.files[0], schema, path)
         self.num_rows = sum(n for _, _, n in self.sizes)
         if self.num_rows == 0:
             raise DataError(f"{where}: the dataset is empty: {len(self.files)} parquet file(s) hold 0 rows")
@@ -180,8 +188,9 @@ class StreamingParquetDataset(IterableDataset):
         total = sum(p.rows for p in pieces)
         size = self.window
         first = start // size
-        reader = _SliceReader(self.files, pieces, first * size)
+        reader = _SliceReader(self.files, pieces, first * size, self.schema)
         stats = LengthStats()
+        warned = False
         for w in range(first, -(-total // size)):
             lo = w * size
             rows = reader.read(min(size, total - lo))
@@ -194,6 +203,11 @@ class StreamingParquetDataset(IterableDataset):
             texts, ids = encode_prompts([rows[i][self.config.prompt_key] for i in chosen], self.tokenizer, where)
             keep, ids, s = apply_length_policy(ids, self.config, where)
             stats.add(s)
+            if s.dropped and not warned:  # at once, not only when the slice ends
+                warned = True
+                log.warning("%s: dropping prompts over data.max_prompt_length=%d (%d of %d in this window of slice "
+                            "%d, epoch %d, longest %d tokens); the total follows at the end of the slice", self.where,
+                            self.config.max_prompt_length, s.dropped, s.rows, slot, self.epoch, s.longest)
             for j, x in zip(keep, ids):
                 row = rows[chosen[j]]
                 row[self.config.prompt_key], row["input_ids"] = texts[j], x

@@ -21,6 +21,7 @@ import pyarrow as pa
 from rlcore.config.schema import DataConfig
 from rlcore.data.collate import LengthStats, apply_length_policy, encode_prompts
 from rlcore.data.files import FileInfo
+from rlcore.data.schema import check_utf8, conform, unify
 from rlcore.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class Unit:
     path: str
     format: str
     row_group: Optional[int] = None
+    #: Row of the file where the unit starts (row numbers in errors count from the file's first row).
+    first_row: int = 0
 
 
 def plan_units(infos: Sequence[FileInfo]) -> list[Unit]:
@@ -45,8 +48,11 @@ def plan_units(infos: Sequence[FileInfo]) -> list[Unit]:
     units: list[Unit] = []
     for i, info in enumerate(infos):
         if info.format == "parquet":
-            n = pq.read_metadata(info.path).num_row_groups
-            units.extend(Unit(i, info.path, "parquet", rg) for rg in range(n))
+            meta = pq.read_metadata(info.path)
+            start = 0
+            for rg in range(meta.num_row_groups):
+                units.append(Unit(i, info.path, "parquet", rg, start))
+                start += meta.row_group(rg).num_rows
         else:
             units.append(Unit(i, info.path, "jsonl"))
     return units
@@ -63,15 +69,17 @@ def unreadable_parquet(path: str, row_group: Optional[int]) -> Iterator[None]:
                         "looks corrupt: write it again or leave it out of the data files") from err
 
 
-def read_unit(unit: Unit) -> Iterator[pa.Table]:
-    """The raw rows of a unit, a batch at a time."""
+def read_unit(unit: Unit) -> Iterator[tuple[int, pa.Table]]:
+    """The raw rows of a unit, a batch at a time, each with the file row it starts at."""
     if unit.format == "parquet":
         import pyarrow.parquet as pq
 
         with unreadable_parquet(unit.path, unit.row_group):
             pf = pq.ParquetFile(unit.path)
+            start = unit.first_row
             for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[unit.row_group]):
-                yield pa.Table.from_batches([batch])
+                yield start, pa.Table.from_batches([batch])
+                start += batch.num_rows
         return
     import pyarrow.json as pj
 
@@ -80,20 +88,23 @@ def read_unit(unit: Unit) -> Iterator[pa.Table]:
     except pa.ArrowInvalid as err:
         raise DataError(f"{unit.path}: cannot parse as JSON lines: {err}") from err
     for start in range(0, table.num_rows, READ_BATCH_ROWS):
-        yield table.slice(start, READ_BATCH_ROWS)
+        yield start, table.slice(start, READ_BATCH_ROWS)
 
 
-def process_table(table: pa.Table, tokenizer: Any, config: DataConfig, where: str) -> tuple[pa.Table, LengthStats]:
+def process_table(table: pa.Table, tokenizer: Any, config: DataConfig, where: str,
+                  first_row: int = 0) -> tuple[pa.Table, LengthStats]:
     """Tokenize the prompt column of ``table`` and apply the length policy.
 
+    :param first_row: the file row of the table's first row (named in errors).
     :returns: the kept rows with the prompt as text and an ``input_ids`` column, and the counts.
     """
     key = config.prompt_key
     if key not in table.column_names:
         raise DataError(f"{where}: column '{key}' (data.prompt_key) is missing; "
                         f"columns: {', '.join(table.column_names)}")
-    texts, ids = encode_prompts(table.column(key).to_pylist(), tokenizer, f"{where} column '{key}'")
-    keep, ids, stats = apply_length_policy(ids, config, f"{where} column '{key}'")
+    check_utf8(table, where, first_row)
+    texts, ids = encode_prompts(table.column(key).to_pylist(), tokenizer, f"{where} column '{key}'", first_row)
+    keep, ids, stats = apply_length_policy(ids, config, f"{where} column '{key}'", first_row=first_row)
     if len(keep) != table.num_rows:
         table = table.take(pa.array(keep, type=pa.int64()))
         texts = [texts[i] for i in keep]
@@ -106,8 +117,8 @@ def process_table(table: pa.Table, tokenizer: Any, config: DataConfig, where: st
 def run_unit(unit: Unit, tokenizer: Any, config: DataConfig) -> tuple[Unit, list[pa.Table], LengthStats]:
     stats = LengthStats()
     parts = []
-    for raw in read_unit(unit):
-        table, s = process_table(raw, tokenizer, config, unit.path)
+    for first_row, raw in read_unit(unit):
+        table, s = process_table(raw, tokenizer, config, unit.path, first_row)
         stats.add(s)
         if table.num_rows:
             parts.append(table)
@@ -145,38 +156,62 @@ def iter_processed(units: Sequence[Unit], tokenizer: Any, config: DataConfig,
 
 
 class TableSink:
-    """Collects processed tables in memory, or streams them to an Arrow IPC file."""
+    """Collects processed tables in memory, or streams them to an Arrow IPC file, under one schema.
+
+    Tables of later files join the schema without loss (:func:`rlcore.data.schema.unify`): a column
+    a file lacks is null there, types widen; a conflict is an error naming both files. When a later
+    file widens the schema, what was written so far is converted to it (once per change).
+    """
 
     def __init__(self, path: Optional[str]):
         self.path = path
         self.parts: list[pa.Table] = []
         self.schema: Optional[pa.Schema] = None
+        self._where = ""  # the first file, named in schema conflicts
         self._writer: Any = None
         self._file: Any = None
 
+    def _open(self, schema: pa.Schema) -> None:
+        self._file = pa.OSFile(self.path, "wb")
+        self._writer = pa.ipc.new_file(self._file, schema)
+
     def write(self, table: pa.Table, where: str) -> None:
         if self.schema is None:
-            self.schema = table.schema
+            self.schema, self._where = table.schema.remove_metadata(), where
             if self.path:
-                self._file = pa.OSFile(self.path, "wb")
-                self._writer = pa.ipc.new_file(self._file, self.schema)
-        elif table.schema != self.schema:
-            try:
-                table = table.select(self.schema.names).cast(self.schema)
-            except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as err:
-                raise DataError(f"{where}: columns do not match the earlier files: "
-                                f"{table.schema.names} vs {self.schema.names} ({err})") from err
+                self._open(self.schema)
+        elif table.schema.remove_metadata() != self.schema:
+            wider = unify(self.schema, self._where, table.schema.remove_metadata(), where)
+            if wider != self.schema:
+                self._widen(wider)
+        table = conform(table, self.schema)
         if self._writer is not None:
             self._writer.write_table(table)
         else:
             self.parts.append(table)
 
+    def _widen(self, schema: pa.Schema) -> None:
+        """Convert what was collected or written so far to ``schema``."""
+        self.schema = schema
+        if not self.path:
+            self.parts = [conform(t, schema) for t in self.parts]
+            return
+        self._writer.close()
+        self._file.close()
+        old = self.path + ".narrow"
+        os.replace(self.path, old)
+        self._open(schema)
+        with pa.memory_map(old, "r") as source:
+            reader = pa.ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                self._writer.write_table(conform(reader.get_batch(i), schema))
+        os.remove(old)
+
     def finish(self) -> Optional[pa.Table]:
         """Close the file; return the in-memory table (None when writing a file)."""
         if self.path:
             if self._writer is None:  # nothing was kept: an empty file; the caller raises
-                self._file = pa.OSFile(self.path, "wb")
-                self._writer = pa.ipc.new_file(self._file, pa.schema([]))
+                self._open(pa.schema([]))
             self._writer.close()
             self._file.close()
             return None
@@ -187,7 +222,7 @@ class TableSink:
             try:
                 if closer is not None:
                     closer.close()
-            except Exception:  # already failing; the temp file is removed by the caller
+            except Exception:  # noqa: BLE001 - already failing; the temp file is removed by the caller
                 pass
 
 

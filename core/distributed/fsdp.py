@@ -27,15 +27,15 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from rlcore.config.schema import FSDPConfig
+from rlcore.config.schema import Dtype, FSDPConfig, ShardingStrategy, torch_dtype
 from rlcore.errors import ConfigError
 from rlcore.protocols import DistInfo
 
 log = logging.getLogger(__name__)
 
 #: sharding_strategy -> reshard_after_forward of the FSDP units.
-RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RESHARD_AFTER_FORWARD = {ShardingStrategy.FULL_SHARD: True, ShardingStrategy.SHARD_GRAD_OP: False,
+                         ShardingStrategy.NO_SHARD: False, ShardingStrategy.HYBRID_SHARD: True}
 #: Names of the module lists that hold decoder blocks in common architectures.
 LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "decoder_layers")
 
@@ -43,12 +43,12 @@ LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "decoder_layers")
 def check_fsdp_config(fsdp: FSDPConfig, key: str = "fsdp") -> None:
     """Raise :class:`ConfigError` listing every unknown value of ``fsdp``."""
     problems = []
-    if fsdp.sharding_strategy not in RESHARD_AFTER_FORWARD:
-        problems.append(f"'{key}.sharding_strategy' = {fsdp.sharding_strategy!r}: use one of "
-                        f"{', '.join(RESHARD_AFTER_FORWARD)}")
+    if fsdp.sharding_strategy not in ShardingStrategy.values():
+        problems.append(f"'{key}.sharding_strategy' = {str(fsdp.sharding_strategy)!r}: use one of "
+                        f"{', '.join(ShardingStrategy.values())}")
     for name in ("param_dtype", "reduce_dtype"):
-        if getattr(fsdp, name) not in DTYPES:
-            problems.append(f"'{key}.{name}' = {getattr(fsdp, name)!r}: use one of {', '.join(DTYPES)}")
+        if getattr(fsdp, name) not in Dtype.values():
+            problems.append(f"'{key}.{name}' = {str(getattr(fsdp, name))!r}: use one of {', '.join(Dtype.values())}")
     if problems:
         raise ConfigError(problems)
 
@@ -82,8 +82,8 @@ def mixed_precision(fsdp: FSDPConfig):
     fp32 means "no cast" (the weights' own dtype)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    param = None if fsdp.param_dtype == "fp32" else DTYPES[fsdp.param_dtype]
-    reduce = DTYPES[fsdp.reduce_dtype] if param is not None or fsdp.reduce_dtype != "fp32" else None
+    param = None if fsdp.param_dtype == "fp32" else torch_dtype(fsdp.param_dtype)
+    reduce = torch_dtype(fsdp.reduce_dtype) if param is not None or fsdp.reduce_dtype != "fp32" else None
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
@@ -206,7 +206,7 @@ def _load_structure(load_fn: Callable[[], nn.Module]) -> nn.Module:
     try:
         with torch.device("meta"):
             return load_fn()
-    except Exception as e:  # some loaders refuse the meta device: load for real, the weights are overwritten
+    except Exception as e:  # noqa: BLE001 - some loaders refuse the meta device: load for real
         log.debug("loading on the meta device failed (%s); loading normally", e)
         return load_fn()
 

@@ -34,6 +34,15 @@ DEFAULT_TIMEOUT_S = 600.0
 DEVICE_PREFS = ("auto", "cpu", "cuda")
 
 
+def known_world_size(nproc_per_node: int | None) -> int | None:
+    """The number of processes of a run when known before any starts (torchrun's ``WORLD_SIZE``, or
+    ``trainer.nproc_per_node`` > 1); None for a plain command, which a launcher may still start."""
+    world = env_int("WORLD_SIZE", 0)
+    if world > 0:
+        return world
+    return int(nproc_per_node) if int(nproc_per_node or 1) > 1 else None
+
+
 def env_int(name: str, default: int) -> int:
     """The integer in environment variable ``name`` (``default`` when unset or empty).
 
@@ -131,7 +140,7 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     world = env_int("WORLD_SIZE", 1)
     if world <= 1:
         return DistInfo(device=_pick_device(device_pref, 0, distributed=False))
-    rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
     device = _pick_device(device_pref, local_rank, distributed=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -170,6 +179,16 @@ def is_initialized() -> bool:
     return tdist.is_available() and tdist.is_initialized()
 
 
+def dist_active() -> bool:
+    """Whether this process is one of several in an initialised process group."""
+    return is_initialized() and tdist.get_world_size() > 1
+
+
+def is_main_process() -> bool:
+    """Rank 0 of an initialised process group, or a single process."""
+    return not is_initialized() or tdist.get_rank() == 0
+
+
 def destroy() -> None:
     """Leave the process group (no-op in a single process)."""
     if is_initialized():
@@ -178,14 +197,35 @@ def destroy() -> None:
 
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
-    if is_initialized():
+    if dist_active():
         tdist.barrier()
 
 
-def _collective_device() -> torch.device:
-    if is_initialized() and "nccl" in str(tdist.get_backend()).lower() and torch.cuda.is_available():
+def collective_device() -> torch.device:
+    """The device small collectives use: CUDA under a NCCL-only process group, else CPU (gloo)."""
+    if not is_initialized():
+        return torch.device("cpu")
+    backend = str(tdist.get_backend()).lower()
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def new_gloo_group() -> Any:
+    """A gloo group for background work (e.g. asynchronous checkpoint writes), so it never shares a
+    NCCL stream with training (collective; None in a single process)."""
+    if not dist_active():
+        return None
+    return tdist.new_group(backend="gloo")
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (collective; ``flag`` in a single process)."""
+    if not dist_active():
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=collective_device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 def all_reduce_mean(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -198,7 +238,7 @@ def all_reduce_mean(metrics: Mapping[str, float]) -> dict[str, float]:
     names: list[list[str]] = [None] * tdist.get_world_size()  # type: ignore[list-item]
     tdist.all_gather_object(names, sorted(metrics))
     keys = sorted(set().union(*names))
-    dev = _collective_device()
+    dev = collective_device()
     values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
     counts = torch.tensor([1.0 if k in metrics else 0.0 for k in keys], dtype=torch.float64, device=dev)
     both = torch.stack([values, counts])
@@ -212,7 +252,7 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     if not is_initialized() or tdist.get_world_size() == 1:
         return obj
     box = [obj if tdist.get_rank() == src else None]
-    tdist.broadcast_object_list(box, src=src)
+    tdist.broadcast_object_list(box, src=src, device=collective_device())
     return box[0]
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
-from rlcore.errors import RLCoreError
+from rlcore.errors import EXIT_INTERRUPTED, EXIT_OK, RLCoreError
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +34,21 @@ def launcher_args(nproc_per_node: int, argv: Sequence[str], monitor_interval: fl
             "-m", "rlcore", "train", *[str(a) for a in argv]]
 
 
-def maybe_launch(nproc_per_node: int, argv: Sequence[str]) -> bool:
+def maybe_launch(nproc_per_node: int, argv: Sequence[str]) -> Optional[int]:
     """Start ``nproc_per_node`` workers with torch elastic when asked and not already a worker.
 
     :param nproc_per_node: ``trainer.nproc_per_node``.
     :param argv: the arguments after ``rlcore train`` (config file and overrides), passed unchanged.
-    :returns: True when the workers ran and all succeeded (the caller then exits); False when this
-        process should train itself (``nproc_per_node`` <= 1, or already under torchrun).
+    :returns: None when this process should train itself (``nproc_per_node`` <= 1, or already under
+        torchrun); else the exit code of the job: ``EXIT_OK`` when every worker completed,
+        ``EXIT_INTERRUPTED`` when a signal stopped them (they finish their step and save first).
     :raises RLCoreError: a worker failed; the message names the first failing rank and its exit code.
     """
     n = int(nproc_per_node)
     if n < 1:
         raise RLCoreError(f"trainer.nproc_per_node must be >= 1, got {n}")
     if n == 1 or under_launcher():
-        return False
+        return None
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -61,11 +62,13 @@ def maybe_launch(nproc_per_node: int, argv: Sequence[str]) -> bool:
         log.warning("stopped by signal %s: the workers were given up to %s s to finish their step and save a "
                     "checkpoint (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)", getattr(e, "sigval", "?"),
                     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
-        return True
+        return EXIT_INTERRUPTED
     except ChildFailedError as e:
+        if e.failures and all(f.exitcode == EXIT_INTERRUPTED for f in e.failures.values()):
+            return EXIT_INTERRUPTED  # a worker was signalled: every rank stopped at the same step and saved
         rank, failure = e.get_first_failure()
         detail = failure.message if failure.message and "enable traceback" not in failure.message else ""
         raise RLCoreError(f"distributed training failed: rank {rank} exited with code {failure.exitcode}"
                           f"{': ' + detail if detail else ' (its error is printed above)'}; "
                           "the other ranks were stopped") from e
-    return True
+    return EXIT_OK

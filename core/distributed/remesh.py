@@ -31,12 +31,12 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from rlcore.config.schema import FSDPConfig, RemeshingConfig
-from rlcore.distributed.fsdp import DTYPES, RESHARD_AFTER_FORWARD, apply_fsdp, check_fsdp_config
-from rlcore.distributed.reshard import GenerateFn, SwitchTimer, gathered, slice_rollout
+from rlcore.config.schema import FSDPConfig, RemeshingConfig, torch_dtype
+from rlcore.distributed.fsdp import RESHARD_AFTER_FORWARD, apply_fsdp, check_fsdp_config
+from rlcore.distributed.reshard import SwitchTimer, gathered
 from rlcore.errors import ConfigError
-from rlcore.protocols import DistInfo
-from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.protocols import DistInfo, GenerationShare
+from rlcore.rollout.base import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class RemeshPolicy:
         with self._timer.measure(f"prepare_{role}"):
             if role == "actor" and self.g > 1:
                 check_model(model, self.g)
-                dtype = None if self.fsdp.param_dtype == "fp32" else DTYPES[self.fsdp.param_dtype]
+                dtype = None if self.fsdp.param_dtype == "fp32" else torch_dtype(self.fsdp.param_dtype)
                 self.replica = TensorParallelReplica(model, self.tp_mesh(), dtype, self.dist.device)
             model = apply_fsdp(model, fsdp or self.fsdp, self.dist, mesh=self.train_mesh())
         if role == "actor":
@@ -308,12 +308,11 @@ class RemeshPolicy:
             with self._timer.measure("to_train"):
                 self.replica.release()
 
-    def generate_distributed(self, generate_fn: GenerateFn, prompts: Sequence[Sequence[int]],
-                             params: SamplingParams) -> RolloutBatch:
-        """Pool the prompts of this rank's replica, generate them together on every rank of the
-        replica (same sampling seed: the replica's first rank's), and return this rank's rows."""
+    def generation_share(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationShare:
+        """Pool the prompts of this rank's replica: every rank of the replica generates them together
+        (same sampling seed: the replica's first rank's) and keeps its own rows."""
         if self.replica is None or self.g == 1:
-            return generate_fn(prompts, params)
+            return GenerationShare(prompts, params)
         import torch.distributed as tdist
 
         mesh = self.tp_mesh()
@@ -324,9 +323,8 @@ class RemeshPolicy:
         index = mesh.get_local_rank()
         start = sum(len(part) for part, _ in pooled[:index])
         if not everything:
-            return generate_fn(prompts, params)
-        batch = generate_fn(everything, dataclasses.replace(params, seed=pooled[0][1]))
-        return slice_rollout(batch, start, start + len(mine))
+            return GenerationShare(prompts, params)
+        return GenerationShare(everything, dataclasses.replace(params, seed=pooled[0][1]), (start, start + len(mine)))
 
     def stats(self) -> dict[str, float]:
         """``reshard/to_gen_s``, ``reshard/to_train_s`` (plus ``*_peak_gb`` on CUDA) and the

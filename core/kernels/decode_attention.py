@@ -9,8 +9,7 @@ maximum and sum per row in float32 (online softmax) and accumulates ``P @ V``.
 When there are few (slot, head) pairs for the number of multiprocessors (small batches), the
 columns are cut into ``splits`` contiguous chunks and each program writes an unnormalised partial
 result with its running maximum and sum; the last of a pair's programs to finish (an atomic
-counter per pair, left at zero again) merges the pair's chunks, so no second kernel is launched
-(``fold=False`` launches the separate merge kernel instead).
+counter per pair, left at zero again) merges the pair's chunks, so no second kernel is launched.
 
 Everything is read through strides (no copies), the grid and every buffer depend only on
 ``(n, length)``, and nothing waits for the device, so the call can be captured in a CUDA graph.
@@ -30,7 +29,7 @@ BLOCK_N = 64
 #: key/value columns per block for head dims of 128 and more (fewer registers per program)
 BLOCK_N_WIDE = 32
 #: split the length only when there are fewer programs than this share of the multiprocessors
-#: (on an H200, batch 64 x 2 key/value heads = 128 programs ran fastest unsplit, 7.6 vs 9.3 us)
+#: (measured: docs/benchmarks.md, "Settings chosen by measurement")
 PROGRAMS_PER_SM = 0.5
 #: above this many columns (the long tail of a reasoning rollout: few rows, long contexts) a pair's
 #: columns are cut until there are :data:`LONG_PROGRAMS_PER_SM` programs per multiprocessor, in
@@ -172,8 +171,8 @@ if triton is not None:
                      new_ptr, sn_n, k_off, v_off, cos_ptr, sin_ptr, s_rope, pos_ptr, col_ptr,
                      src_ptr, end_ptr, part_stride, pbias_ptr, table_ptr, st_b,
                      group: tl.constexpr, dim: tl.constexpr,
-                     SPLIT: tl.constexpr, IEEE: tl.constexpr,  # IEEE: float32 products, no TF32
-                     FOLD: tl.constexpr,  # SPLIT, and the pair's last program to finish merges the parts
+                     SPLIT: tl.constexpr,  # cut into chunks; the pair's last program to finish merges them
+                     IEEE: tl.constexpr,  # float32 products, no TF32
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
                      ROWS: tl.constexpr,  # NEW with RoPE rows per slot (cos_ptr, sin_ptr [n, D]), not tables
                      SHARED: tl.constexpr,  # columns < end_ptr[slot] are read from cache row src_ptr[slot]
@@ -250,15 +249,15 @@ if triton is not None:
                                               IEEE, BLOCK_N, SUB, PAGED, PAGE)
         _store_result(acc, run_max, run_sum, out_ptr, slot * so_n + head * so_h, so_g, so_d, stat_ptr, stat_plane,
                       final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, count_ptr, slot * tl.num_programs(1) + head,
-                      part, rows, feats, group, dim, SPLIT, FOLD, BLOCK_G, BLOCK_D)
+                      part, rows, feats, group, dim, SPLIT, BLOCK_G, BLOCK_D)
 
     @triton.jit
     def _store_result(acc, run_max, run_sum, out_ptr, out_off, so_g, so_d, stat_ptr, stat_plane, final_ptr, sf_g, sf_d,
                       count_ptr, pair, part, rows, feats, group: tl.constexpr, dim: tl.constexpr,
-                      SPLIT: tl.constexpr, FOLD: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                      SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
         """A program's result: the normalised output rows at ``out_ptr + out_off`` (the pair's rows), or with
         ``SPLIT`` the chunk's unnormalised partial and its running maximum and sum (merged by the
-        pair's last program to finish with ``FOLD``, else by :func:`_merge_parts`)."""
+        pair's last program to finish)."""
         row_ok = rows < group
         out_ok = row_ok[:, None] & (feats < dim)[None, :]
         out_at = out_ptr + out_off + rows[:, None] * so_g + feats[None, :] * so_d
@@ -268,9 +267,8 @@ if triton is not None:
             tl.store(out_at, acc, mask=out_ok)
             tl.store(stat_at, run_max, mask=row_ok)
             tl.store(stat_at + stat_plane, run_sum, mask=row_ok)
-            if FOLD:
-                _merge_if_last(count_ptr, pair, out_ptr, stat_ptr, stat_plane, final_ptr, sf_g, sf_d, rows, feats,
-                               group, dim, BLOCK_G, BLOCK_D)
+            _merge_if_last(count_ptr, pair, out_ptr, stat_ptr, stat_plane, final_ptr, sf_g, sf_d, rows, feats,
+                           group, dim, BLOCK_G, BLOCK_D)
         else:
             tl.store(out_at, (acc / run_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
 
@@ -313,17 +311,6 @@ if triton is not None:
                         group, dim, BLOCK_G, BLOCK_D)
             tl.atomic_xchg(count_ptr + pair, 0)
 
-    @triton.jit
-    def _merge_parts(part_ptr, stat_ptr, stat_plane, out_ptr, so_n, so_h, so_g, so_d, splits,
-                     group: tl.constexpr, dim: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-        slot = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        rows = tl.arange(0, BLOCK_G)
-        feats = tl.arange(0, BLOCK_D)
-        out_at = out_ptr + slot * so_n + head * so_h + rows[:, None] * so_g + feats[None, :] * so_d
-        _merge_pair(part_ptr, stat_ptr, stat_plane, slot * tl.num_programs(1) + head, splits, out_at, rows, feats,
-                    group, dim, BLOCK_G, BLOCK_D)
-
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_type: str, index: int | None) -> int:
@@ -338,9 +325,8 @@ def default_block(dim: int) -> int:
 
 
 def default_warps(dim: int) -> int:
-    """Warps per program: 2 for head dims up to 64, else 4 (on an H200 at 256 slots, 0.5B shapes,
-    2 warps took 5.8 / 11.3 / 16.2 us a layer against 6.1 / 12.1 / 17.0 for 4, at attended lengths
-    64 / 192 / 320)."""
+    """Warps per program: 2 for head dims up to 64, else 4 (measured: docs/benchmarks.md, "Settings
+    chosen by measurement")."""
     return 2 if dim <= 64 else 4
 
 
@@ -367,7 +353,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 
 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
-           block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None, fold: bool = True,
+           block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            counters: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
            subblocks: int = 1, pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
@@ -380,9 +366,8 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
         splits: chunks per (slot, head) along the length (default: :func:`plan`'s rule).
         block_n, num_warps, num_stages: kernel tuning (``block_n`` a power of two >= 16; defaults
             :func:`default_block` and :func:`default_warps`).
-        fold: with several chunks, the last program of each (slot, head) to finish merges the
-            chunks (no second kernel); ``False`` launches the merge kernel.
-        counters: for ``fold``, ``[>= n·KVH]`` int32 zeros the kernel counts in and leaves at zero,
+        counters: with several chunks, ``[>= n·KVH]`` int32 zeros (the last program of a (slot, head)
+            to finish merges its chunks) the kernel counts in and leaves at zero,
             owned by the caller (calls that may run at the same time need their own); default: one
             buffer per device, shared.
         shared: ``(source, end)``, two ``[>= n]`` integer tensors: slot ``i`` reads its columns below
@@ -401,14 +386,14 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
     """
-    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, fold, counters,
+    return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, counters,
                    shared=shared, subblocks=subblocks, pages=pages)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int, kv_heads: int, *,
                splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, fold: bool = True, counters: torch.Tensor | None = None,
+               num_stages: int | None = None, counters: torch.Tensor | None = None,
                shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                proj_bias: torch.Tensor | None = None, subblocks: int = 1,
                pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
@@ -427,7 +412,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, fold, counters, shared, subblocks, pages: as for :func:`attend`
+        splits, block_n, num_warps, num_stages, counters, shared, subblocks, pages: as for :func:`attend`
             (the new key/value always goes to the slot's own row, at a column at or after its shared
             end; with ``pages``, to the page its column falls in).
         proj_bias: ``[(heads + 2·kv_heads)·D]`` added to the (summed) projection, for a ``proj``
@@ -449,7 +434,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
     new = (first, first.stride(0), heads * dim, (heads + kv_heads) * dim, cos, sin, cos.stride(0),
            columns if positions is None else positions, columns)
     summed = (parts.stride(0) if parts.shape[0] > 1 else 0, proj_bias, parts.shape[0])
-    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
+    return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, counters,
                    rows=positions is None, shared=shared, summed=summed, subblocks=subblocks, pages=pages)
 
 
@@ -469,7 +454,7 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
     return buffer
 
 
-def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, fold, counters,
+def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, counters,
             rows: bool = False, shared=None, summed=(0, None, 1), subblocks: int = 1, pages=None) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
@@ -524,24 +509,19 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
                      PAGED=pages is not None, PAGE=page_size)
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*common, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
-                                       SPLIT=False, FOLD=False, **constants, **options)
+                                       SPLIT=False, **constants, **options)
         return out.view(n, -1)
     parts = torch.empty(n, kv_heads, splits, group, dim, dtype=torch.float32, device=device)
     stats = torch.empty(2, n, kv_heads, splits, group, dtype=torch.float32, device=device)
     plane = stats[0].numel()
-    if not fold:
-        counters = out  # unused
-    elif counters is None:
+    if counters is None:
         counters = _counters(device, n * kv_heads)
     elif counters.dtype != torch.int32 or counters.numel() < n * kv_heads or counters.device != device:
         raise ValueError(f"decode attention: counters must be >= {n * kv_heads} int32 on {device}, got "
                          f"{counters.numel()} {counters.dtype} on {counters.device}")
     _attend_part[(n, kv_heads, splits)](*common, parts, *parts.stride()[:2], dim, 1, stats, plane,
                                         out, *out.stride(), counters, *sizes, *new_args,
-                                        SPLIT=True, FOLD=bool(fold), **constants, **options)
-    if not fold:
-        _merge_parts[(n, kv_heads)](parts, stats, plane, out, *out.stride(), splits, group=group, dim=dim,
-                                    BLOCK_G=block_g, BLOCK_D=block_d, num_warps=num_warps)
+                                        SPLIT=True, **constants, **options)
     return out.view(n, -1)
 
 

@@ -191,10 +191,12 @@ def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
     return -(-vocab // chunk), chunk
 
 
+@torch.library.custom_op("rlcore::sample_rows", mutates_args=())
 def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int | None = None,
                 fast_math: bool | None = None, num_warps: int | None = None,
                 method: str = "cdf") -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy (``temperature <= 0``) or temperature sampling of each row.
+    """Greedy (``temperature <= 0``) or temperature sampling of each row (a ``torch.library`` custom
+    operator, ``rlcore::sample_rows``, with a fake implementation).
 
     Args:
         logits: ``[B, V]`` raw logits, last dimension contiguous (any float dtype).
@@ -226,7 +228,7 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
     inv_temp = 1.0 if greedy else 1.0 / temperature
     if fast_math is None:
         fast_math = not interpreting()
-    if num_warps is None:  # H200, 256 x 151,936 logits: cdf 37.6 us with 4 warps (8: 38.2), gumbel 95 (4: 99-104)
+    if num_warps is None:  # measured per method: docs/benchmarks.md, "Settings chosen by measurement"
         num_warps = 4 if draw else 8
     seed = int(seed) & 0x7FFFFFFF
     if draw:
@@ -243,3 +245,10 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
     _merge_rows[(rows,)](logits, logits.stride(0), vocab, inv_temp, part[0], part[1], part[2], part_idx, splits,
                          tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=1)
     return tokens, logprobs
+
+
+@sample_rows.register_fake
+def _(logits, temperature, seed, splits=None, fast_math=None, num_warps=None, method="cdf"):
+    rows = logits.shape[0]
+    return (logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32))
+

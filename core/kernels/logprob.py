@@ -1,16 +1,19 @@
 """Log-probs of chosen tokens, and the entropy, in one read of the logits (Triton, CUDA).
 
 The training forward needs ``log_softmax(logits / T)`` at the sampled tokens for ``[B, R, V]``
-logits with a vocabulary of up to ~150k. The PyTorch path of :class:`rlcore.trainer.models.ChunkedLogprobs`
+logits with a vocabulary of up to ~150k. The reference, :func:`rlcore.rlmath.logprobs_from_logits`,
 goes chunk by chunk in float32 and reads and writes each chunk several times (cast, log-sum-exp,
-gather, entropy); its backward does the same again. These kernels read the logits once in the
-forward (one program per row: a running maximum, the sum of exponentials and, for the entropy,
-their sum weighted by the logits) and once in the backward, which writes the gradient
-``(onehot(label) - softmax(z)) * g / T`` straight in the logits' dtype.
+gather, entropy), and autograd keeps the float32 chunks for the backward. These kernels (the fast
+path, :func:`token_logprobs`) read the logits once in the forward (one program per row: a running
+maximum, the sum of exponentials and, for the entropy, their sum weighted by the logits) and once
+in the backward, which writes the gradient ``(onehot(label) - softmax(z)) * g / T`` straight in the
+logits' dtype.
 
 Rows may have any two strides (the logits of the response are a slice of the model's output);
 the last dimension must be contiguous. :func:`available` says where the kernels run: CUDA with
-Triton, or Triton's CPU interpreter when ``TRITON_INTERPRET=1`` (for tests).
+Triton, or Triton's CPU interpreter when ``TRITON_INTERPRET=1`` (for tests). :func:`token_logprobs`
+is a ``torch.library`` custom operator (``rlcore::logprob_forward`` with its backward
+``rlcore::logprob_backward``) with fake implementations, so compiled code can call it.
 """
 
 from __future__ import annotations
@@ -112,3 +115,50 @@ def backward(logits: torch.Tensor, labels: torch.Tensor, temperature: float, lse
                                 logits.shape[-1], 1.0 / temperature, lse.contiguous(),
                                 grad_logp.float().contiguous(), grad, BLOCK=BLOCK, num_warps=8)
     return grad
+
+
+@torch.library.custom_op("rlcore::logprob_forward", mutates_args=())
+def _forward_op(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logp, lse, ent = forward(logits, labels, temperature, with_entropy)
+    return logp, lse, ent if ent is not None else logp.new_empty(0)
+
+
+@_forward_op.register_fake
+def _(logits, labels, temperature, with_entropy):
+    logp = logits.new_empty(logits.shape[:2], dtype=torch.float32)
+    return logp, torch.empty_like(logp), torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+
+
+@torch.library.custom_op("rlcore::logprob_backward", mutates_args=())
+def _backward_op(logits: torch.Tensor, labels: torch.Tensor, temperature: float, lse: torch.Tensor,
+                 grad_logp: torch.Tensor) -> torch.Tensor:
+    return backward(logits, labels, temperature, lse, grad_logp)
+
+
+@_backward_op.register_fake
+def _(logits, labels, temperature, lse, grad_logp):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, labels, temperature, _ = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+    ctx.temperature = temperature
+
+
+def _backward_rule(ctx, grad_logp, grad_lse, grad_ent):
+    logits, labels, lse = ctx.saved_tensors
+    return _backward_op(logits, labels, ctx.temperature, lse, grad_logp), None, None, None
+
+
+_forward_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logp [B, R], entropy [B, R] or None)`` float32 under ``softmax(logits / T)``, differentiable in
+    ``logits`` through ``logp`` (the backward kernel recomputes the softmax; nothing but the
+    log-normalisers is kept); the entropy carries no gradient."""
+    logp, _, ent = _forward_op(logits, labels, float(temperature), bool(with_entropy))
+    return logp, (ent.detach() if with_entropy else None)

@@ -61,9 +61,11 @@ if triton is not None:
             tl.store(done_ptr + slots, (done | hit).to(done_ptr.dtype.element_ty), mask=ok)
 
 
+@torch.library.custom_op("rlcore::begin_step", mutates_args=("positions", "columns", "bias"))
 def begin_step(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor,
                bias: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(cos rows [n, D], sin rows [n, D], this step's columns [n])`` for slots ``0..n-1``
+    """A ``torch.library`` custom operator (``rlcore::begin_step``, with a fake implementation):
+    ``(cos rows [n, D], sin rows [n, D], this step's columns [n])`` for slots ``0..n-1``
     (``n = positions.shape[0]``); sets ``bias[i, columns[i]] = 0`` and advances ``positions`` and
     ``columns`` in place by one, clamped to ``last``. Tables ``[S, D]`` row-major."""
     n, dim = positions.shape[0], cos_table.shape[1]
@@ -80,6 +82,13 @@ def begin_step(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torc
     return cos_rows, sin_rows, now
 
 
+@begin_step.register_fake
+def _(cos_table, sin_table, positions, columns, bias, last):
+    n, dim = positions.shape[0], cos_table.shape[1]
+    rows = cos_table.new_empty(n, dim)
+    return rows, torch.empty_like(rows), torch.empty_like(columns)
+
+
 def begin_step_reference(cos_table, sin_table, positions, columns, bias, last):
     """:func:`begin_step` in PyTorch (where Triton does not run)."""
     n = positions.shape[0]
@@ -91,9 +100,12 @@ def begin_step_reference(cos_table, sin_table, positions, columns, bias, last):
     return (*rows, now)
 
 
+@torch.library.custom_op("rlcore::record", mutates_args=("next_tokens", "out_tokens", "out_logprobs", "out_col",
+                                                    "done"))
 def record(tokens: torch.Tensor, logprobs: torch.Tensor, next_tokens: torch.Tensor, out_tokens: torch.Tensor,
            out_logprobs: torch.Tensor, out_col: torch.Tensor, done: torch.Tensor, eos: torch.Tensor) -> None:
-    """For slots ``0..n-1`` (``n = tokens.shape[0]``): ``next_tokens[i] = tokens[i]``; token and
+    """A ``torch.library`` custom operator (``rlcore::record``, with a fake implementation).
+    For slots ``0..n-1`` (``n = tokens.shape[0]``): ``next_tokens[i] = tokens[i]``; token and
     log-prob written at row ``i``, column ``min(out_col[i], width - 1)`` of ``out_tokens`` /
     ``out_logprobs`` ``[B, width]`` (contiguous); ``out_col[i] += 1``; ``done[i] |= tokens[i] in eos``."""
     n, width = tokens.shape[0], out_tokens.shape[1]
@@ -105,6 +117,11 @@ def record(tokens: torch.Tensor, logprobs: torch.Tensor, next_tokens: torch.Tens
         _record[(triton.cdiv(n, block),)](tokens, logprobs, next_tokens, out_tokens, out_logprobs, out_col, done,
                                           eos if n_eos else tokens, n, width, n_eos, BLOCK_N=block,
                                           BLOCK_E=triton.next_power_of_2(n_eos) if n_eos else 0, num_warps=4)
+
+
+@record.register_fake
+def _(tokens, logprobs, next_tokens, out_tokens, out_logprobs, out_col, done, eos) -> None:
+    return None
 
 
 def record_reference(tokens, logprobs, next_tokens, out_tokens, out_logprobs, out_col, done, eos) -> None:

@@ -38,14 +38,13 @@ def format_metrics(step: int, metrics: Mapping[str, Any], split: str, keys: Any 
     return f"[{split}] step {step}: " + " ".join(shown) + took_suffix(step, metrics)
 
 
-def is_main_process() -> bool:
-    """Rank 0 of an initialised process group, or a single process."""
-    import torch.distributed as dist
+def _is_main() -> bool:
+    from rlcore.distributed.init import is_main_process
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return is_main_process()
 
 
 def print_metrics(step: int, metrics: Mapping[str, Any], split: str) -> None:
     """Log the line of :func:`format_metrics` at INFO on the ``rlcore.metrics`` logger (main rank only)."""
-    if log.isEnabledFor(logging.INFO) and is_main_process():
+    if log.isEnabledFor(logging.INFO) and _is_main():
         log.info(format_metrics(step, metrics, split))

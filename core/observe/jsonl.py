@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from typing import Any, Iterator, Mapping, Optional
 
+log = logging.getLogger(__name__)
+
+
+#: The run record every run writes in its run directory (the built-in ``metrics-file`` plugin).
+METRICS_FILE = "metrics.jsonl"
 
 def _clean(value: Any) -> Any:
     """Strict JSON: numbers stay numbers, NaN and infinities become null, tensors become floats."""
@@ -27,12 +33,43 @@ def make_record(step: int, metrics: Mapping[str, Any], split: str, **extra: Any)
     return record
 
 
+def drop_torn_tail(path: str) -> int:
+    """Cut a last line that does not end in a newline (the process was killed mid-write), so the
+    next record starts on a line of its own. Returns the number of bytes dropped."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return 0
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return 0
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return 0
+        pos, keep = end, 0
+        while pos > 0 and not keep:
+            step = min(pos, 1 << 16)
+            pos -= step
+            f.seek(pos)
+            chunk = f.read(step)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                keep = pos + cut + 1
+        f.truncate(keep)
+    log.warning("%s: its last line was incomplete (the run was killed while writing it): %d bytes dropped",
+                path, end - keep)
+    return end - keep
+
+
 class JsonlWriter:
     """Appends records to ``path`` (a resumed run keeps its earlier lines); ``fresh=True`` starts it anew."""
 
     def __init__(self, path: str, *, fresh: bool = False):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if not fresh:
+            drop_torn_tail(path)
         self._f: Optional[Any] = open(path, "w" if fresh else "a", encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:

@@ -12,13 +12,12 @@ import os
 from typing import Any, Optional, Sequence
 
 from rlcore.errors import RLCoreError
-from rlcore.observe.jsonl import read_jsonl
+from rlcore.observe.jsonl import METRICS_FILE, read_jsonl
 
 #: Stacked in the step-time panel (disjoint parts of ``time/step_s``).
 PHASE_KEYS = tuple(f"time/{p}_s" for p in ("generate", "reward", "ref_logprob", "old_logprob", "values",
                                            "advantages", "update_actor", "update_critic", "reshard",
                                            "checkpoint"))
-METRICS_FILE = "metrics.jsonl"
 DASHBOARD_FILE = "dashboard.png"
 
 
@@ -26,8 +25,8 @@ def load_metrics(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any
     """(train records, val records) of ``run_dir/metrics.jsonl``; the last record of a step wins."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
-        raise RLCoreError(f"no {METRICS_FILE} in {run_dir}: run with --plugins sparse-logging "
-                          "(or another sink writing it) first")
+        raise RLCoreError(f"no {METRICS_FILE} in {run_dir}: not a run directory, or its run has not "
+                          "logged a step yet")
     by_split: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "val": {}}
     for rec in read_jsonl(path):
         split = rec.get("split", "train")

@@ -24,3 +24,9 @@ class ProgressBar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

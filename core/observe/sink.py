@@ -1,11 +1,16 @@
 """Metrics sinks as plugins: one sink object per training run, behind the three logging hooks.
 
-A sink has ``metrics(step, metrics, split)`` and ``close(step, status, summary)``. A plugin module
-exposes the hooks of :class:`SinkHooks`; a new sink is built at every train start (a sink left open
-by a run that died is closed as ``failed`` first), so no state leaks from one run to the next::
+A sink has ``metrics(step, metrics, split)`` and ``close(step, status, summary)``. A plugin class
+derives from :class:`SinkHooks` (its instance, registered with one plugin manager, holds the run's
+sink; the entry point names the class)::
 
-    _hooks = SinkHooks(lambda run_dir, dist, config: MySink(run_dir) if dist.is_main else None)
-    rlcore_train_start, rlcore_metrics, rlcore_train_end = _hooks.hooks()
+    class MyPlugin(SinkHooks):
+        def __init__(self):
+            super().__init__(lambda run_dir, dist, config: MySink(run_dir) if dist.is_main else None)
+
+A new sink is built at every train start (a sink left open by a run that died is closed as
+``failed`` first), so no state leaks from one run to the next. A plugin module can instead expose
+the three functions of :meth:`SinkHooks.hooks`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,18 @@ class SinkHooks:
         sink, self.current = self.current, None
         if sink is not None:
             sink.close(step, status, summary)
+
+    @hookimpl
+    def rlcore_train_start(self, run_dir: str, dist: Any, config: Mapping[str, Any]) -> None:
+        self.start(run_dir, dist, config)
+
+    @hookimpl
+    def rlcore_metrics(self, step: int, metrics: Mapping[str, Any], split: str) -> None:
+        self.record(step, metrics, split)
+
+    @hookimpl(trylast=True)  # the summary as every other plugin left it
+    def rlcore_train_end(self, step: int, status: str, summary: Mapping[str, Any]) -> None:
+        self.end(step, status, summary)
 
     def hooks(self) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
         """``rlcore_train_start``, ``rlcore_metrics`` and ``rlcore_train_end`` implementations."""

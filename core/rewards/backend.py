@@ -16,6 +16,7 @@ Every component's mean is logged as ``reward/<name>``; ``reward/errors`` counts 
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -25,6 +26,8 @@ from rlcore.errors import ConfigError, PlacementError, RewardError
 from rlcore.protocols import RewardInput, RewardOutput
 from rlcore.rewards.base import ComponentResult, check_batch, check_finite, describe_sample
 from rlcore.rewards.functions import FunctionReward, load_function
+
+log = logging.getLogger(__name__)
 
 OFFLOAD_NEEDS_PLUGIN = ("reward_model.offload=true needs the 'rm-offload' plugin: add it to the plugins list "
                         "(--plugins rm-offload or plugins=[rm-offload])")
@@ -97,12 +100,17 @@ class RewardPipeline:
         :class:`~rlcore.rewards.base.ComponentResult`.
     """
 
-    def __init__(self, parts: Sequence[tuple[Any, float]], *, pool: Any = None, count_errors: bool = False):
+    def __init__(self, parts: Sequence[tuple[Any, float]], *, pool: Any = None, count_errors: bool = False,
+                 max_fallback_share: float = 1.0):
         if not parts:
             raise RewardError(f"no reward is configured: {_HOW_TO}")
         self.parts = list(parts)
         self.pool = pool
         self.count_errors = count_errors or pool is not None
+        self.max_fallback_share = float(max_fallback_share)
+        #: True while a step is scored in several calls (streamed scoring): the fallback-share check
+        #: then runs once on the whole step, through :meth:`check_fallback_share`
+        self.defer_share_check = False
 
     @property
     def rm(self) -> Any:
@@ -125,11 +133,26 @@ class RewardPipeline:
             metrics.update(res.metrics)
             errors += res.errors
             timeouts += res.timeouts
+            if res.errors and n and not self.defer_share_check:
+                self.check_fallback_share(component.name, res.errors, res.timeouts, n)
         if self.count_errors:
             metrics["reward/errors"] = float(errors)
         if self.pool is not None:
             metrics["reward/timeouts"] = float(timeouts)
         return RewardOutput(scores=total.float(), metrics=metrics)
+
+    def check_fallback_share(self, name: str, failed: int, timeouts: int, n: int) -> None:
+        """Warn when most samples got ``reward.fallback_score``; stop past ``reward.max_fallback_share``."""
+        share = failed / n
+        what = (f"reward '{name}' failed on {failed} of {n} samples of this step ({timeouts} timed out) and gave "
+                "them reward.fallback_score")
+        if share > self.max_fallback_share:
+            raise RewardError(f"{what}: more than reward.max_fallback_share={self.max_fallback_share:g} of the step, "
+                              "so training would follow a constant; fix the function (run it with "
+                              "reward.fallback_score=null to see the first error) or raise reward.max_fallback_share")
+        if share > 0.5:
+            log.warning("%s: most of the step is trained on that constant; the run stops when more than "
+                        "reward.max_fallback_share=%g fail", what, self.max_fallback_share)
 
     def close(self) -> None:
         """Stop the worker processes, if any."""
@@ -181,7 +204,8 @@ def function_parts(reward_function: Any, reward: Any, rewards: Mapping[str, Call
         pool = WorkerPool(reward.num_workers, reward.timeout_s)
 
     def make(name: str, fn: Callable[..., Any], kwargs: Optional[dict] = None, ref: Any = None) -> FunctionReward:
-        return FunctionReward(name, fn, kwargs=kwargs, fallback=reward.fallback_score, pool=pool, ref=ref)
+        return FunctionReward(name, fn, kwargs=kwargs, fallback=reward.fallback_score, pool=pool, ref=ref,
+                              timeout_s=None if pool is not None else reward.timeout_s)
 
     registry: dict[str, Any] = dict(rewards)
     if reward_function.path:
@@ -218,7 +242,8 @@ def assemble_backend(reward_function: Any, reward: Any, rewards: Mapping[str, Ca
             if pool is not None:
                 pool.close()
             raise
-    return RewardPipeline(parts, pool=pool, count_errors=reward.fallback_score is not None)
+    return RewardPipeline(parts, pool=pool, count_errors=reward.fallback_score is not None,
+                          max_fallback_share=float(getattr(reward, "max_fallback_share", 1.0)))
 
 
 def build_reward_backend(reward_model: Any, reward_function: Any, reward: Any, placement: Any, tokenizer: Any,

@@ -27,16 +27,23 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 import pickle
+import queue
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from rlcore.errors import RewardError
 from rlcore.rewards.base import ComponentResult, check_finite, describe_sample
 
+log = logging.getLogger(__name__)
+
 BATCHED_NAMES = frozenset({"prompts", "responses", "solution_strs"})
+#: A sample whose call failed and was given the fallback score (``None`` is a result, and an error).
+FAILED = object()
 PER_SAMPLE_NAMES = frozenset({"prompt", "response", "solution_str"})
 _ALIASES = frozenset({"solution_str", "solution_strs"})
 _FALLBACK_HINT = "set reward.fallback_score to give failing samples a fixed score instead of stopping"
@@ -239,6 +246,50 @@ def to_score_list(value: Any, n: int, who: str) -> list[Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+class CallTimeout(Exception):
+    """A call did not return within its time limit (its thread is left behind)."""
+
+
+class CallThread:
+    """Runs calls in one daemon thread and waits at most ``timeout_s`` for each: the in-process
+    (``reward.num_workers=0``) form of the worker pool's timeout.
+
+    A call that does not return in time leaves its thread blocked (a thread cannot be killed); the
+    next call gets a new one. The wait is interruptible: a second Ctrl-C stops the run at once.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: Optional[queue.SimpleQueue] = None
+        #: Threads left behind by calls that timed out.
+        self.abandoned = 0
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:
+        while True:
+            fn, kwargs, box, done = jobs.get()
+            try:
+                box.append((True, fn(**kwargs)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, who re-raises it
+                box.append((False, e))
+            done.set()
+
+    def call(self, fn: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float) -> Any:
+        """``fn(**kwargs)``, its exception re-raised here; :class:`CallTimeout` after ``timeout_s``."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._loop, args=(self._jobs,), name="rlcore-reward-call", daemon=True).start()
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._jobs.put((fn, kwargs, box, done))
+        if not done.wait(timeout_s):
+            self._jobs, self.abandoned = None, self.abandoned + 1
+            raise CallTimeout(f"no result within reward.timeout_s={timeout_s:g} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
 class FunctionReward:
     """A named reward function, called per sample or batched, in this process or in a worker pool.
 
@@ -246,13 +297,19 @@ class FunctionReward:
         :class:`RewardError` showing the sample.
     :param pool: a :class:`~rlcore.rewards.pool.WorkerPool`; every sample is then one task with a timeout.
     :param ref: picklable reference the workers resolve (the function itself, or ``("load", path, name)``).
+    :param timeout_s: without a pool, the seconds a sample may take (a batched call: that times the
+        number of samples); the function then runs in a worker thread of this process.
     """
 
     def __init__(self, name: str, fn: Callable[..., Any], *, kwargs: Optional[dict] = None,
-                 fallback: Optional[float] = None, pool: Any = None, ref: Any = None):
+                 fallback: Optional[float] = None, pool: Any = None, ref: Any = None,
+                 timeout_s: Optional[float] = None):
         self.name, self.fn = name, fn
         self.kwargs = dict(kwargs or {})
         self.fallback = None if fallback is None else float(fallback)
+        #: In process: seconds allowed per sample (None: no limit); a pool has its own.
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self._thread = CallThread()
         self.style = call_style(fn, name)
         self.pool = pool
         self.ref = fn if ref is None else ref
@@ -272,19 +329,25 @@ class FunctionReward:
         idx = list(range(len(batch.responses))) if indices is None else list(indices)
         if not idx:
             return ComponentResult(scores=[])
+        self._timeouts = 0
         if self.pool is not None:
             values, errors, timeouts = self._in_pool(batch, idx)
         elif self.style.per_sample:
-            values, errors, timeouts = self._per_sample(batch, idx), 0, 0
+            values, errors = self._per_sample(batch, idx), 0
         else:
-            values, errors, timeouts = self._batched(batch, idx), 0, 0
+            values, errors = self._batched(batch, idx), 0
+        if self.pool is None:
+            timeouts = self._timeouts
         scores: list[float] = []
         extra_sums: dict[str, float] = {}
         for k, v in enumerate(values):
-            if v is None:  # failed and given the fallback
+            if v is FAILED:  # failed and given the fallback
                 scores.append(self.fallback)  # type: ignore[arg-type]
                 errors += 1
                 continue
+            if v is None:
+                raise RewardError(f"{self.who} returned None for sample {idx[k]} instead of a score (a missing "
+                                  f"return statement?)\n{describe_sample(batch, idx[k])}")
             s, extra = to_score(v, f"{self.who} on sample {idx[k]}")
             scores.append(s)
             for key, x in extra.items():
@@ -294,17 +357,33 @@ class FunctionReward:
         return ComponentResult(scores=scores, errors=errors, timeouts=timeouts, metrics=metrics)
 
     # -- ways of calling ----------------------------------------------------------------------
-    def _failed(self, batch: Any, i: int, err: str, cause: Optional[BaseException] = None) -> None:
-        """A sample failed: return when a fallback score is set (the caller records None), else raise."""
+    def _failed(self, batch: Any, i: int, err: str, cause: Optional[BaseException] = None) -> Any:
+        """A sample failed: :data:`FAILED` when a fallback score is set, else raise."""
         if self.fallback is not None:
-            return None
+            return FAILED
         raise RewardError(f"{self.who} failed on sample {i}: {err}\n{describe_sample(batch, i)}\n"
                           f"({_FALLBACK_HINT})") from cause
 
+    def _call(self, kwargs: dict[str, Any], samples: int) -> Any:
+        """The function called with ``kwargs``, within the time limit of ``samples`` samples."""
+        if self.timeout_s is None:
+            return self.fn(**kwargs)
+        try:
+            return self._thread.call(self.fn, kwargs, self.timeout_s * samples)
+        except ValueError as e:
+            if "main thread" not in str(e):
+                raise
+        # The function uses signals (e.g. its own alarm-based timeout), which work in the main thread only.
+        log.warning(
+            "%s needs the main thread (%s): it runs there from now on, without reward.timeout_s; use "
+            "reward.num_workers > 0 for a timeout", self.who, "signals work in the main thread only")
+        self.timeout_s = None
+        return self.fn(**kwargs)
+
     def _call_one(self, batch: Any, i: int) -> Any:
         if self.style.per_sample:
-            return self.fn(**select_arguments(self.style, sample_arguments(batch, i), self.kwargs, self.name))
-        out = self.fn(**select_arguments(self.style, batch_arguments(batch, [i]), self.kwargs, self.name))
+            return self._call(select_arguments(self.style, sample_arguments(batch, i), self.kwargs, self.name), 1)
+        out = self._call(select_arguments(self.style, batch_arguments(batch, [i]), self.kwargs, self.name), 1)
         return to_score_list(out, 1, self.who)[0]
 
     def _per_sample(self, batch: Any, idx: list[int]) -> list[Any]:
@@ -314,21 +393,26 @@ class FunctionReward:
                 values.append(self._call_one(batch, i))
             except RewardError:
                 raise
-            except Exception as e:
-                self._failed(batch, i, f"{type(e).__name__}: {e}", e)
-                values.append(None)
+            except CallTimeout as e:
+                self._timeouts += 1
+                values.append(self._failed(batch, i, str(e), e))
+            except Exception as e:  # noqa: BLE001 - a user's reward may raise anything: reported per sample
+                values.append(self._failed(batch, i, f"{type(e).__name__}: {e}", e))
         return values
 
     def _batched(self, batch: Any, idx: list[int]) -> list[Any]:
         args = select_arguments(self.style, batch_arguments(batch, idx), self.kwargs, self.name)
         try:
-            out = self.fn(**args)
+            out = self._call(args, len(idx))
         except RewardError:
             raise
+        except CallTimeout as e:
+            self._timeouts += len(idx)
+            return [self._failed(batch, i, f"{e} (a batched call of {len(idx)} samples)", e) for i in idx]
         except Exception as batch_error:
             # Find the sample(s) at fault by calling the function on one sample at a time.
             values = self._per_sample(batch, idx)
-            if all(v is not None for v in values):
+            if all(v is not FAILED for v in values):
                 raise RewardError(f"{self.who} raised on the batch of {len(idx)} samples but on none of them "
                                   f"alone: {type(batch_error).__name__}: {batch_error}") from batch_error
             return values
@@ -345,10 +429,8 @@ class FunctionReward:
             if status == "ok":
                 values.append(value if self.style.per_sample else to_score_list(value, 1, self.who)[0])
             elif status == "timeout":
-                self._failed(batch, i, f"no result within reward.timeout_s={self.pool.timeout_s:g} s")
-                values.append(None)
+                values.append(self._failed(batch, i, f"no result within reward.timeout_s={self.pool.timeout_s:g} s"))
                 timeouts += 1
             else:
-                self._failed(batch, i, value + (f"\n  worker traceback:\n{trace}" if trace else ""))
-                values.append(None)
+                values.append(self._failed(batch, i, value + (f"\n  worker traceback:\n{trace}" if trace else "")))
         return values, 0, timeouts

@@ -41,12 +41,28 @@ def _worker_main(conn: Any) -> None:
         ref, kwargs = msg
         try:
             result: TaskResult = ("ok", resolve_ref(ref, cache)(**kwargs), "")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the user's function may raise anything: sent back as an error
             result = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
         try:
             conn.send(result)
-        except Exception as e:  # the result cannot be pickled
+        except Exception as e:  # noqa: BLE001 - the result cannot be pickled
             conn.send(("error", f"result cannot be sent back from the worker: {type(e).__name__}: {e}", ""))
+
+
+def describe_exit(code: Optional[int]) -> str:
+    """``exit code 3``, ``killed by signal SIGKILL`` (a negative code), or ``still running``."""
+    if code is None:
+        return "no exit code yet: the process did not end within 5 s of closing its pipe"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
 
 
 class _Worker:
@@ -115,7 +131,7 @@ class WorkerPool:
                 worker = self._worker(slot)
                 try:
                     worker.conn.send((ref, dict(tasks[i])))
-                except Exception as e:  # arguments that cannot be pickled
+                except Exception as e:  # noqa: BLE001 - arguments that cannot be pickled
                     results[i] = ("error", f"arguments cannot be sent to a worker: {type(e).__name__}: {e}", "")
                     continue
                 busy[slot] = (i, time.monotonic() + self.timeout_s)
@@ -131,8 +147,9 @@ class WorkerPool:
                     try:
                         results[i] = worker.conn.recv()  # type: ignore[union-attr]
                     except (EOFError, OSError):
-                        code = worker.process.exitcode  # type: ignore[union-attr]
-                        results[i] = ("error", f"the worker process died (exit code {code})", "")
+                        worker.process.join(5)  # type: ignore[union-attr]  # reaped: its exit code is known
+                        how = describe_exit(worker.process.exitcode)  # type: ignore[union-attr]
+                        results[i] = ("error", f"the worker process died ({how})", "")
                         self._drop(slot)
                     del busy[slot]
                 elif now >= deadline:
@@ -151,5 +168,5 @@ class WorkerPool:
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass

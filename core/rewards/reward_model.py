@@ -20,10 +20,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from rlcore.config.schema import Dtype, torch_dtype
 from rlcore.errors import RewardError
 from rlcore.rewards.base import ComponentResult
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -118,12 +118,12 @@ class RewardModel:
         """Load from ``cfg.path`` (a ``RewardModelConfig``) on the CPU in ``cfg.dtype``; errors name the path."""
         from transformers import AutoModelForSequenceClassification
 
-        if cfg.dtype not in DTYPES:
-            raise RewardError(f"reward_model.dtype '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
+        if cfg.dtype not in Dtype.values():
+            raise RewardError(f"reward_model.dtype '{cfg.dtype}' is not one of {', '.join(Dtype.values())}")
         check_reward_model_dir(cfg.path)
         tokenizer = _load_tokenizer(cfg.path)
         try:
-            module = AutoModelForSequenceClassification.from_pretrained(cfg.path, dtype=DTYPES[cfg.dtype],
+            module = AutoModelForSequenceClassification.from_pretrained(cfg.path, dtype=torch_dtype(cfg.dtype),
                                                                         local_files_only=True)
         except Exception as e:
             raise RewardError(f"reward_model.path '{cfg.path}' cannot be loaded: {type(e).__name__}: {e}") from e

@@ -234,6 +234,15 @@ def length_penalty(prompts: Sequence[str], responses: Sequence[str],
     return out
 
 
+def env_reward(prompts: Sequence[str], responses: Sequence[str], env_reward: Sequence[Any] = (),
+               **_: Any) -> list[float]:
+    """The reward the episode's environment gave (the sum of its turns' rewards; 0 when it gave
+    none, or for a row without an environment). Multi-turn runs (``data.env_key``) score with it
+    when no other reward is configured."""
+    values = list(env_reward) or [None] * len(responses)
+    return [float(v) if v is not None else 0.0 for v in values]
+
+
 #: Rules of the demo task: registered name -> function name in :mod:`rlcore.demo`.
 DEMO_RULES = {"demo_alphabet": "alphabet_score"}
 
@@ -265,5 +274,6 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
     "math_equiv": math_equiv,
     "format_penalty": format_penalty,
     "length_penalty": length_penalty,
+    "env_reward": env_reward,
     **_demo_rules(),
 }

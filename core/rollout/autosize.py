@@ -4,8 +4,8 @@ The starting rule is the classic one: ``batch ≈ GPU memory × 0.6 ÷ memory pe
 the *free* memory of the device (so colocated models are accounted for) and a per-sample figure
 that is either measured (:func:`measure_sample_bytes`, peak-memory slope between two probe
 batches) or estimated from the model config (:func:`estimate_sample_bytes`). If generation still
-runs out of memory, :class:`AdaptiveMicroBatch` halves the micro-batch and retries the failed
-chunk, so no sample is lost, and keeps the smaller size for later calls.
+runs out of memory, :class:`~rlcore.trainer.generation.ActorGeneration` halves the micro-batch
+and retries the failed chunk, so no sample is lost, and keeps the smaller size for later calls.
 
 On CPU there is no device memory to read: :func:`auto_rollout_batch_size` plans
 :data:`CPU_DEFAULT_BATCH_SIZE` (16) samples, i.e. ``16 // n`` prompts of ``n`` samples (at least
@@ -14,13 +14,10 @@ one), enough for the CPU demo and tests, small enough to keep a 2-core machine r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Callable
 
 import torch
-
-from rlcore.rollout.base import RolloutBatch, SamplingParams, concat_batches
 
 log = logging.getLogger(__name__)
 
@@ -133,54 +130,3 @@ def auto_rollout_batch_size(*, device: torch.device | str | None = None, n: int 
     log.info("ppo.rollout_batch_size=auto -> %d prompts x %d samples (free %.1f GiB x %.2f / %.1f MiB per sample)",
              size, n, free_bytes / 2**30, fraction, per_sample / 2**20)
     return size
-
-
-def _is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
-def _shifted(on_finished: Callable, offset: int) -> Callable:
-    return lambda indices, responses: on_finished([offset + i for i in indices], responses)
-
-
-class AdaptiveMicroBatch:
-    """Generate in micro-batches, halving the micro-batch on out-of-memory.
-
-    The chunk that failed is retried at half the size (down to ``minimum``), so every prompt gets
-    its sample; the reduced size is kept for later calls. Seeded runs give each chunk its own seed
-    (``seed + first prompt index``) so repeated prompts in different chunks do not share noise.
-    """
-
-    def __init__(self, micro_batch: int, *, minimum: int = 1):
-        if micro_batch < 1 or minimum < 1:
-            raise ValueError(f"AdaptiveMicroBatch: micro_batch ({micro_batch}) and minimum ({minimum}) must be >= 1")
-        self.micro_batch = int(micro_batch)
-        self.minimum = int(minimum)
-        self.retries = 0
-
-    def generate(self, generate: Callable[..., RolloutBatch], prompts: Sequence[Sequence[int]],
-                 params: SamplingParams, on_finished: Optional[Callable] = None) -> RolloutBatch:
-        """Run ``generate`` over all ``prompts`` chunk by chunk; results keep the prompts' order.
-
-        ``on_finished`` (see :data:`rlcore.rollout.base.FinishedCallback`) is handed to each chunk's
-        ``generate`` with the chunk's indices shifted to the whole list's; a chunk retried after an
-        out-of-memory error may report samples again."""
-        parts: list[RolloutBatch] = []
-        start = 0
-        while start < len(prompts):
-            size = min(self.micro_batch, len(prompts) - start)
-            chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
-            kw = {} if on_finished is None else {"on_finished": _shifted(on_finished, start)}
-            try:
-                parts.append(generate(prompts[start:start + size], chunk_params, **kw))
-            except (torch.OutOfMemoryError, RuntimeError) as error:
-                if not _is_oom(error) or self.micro_batch <= self.minimum:
-                    raise
-                self.micro_batch = max(self.minimum, self.micro_batch // 2)
-                self.retries += 1
-                log.warning("rollout out of memory at micro-batch %d; retrying at %d", size, self.micro_batch)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                continue
-            start += size
-        return concat_batches(parts, params.pad_token_id)

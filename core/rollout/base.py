@@ -9,7 +9,7 @@ CUDA graphs and continuous batching for Llama-style decoders).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -44,6 +44,10 @@ class RolloutBatch:
     ``response_ids``/``response_mask``/``logprobs`` ``[B, R]`` (right padded). ``response_mask``
     is 1 for every generated token up to and including the first EOS and 0 after it.
     ``logprobs`` holds the sampled tokens' log-probabilities (0 where the mask is 0).
+
+    Multi-turn rollouts (:mod:`rlcore.envs`) interleave model turns with observations: then
+    ``response_attention`` ``[B, R]`` is 1 for every token of the sequence (observations too) and
+    ``response_mask`` only for the model's tokens, the ones that train (loss, KL, entropy).
     """
 
     prompt_ids: torch.Tensor
@@ -52,6 +56,7 @@ class RolloutBatch:
     response_mask: torch.Tensor
     logprobs: torch.Tensor
     stats: dict[str, float] = field(default_factory=dict)
+    response_attention: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -60,8 +65,14 @@ class RolloutBatch:
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(input_ids, attention_mask)`` of prompt and response concatenated, ``[B, P+R]``."""
         ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
-        mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        attention = self.response_mask if self.response_attention is None else self.response_attention
+        mask = torch.cat([self.prompt_mask, attention.to(self.prompt_mask.dtype)], dim=1)
         return ids, mask
+
+    @property
+    def attention(self) -> torch.Tensor:
+        """``[B, R]``: every token of the responses (observations included)."""
+        return self.response_mask if self.response_attention is None else self.response_attention
 
 
 @runtime_checkable
@@ -121,6 +132,21 @@ def mask_after_eos(response_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> 
     return (before == 0).long()
 
 
+def slice_rollout(batch: RolloutBatch, start: int, stop: int) -> RolloutBatch:
+    """Rows ``[start, stop)`` of ``batch``, without the padding columns no kept row needs.
+
+    Shapes: ``[B, P]``/``[B, R]`` -> ``[stop - start, P']``/``[stop - start, R']``.
+    """
+    pm, rm = batch.prompt_mask[start:stop], batch.response_mask[start:stop]
+    used = pm.bool().any(0).nonzero()
+    p0 = int(used[0]) if len(used) else pm.shape[1] - 1
+    used = rm.bool().any(0).nonzero()
+    r1 = int(used[-1]) + 1 if len(used) else 1
+    return RolloutBatch(prompt_ids=batch.prompt_ids[start:stop, p0:], prompt_mask=pm[:, p0:],
+                        response_ids=batch.response_ids[start:stop, :r1], response_mask=rm[:, :r1],
+                        logprobs=batch.logprobs[start:stop, :r1], stats=dict(batch.stats))
+
+
 def concat_batches(parts: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
     """Join batches whose prompt/response widths differ (prompts re-left-padded, responses right-padded)."""
     if len(parts) == 1:
@@ -139,11 +165,14 @@ def concat_batches(parts: Sequence[RolloutBatch], pad_token_id: int) -> RolloutB
     for b in parts:
         for k, v in b.stats.items():
             stats[k] = stats.get(k, 0.0) + v
+    attention = None
+    if any(b.response_attention is not None for b in parts):
+        attention = torch.cat([pad(b.attention, r_width, 0, False) for b in parts])
     return RolloutBatch(
         prompt_ids=torch.cat([pad(b.prompt_ids, p_width, pad_token_id, True) for b in parts]),
         prompt_mask=torch.cat([pad(b.prompt_mask, p_width, 0, True) for b in parts]),
         response_ids=torch.cat([pad(b.response_ids, r_width, pad_token_id, False) for b in parts]),
         response_mask=torch.cat([pad(b.response_mask, r_width, 0, False) for b in parts]),
         logprobs=torch.cat([pad(b.logprobs, r_width, 0.0, False) for b in parts]),
-        stats=stats,
+        stats=stats, response_attention=attention,
     )

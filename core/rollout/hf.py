@@ -18,7 +18,8 @@ from typing import Sequence
 import torch
 
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad, mask_after_eos
-from rlcore.rollout.sampling import token_logprobs, validate_params
+from rlcore.rlmath import logprobs_from_logits
+from rlcore.rollout.sampling import validate_params
 
 
 @contextlib.contextmanager
@@ -90,9 +91,21 @@ class HFGenerateBackend:
     def sync_weights(self) -> None:
         """Nothing to do: ``generate`` runs the live model."""
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
-        """Sample one response per prompt (see :class:`~rlcore.rollout.base.RolloutBackend`)."""
+        """Sample one response per prompt (see :class:`~rlcore.rollout.base.RolloutBackend`).
+        Prompts that carry an episode (:class:`rlcore.envs.runner.EpisodePrompt`) are played turn
+        by turn (:func:`rlcore.rollout.turns.generate_turn_by_turn`)."""
+        from rlcore.envs.runner import episodes_of
+
+        episodes, runner = episodes_of(prompts)
+        if runner is None:
+            return self._generate(prompts, params)
+        from rlcore.rollout.turns import generate_turn_by_turn
+
+        return generate_turn_by_turn(self._generate, prompts, params, episodes, runner, self.device)
+
+    @torch.no_grad()
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         vocab = getattr(self.model.config, "vocab_size", None)
         validate_params(params, vocab)
         start = time.perf_counter()
@@ -102,7 +115,7 @@ class HFGenerateBackend:
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         response = out.sequences[:, ids.shape[1]:]
         temperature = 1.0 if params.greedy else params.temperature
-        logprobs = torch.stack([token_logprobs(step, response[:, t], temperature)
+        logprobs = torch.stack([logprobs_from_logits(step, response[:, t], temperature)
                                 for t, step in enumerate(out.logits)], dim=1)  # raw logits, [B, R]
         del out
         response_mask = mask_after_eos(response, params.eos_token_ids)

@@ -18,6 +18,7 @@ import random
 import torch
 
 from rlcore.kernels import fused_sampling
+from rlcore.rlmath import logprobs_from_logits
 from rlcore.rollout.base import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -102,21 +103,6 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
     return tokens, logprobs
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probabilities of ``tokens`` under ``log_softmax(logits / temperature)``.
-
-    Args:
-        logits: ``[..., V]`` raw logits. tokens: ``[...]`` int64. temperature: ``<= 0`` means 1.
-    Returns:
-        ``[...]`` float32.
-    """
-    scores = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        scores = scores / temperature
-    picked = scores.gather(-1, tokens[..., None]).squeeze(-1)
-    return picked - torch.logsumexp(scores, dim=-1)
-
-
 def _fused_self_check(device: torch.device) -> bool:
     """Run the fused kernel once against :func:`sample_next`; remember the verdict per device."""
     key = str(device)
@@ -127,7 +113,7 @@ def _fused_self_check(device: torch.device) -> bool:
             ref_tokens, ref_logprobs = sample_next(logits, SamplingParams(temperature=0.0), None)
             drawn, drawn_lp = fused_sampling.sample_rows(logits, 0.7, 1)
             ok = (torch.equal(tokens, ref_tokens) and torch.allclose(logprobs, ref_logprobs, atol=1e-3)
-                  and torch.allclose(drawn_lp, token_logprobs(logits, drawn, 0.7), atol=1e-3))
+                  and torch.allclose(drawn_lp, logprobs_from_logits(logits, drawn, 0.7), atol=1e-3))
             if not ok:
                 log.warning("fused sampler disagrees with the PyTorch sampler on %s; not using it", device)
         except Exception as error:  # noqa: BLE001 - any failure means: use the PyTorch path

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import signal
 import threading
@@ -34,9 +33,14 @@ from typing import Any, Mapping, Optional
 import torch
 
 from rlcore.config.schema import TrainerConfig
+from rlcore.distributed.init import any_rank, barrier, broadcast_object, new_gloo_group
 from rlcore.errors import CheckpointError
 from rlcore.protocols import DistInfo, Stateful
-from rlcore.trainer import checkpoint_store as store
+from rlcore.trainer.store import files
+from rlcore.trainer.store import manifest as mf
+from rlcore.trainer.store import state as stored
+from rlcore.trainer.store.export import export_hf
+from rlcore.trainer.store.state import RNGState
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ def check_output_dir(trainer: TrainerConfig, min_free_bytes: int = MIN_FREE_BYTE
             os.remove(probe)
         except OSError:
             pass
-    free = store.free_bytes(path)
+    free = files.free_bytes(path)
     if free is not None and free < min_free_bytes:
         raise CheckpointError(f"{key} is nearly full: {free / 2**20:.0f} MiB free, checkpoints need at least "
                               f"{min_free_bytes / 2**20:.0f} MiB; free space or choose another trainer.output_dir")
@@ -105,7 +109,7 @@ def check_resume(trainer: TrainerConfig) -> None:
         raise CheckpointError(f"trainer.resume={mode!r}: no such checkpoint directory{hint}")
     target = resolve_checkpoint_path(path)
     try:
-        store.read_manifest(target)
+        mf.read_manifest(target)
     except CheckpointError as e:
         raise CheckpointError(f"trainer.resume={mode!r}: {target} is not a complete checkpoint ({e})") from e
 
@@ -145,60 +149,6 @@ def archive_previous_run(output_dir: str, stamp: Optional[str] = None) -> Option
 # --------------------------------------------------------------------------------------------
 # Stateful objects the loop saves
 # --------------------------------------------------------------------------------------------
-
-
-class RNGState:
-    """Random streams of this process: python, numpy, torch CPU, every CUDA device, and named generators.
-
-    The checkpoint policy saves one copy per rank. Extra ``torch.Generator`` objects (e.g. the one
-    shuffling mini-batches) join with :meth:`register` so a resumed run draws the same numbers.
-    """
-
-    def __init__(self, generators: Optional[Mapping[str, torch.Generator]] = None):
-        self.generators: dict[str, torch.Generator] = dict(generators or {})
-
-    def register(self, name: str, generator: torch.Generator) -> torch.Generator:
-        self.generators[name] = generator
-        return generator
-
-    def state_dict(self) -> dict[str, Any]:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
-            "torch": torch.get_rng_state(),
-            "generators": {n: g.get_state() for n, g in self.generators.items()},
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        import numpy as np
-
-        random.setstate(_as_tuple(state["python"]))
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
-        torch.set_rng_state(state["torch"])
-        for name, gen_state in state.get("generators", {}).items():
-            if name in self.generators:
-                self.generators[name].set_state(gen_state)
-            else:
-                log.warning("checkpoint holds RNG generator %r that this run does not register; ignored", name)
-        cuda = state.get("cuda")
-        if cuda is not None and torch.cuda.is_available():
-            if len(cuda) == torch.cuda.device_count():
-                torch.cuda.set_rng_state_all(cuda)
-            else:
-                log.warning("checkpoint holds CUDA RNG states of %d devices, this process sees %d: "
-                            "CUDA random streams restart from the seed", len(cuda), torch.cuda.device_count())
-
-
-def _as_tuple(x: Any) -> Any:
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 class GracefulExit:
@@ -245,13 +195,7 @@ class GracefulExit:
 
     @property
     def requested(self) -> bool:
-        import torch.distributed as tdist
-
-        if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() <= 1:
-            return self._flag
-        flag = torch.tensor([1.0 if self._flag else 0.0], device=store.collective_device())
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-        self._flag = bool(flag.item() > 0)
+        self._flag = any_rank(self._flag)
         return self._flag
 
 
@@ -273,9 +217,9 @@ class DefaultCheckpointPolicy:
         self.dist = dist
         self.root = Path(trainer.output_dir) / "checkpoints"
         self._saved: dict[int, str] = {}
-        self._pending: Optional[store.PendingSave] = None
+        self._pending: Optional[stored.PendingSave] = None
         self._gloo: Any = None
-        self._staging = store.Staging()
+        self._staging = stored.Staging()
 
     # -- when -----------------------------------------------------------------------------------
     def should_save(self, step: int, *, final: bool = False) -> bool:
@@ -296,15 +240,15 @@ class DefaultCheckpointPolicy:
         final, tmp = self.root / name, self.root / f".tmp-{name}"
         if self.dist.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            store.remove_tree(tmp)
+            files.remove_tree(tmp)
             tmp.mkdir(parents=True)
-        store.barrier()
-        fmt = "dcp" if (self.dist.world_size > 1 or store.any_sharded(state)) else "torch"
+        barrier()
+        fmt = "dcp" if (self.dist.world_size > 1 or stored.any_sharded(state)) else "torch"
         if fmt == "dcp" and self.cfg.async_save and self._gloo is None:
-            self._gloo = store.new_gloo_group()
+            self._gloo = new_gloo_group()
         finish = lambda: self._finalize(step, tmp, final, fmt, state)  # noqa: E731
         try:
-            self._pending = store.write_state(tmp, state, fmt, self.dist, asynchronous=bool(self.cfg.async_save),
+            self._pending = stored.write_state(tmp, state, fmt, self.dist, asynchronous=bool(self.cfg.async_save),
                                               on_done=finish, process_group=self._gloo,
                                               staging=self._staging)
         except OSError as e:
@@ -323,24 +267,24 @@ class DefaultCheckpointPolicy:
     def _finalize(self, step: int, tmp: Path, final: Path, fmt: str, state: Mapping[str, Any]) -> None:
         """Manifest, rename, ``latest`` pointer, rotation. The data of every rank is on disk."""
         if self.dist.is_main:
-            kinds = {k: store.kind_of(k, v, state) for k, v in state.items()}
-            store.write_manifest(tmp, step=step, world_size=self.dist.world_size, fmt=fmt, kinds=kinds)
-            store.replace_dir(tmp, final)
-            store.write_pointer(self.root / "latest", final.name)
+            kinds = {k: stored.kind_of(k, v, state) for k, v in state.items()}
+            mf.write_manifest(tmp, step=step, world_size=self.dist.world_size, fmt=fmt, kinds=kinds)
+            files.replace_dir(tmp, final)
+            files.write_pointer(self.root / "latest", final.name)
             self._rotate(keep=final)
             log.info("checkpoint saved: %s", final)
         if threading.current_thread() is threading.main_thread():
-            store.barrier()
+            barrier()
 
     def _rotate(self, keep: Path) -> None:
         limit = int(self.cfg.save_total_limit)
         complete = list_checkpoints(self.root)
         for path in complete[limit:] if limit > 0 else []:
             if path != keep:
-                store.remove_tree(path)
+                files.remove_tree(path)
         for stale in self.root.glob(".t*-step_*"):
             if stale.name != f".tmp-{keep.name}" and (self._pending is None or not self._pending.running()):
-                store.remove_tree(stale)
+                files.remove_tree(stale)
 
     # -- resume ---------------------------------------------------------------------------------
     def resume(self, state: Mapping[str, Stateful]) -> int:
@@ -349,17 +293,17 @@ class DefaultCheckpointPolicy:
         if mode == "disable":
             return 0
         path = self._choose(mode) if self.dist.is_main else None
-        path = store.broadcast_object(path)
+        path = broadcast_object(path)
         if path is None:
             return 0
-        manifest = store.read_manifest(Path(path))
+        manifest = mf.read_manifest(Path(path))
         self._check_keys(Path(path), manifest, state)
         saved_ws = int(manifest["world_size"])
         if saved_ws != self.dist.world_size and self.dist.is_main:
             log.warning("checkpoint %s was written by %d process(es), this run has %d: model and optimizer "
                         "state are resharded through torch.distributed.checkpoint; %s", path, saved_ws,
-                        self.dist.world_size, store.RESHARD_NOTE)
-        store.load_state(Path(path), manifest, state, self.dist, seed=int(self.cfg.seed))
+                        self.dist.world_size, stored.RESHARD_NOTE)
+        stored.load_state(Path(path), manifest, state, self.dist, seed=int(self.cfg.seed))
         step = int(manifest["step"])
         self._saved[step] = path
         if self.dist.is_main:
@@ -369,7 +313,7 @@ class DefaultCheckpointPolicy:
     def _choose(self, mode: str) -> Optional[str]:
         if mode != "auto":
             target = resolve_checkpoint_path(Path(mode))
-            problems = store.verify(target)
+            problems = mf.verify(target)
             if problems:
                 raise CheckpointError(f"trainer.resume={mode!r}: {target} cannot be used: " + "; ".join(problems))
             return str(target)
@@ -384,9 +328,13 @@ class DefaultCheckpointPolicy:
 
     def _candidates(self):
         """``latest`` first, then older complete checkpoints, newest first, each with its problems."""
-        pointer = store.read_pointer(self.root / "latest")
+        pointer = files.read_pointer(self.root / "latest")
         found = list_checkpoints(self.root)
         order: list[Path] = []
+        if pointer is not None and not _pointer_ok(pointer, self.root):
+            log.warning("%s names %r, which is not a checkpoint inside %s: ignored (resume never follows a "
+                        "pointer out of the run's checkpoint directory)", self.root / "latest", pointer, self.root)
+            pointer = None
         if pointer is not None:
             head = self.root / pointer
             order.append(head)
@@ -396,7 +344,7 @@ class DefaultCheckpointPolicy:
             if path not in order:
                 order.append(path)
         for path in order:
-            yield path, store.verify(path)
+            yield path, mf.verify(path)
 
     def _check_keys(self, path: Path, manifest: Mapping[str, Any], state: Mapping[str, Any]) -> None:
         saved = set(manifest.get("kinds", {}))
@@ -413,7 +361,7 @@ class DefaultCheckpointPolicy:
     def export(self, model: torch.nn.Module, tokenizer: Any, name: str = "final") -> Optional[str]:
         """Write ``model`` (gathered from its shards when FSDP-wrapped) and ``tokenizer`` as a HF directory."""
         self.wait()
-        return store.export_hf(model, tokenizer, Path(self.cfg.output_dir) / name, self.dist)
+        return export_hf(model, tokenizer, Path(self.cfg.output_dir) / name, self.dist)
 
 
 def step_of(path: Path) -> Optional[int]:
@@ -429,11 +377,19 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: step_of(p) or 0, reverse=True)
 
 
+def _pointer_ok(pointer: str, root: Path) -> bool:
+    """A ``latest`` pointer names a ``step_N`` directory of ``root`` itself (no path, no link out)."""
+    return STEP_DIR.match(pointer) is not None and files.inside(root / pointer, root)
+
+
 def resolve_checkpoint_path(path: Path) -> Path:
     """A checkpoint directory given directly, or the ``latest`` one of a run or ``checkpoints`` directory."""
     for root in (path, path / "checkpoints"):
-        pointer = store.read_pointer(root / "latest")
+        pointer = files.read_pointer(root / "latest")
         if pointer is not None:
+            if not _pointer_ok(pointer, root):
+                raise CheckpointError(f"trainer.resume={str(path)!r}: {root / 'latest'} names {pointer!r}, which is "
+                                      f"not a checkpoint inside {root}; refusing to follow it")
             return root / pointer
     if not path.exists():
         raise CheckpointError(f"trainer.resume={str(path)!r}: no such checkpoint directory")

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlcore import rlmath
 from rlcore.config.schema import resolve_fsdp, trains_critic
-from rlcore.protocols import DistInfo, PlacementRequest
-from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.data.collate import BatchFiller
+from rlcore.data.loader import PromptLoader
+from rlcore.protocols import CheckpointPolicy, DistInfo, PlacementPolicy, PlacementRequest, ReshardPolicy
+from rlcore.protocols import RewardBackend, RolloutBackend, RolloutRequest, Stateful
 from rlcore.trainer import models
+from rlcore.trainer.checkpoint import RNGState
+from rlcore.trainer.generation import ActorGeneration
 
 log = logging.getLogger(__name__)
 
@@ -26,103 +30,60 @@ def obj(node: Any) -> Any:
 
 
 @dataclass
+class Trained:
+    """A role the run trains: the model as the reshard policy prepared it, its optimizer and LR schedule."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass
+class Prompts:
+    """Where prompts come from: the training loader, the batch filler over it (its state is the data
+    position) and the held-out rows (``trainer.eval_samples`` of them)."""
+
+    loader: PromptLoader
+    fill: BatchFiller
+    val_rows: list[dict[str, Any]]
+
+
+@dataclass
 class Components:
-    tokenizer: Any
-    actor: torch.nn.Module
-    actor_module: torch.nn.Module
-    actor_opt: Any
-    actor_sched: Any
+    """The parts of one run, each built from its own config section by :func:`build_components`."""
+
+    tokenizer: Any  # a Hugging Face tokenizer
+    #: the unwrapped Hugging Face causal LM of the actor (its config, export, FLOP count)
+    policy: torch.nn.Module
+    actor: Trained
+    critic: Optional[Trained]
     ref: Optional[torch.nn.Module]
-    critic: Optional[torch.nn.Module]
-    critic_opt: Any
-    critic_sched: Any
-    kl_ctrl: Any
-    backends: Any
-    micro: Any
-    reward: Any
-    checkpoint: Any
-    reshard: Any
-    placement: Any
-    train_loader: Any
-    val_rows: list
-    ensure_ids: Any  # rlcore.data.collate.BatchFiller: fills each batch; its state is the data position
-    gpu_monitor: Any
-    profiler: Any
+    kl_ctrl: rlmath.KLController
+    prompts: Prompts
+    generation: ActorGeneration
+    reward: RewardBackend
+    checkpoint: CheckpointPolicy
+    reshard: ReshardPolicy
+    placement: PlacementPolicy
+    rng: RNGState
     train_device: torch.device
+    #: rows per forward pass when computing log-probs and values
     micro_batch: int
     eos_ids: list[int]
-    rng: Any
-    world_size: int = 1
-    extra_state: dict = field(default_factory=dict)
     #: whether the training forwards pack their sequences (``ppo.pack_sequences`` resolved)
     packed: bool = False
     #: per trained role, its activation-checkpointing policy (:class:`rlcore.trainer.recompute.Recompute`)
-    recompute: dict = field(default_factory=dict)
+    recompute: dict[str, Any] = field(default_factory=dict)
 
-    def stateful(self, trainer_state: Any) -> dict[str, Any]:
-        state = {"actor": self.actor, "actor_optim": self.actor_opt, "actor_sched": self.actor_sched,
+    def stateful(self, trainer_state: Stateful) -> dict[str, Stateful]:
+        state = {"actor": self.actor.model, "actor_optim": self.actor.optimizer, "actor_sched": self.actor.scheduler,
                  "kl_ctrl": self.kl_ctrl, "trainer": trainer_state, "rng": self.rng,
                  # the loader's position, with the rows the batch filler carries into the next batch
-                 "data": self.ensure_ids}
+                 "data": self.prompts.fill}
         if self.critic is not None:
-            state.update(critic=self.critic, critic_optim=self.critic_opt, critic_sched=self.critic_sched)
+            state.update(critic=self.critic.model, critic_optim=self.critic.optimizer,
+                         critic_sched=self.critic.scheduler)
         return state
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 on_finished: Optional[Callable] = None) -> RolloutBatch:
-        """Switch the actor to its generation layout, generate (split over replicas by the reshard
-        policy, micro-batched with out-of-memory back-off) and switch back.
-
-        ``on_finished`` (:data:`rlcore.rollout.base.FinishedCallback`) is handed to a backend that
-        reports finished samples (:func:`rlcore.rollout.base.reports_finished`) and ignored by others."""
-        from rlcore.rollout.base import reports_finished
-
-        with self.reshard.generation(self.actor) as gen_module:
-            gen_module.eval()
-            backend = self.backends.get(gen_module)
-            report = on_finished if on_finished is not None and reports_finished(backend) else None
-            return self.reshard.generate_distributed(
-                lambda p, sp: self.micro.generate(backend.generate, p, sp, report), prompts, params)
-
-    def graceful_exit(self):
-        from rlcore.trainer.checkpoint import GracefulExit
-
-        return GracefulExit()
-
-    @contextlib.contextmanager
-    def progress(self, start: int, total: int) -> Iterator[Any]:
-        from rlcore.observe.progress import ProgressBar
-
-        bar = ProgressBar(start, total, enabled=self._progress_enabled)
-        try:
-            yield bar
-        finally:
-            bar.close()
-
-    _progress_enabled: bool = True
-
-    def perf_metrics(self, rollout: RolloutBatch, step_s: float) -> dict[str, float]:
-        tokens = float(rollout.prompt_mask.sum() + rollout.response_mask.sum())
-        out = {"perf/tokens_per_s": tokens * self.world_size / step_s, "perf/tokens_per_s_per_gpu": tokens / step_s}
-        try:
-            from rlcore.observe.flops import estimate_flops, peak_flops
-
-            peak = peak_flops(self.train_device)
-            if peak:
-                seq = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
-                out["perf/mfu"] = estimate_flops(self.actor_module.config, tokens, seq) / step_s / peak
-        except ImportError:
-            pass
-        if self.train_device.type == "cuda":
-            out["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.train_device) / 2**30
-        return out
-
-    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.world_size <= 1:
-            return metrics
-        from rlcore.distributed.init import all_reduce_mean
-
-        return all_reduce_mean(metrics)
 
 
 def _load_rows(dataset: Any, limit: int) -> list:
@@ -165,14 +126,38 @@ def build_reward(cfg: DictConfig, pm: Any, placement: Any, tokenizer: Any, dist:
     :class:`~rlcore.rewards.routed.RoutedReward` that scores its samples there."""
     from rlcore.rewards.routed import build_routed_reward
 
+    reward_cfg = obj(cfg.reward)
+    if cfg.data.env_key and not reward_cfg.weights and not cfg.custom_reward_function.path \
+            and not cfg.reward_model.enable:
+        reward_cfg.weights = {"env_reward": 1.0}  # multi-turn episodes: the environments' rewards by default
+
     def build() -> Any:
         rewards: dict[str, Any] = {}
         pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
         return pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
-                        reward_function=obj(cfg.custom_reward_function), reward=obj(cfg.reward),
-                        placement=placement, tokenizer=tokenizer, rewards=rewards)
+                        reward_function=obj(cfg.custom_reward_function), reward=reward_cfg,
+                        placement=placement, tokenizer=tokenizer, rewards=rewards, run_dir=cfg.trainer.output_dir)
 
     return build_routed_reward(build, placement, dist)
+
+
+def build_episode_runner(cfg: DictConfig, pm: Any, tokenizer: Any) -> Any:
+    """The runner of multi-turn episodes when ``data.env_key`` is set (else ``None``): every
+    environment and tool-call parser the plugins register, configured by ``plugin_config`` and
+    the ``env`` section."""
+    if not cfg.data.env_key:
+        return None
+    from rlcore.envs.runner import EpisodeLimits, EpisodeRunner, collect_environments
+    from rlcore.errors import ConfigError
+
+    if cfg.actor.remeshing.enabled:
+        raise ConfigError(["'data.env_key' (multi-turn episodes) does not work with 'actor.remeshing.enabled': "
+                           "generation groups pool prompts across ranks as plain token ids"])
+    env = obj(cfg.env)
+    max_tokens = min(env.max_tokens or cfg.ppo.generation.max_new_tokens, cfg.ppo.generation.max_new_tokens)
+    environments = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True),
+                                        env.tool_parser, EpisodeLimits(env.max_turns, max_tokens, env.timeout_s))
+    return EpisodeRunner(environments, tokenizer, env.max_concurrency, env.stop)
 
 
 def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
@@ -185,7 +170,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement),
                                 uses_critic=trains_critic(algo.adv_estimator))
     device = placement.device_for("actor")
-    model_path = actor_cfg.model_path or _demo_model(tcfg.output_dir, dist)
+    model_path = actor_cfg.model_path or demo_model(tcfg.output_dir, dist)
     if not actor_cfg.model_path and (data_cfg.train_files or data_cfg.custom_cls.path) and dist.is_main:
         log.warning("actor.model_path is not set: the policy is the demo's tiny model (%s, a word tokenizer of "
                     "the demo's 12 letters) trained on your data; set actor.model_path to a Hugging Face model "
@@ -193,7 +178,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     tokenizer = models.load_tokenizer(model_path)
 
     # Data next: bad input fails before the (expensive) models load.
-    loader, val_rows, ensure = _build_data(pm, data_cfg, tcfg, ppo, tokenizer, device, model_path, dist)
+    prompts = _build_data(pm, data_cfg, tcfg, ppo, tokenizer, device, model_path, dist)
 
     # Reward and checkpoint policies next: a bad reward model path fails before the actor loads.
     reward = build_reward(cfg, pm, placement, tokenizer, dist)
@@ -203,10 +188,14 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
     actor_module, ref, critic = _load_models(cfg, model_path, device, placement, actor_fsdp, dist)
     actor = reshard.prepare(actor_module, "actor")
-    if ref is not None and dist.distributed:
+    if ref is not None and actor_cfg.lora.rank > 0:
+        from rlcore.trainer.lora import AdaptersDisabled
+
+        ref = AdaptersDisabled(actor)  # the (sharded) actor with its adapters off: no second copy
+    elif ref is not None and dist.distributed:
         ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
     if critic is not None:
-        critic = prepare_role(reshard, critic, "critic", resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), actor_fsdp)
+        critic = reshard.prepare(critic, "critic", fsdp=resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp))
     n = int(ppo.rollout_batch_size) * ppo.generation.n
     total = tcfg.max_steps * ppo.ppo_epochs * max(1, n // max(1, ppo.mini_batch_size or 10**9))
     actor_opt, actor_sched = models.build_optimizer(actor, actor_cfg, total)
@@ -215,41 +204,29 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
         critic_opt, critic_sched = models.build_optimizer(critic, critic_cfg, total)
     kl_ctrl = rlmath.make_kl_controller(ppo.kl_ctrl, ppo.kl_coeff, ppo.kl_target, ppo.kl_horizon)
 
-    from rlcore.observe.gpu import GPUMonitor
-    from rlcore.observe.profiler import StepProfiler
-    from rlcore.rollout.autosize import AdaptiveMicroBatch
-    from rlcore.trainer.checkpoint import RNGState
-    from rlcore.trainer.update import Batching
-
-    eos = tokenizer.eos_token_id
-    comps = Components(
-        tokenizer=tokenizer, actor=actor, actor_module=actor_module, actor_opt=actor_opt, actor_sched=actor_sched,
-        ref=ref, critic=critic, critic_opt=critic_opt, critic_sched=critic_sched, kl_ctrl=kl_ctrl,
-        backends=_generation_backends(actor, actor_module, actor_cfg, data_cfg, ppo, dist),
-        micro=AdaptiveMicroBatch(int(ppo.generation.batch_size)), reward=reward, checkpoint=checkpoint,
-        reshard=reshard, placement=placement, train_loader=loader, val_rows=val_rows, ensure_ids=ensure,
-        gpu_monitor=GPUMonitor(tcfg.gpu_monitor_interval if tcfg.gpu_monitor else 0.0),
-        profiler=StepProfiler(tcfg.enable_profiling, tcfg.profile_steps, tcfg.output_dir, dist.rank),
-        train_device=device, micro_batch=Batching.from_config(n, ppo, tcfg.gradient_accumulation_steps).micro,
-        eos_ids=[eos] if isinstance(eos, int) else list(eos or []), rng=RNGState(), world_size=dist.world_size)
-    comps._progress_enabled = bool(tcfg.progress) and dist.is_main
     from rlcore.trainer.packing import resolve_packing
     from rlcore.trainer.recompute import Recompute
+    from rlcore.trainer.update import Batching
 
-    comps.packed = resolve_packing(ppo.pack_sequences, [actor, critic])
-    comps.recompute = {"actor": Recompute(actor, actor_cfg.gradient_checkpointing, actor_module.config, device)}
+    recompute = {"actor": Recompute(actor, actor_cfg.gradient_checkpointing, actor_module.config, device)}
     if critic is not None:
-        comps.recompute["critic"] = Recompute(critic, critic_cfg.gradient_checkpointing, critic.config,
-                                              placement.device_for("critic"), role="critic")
-    return comps
+        recompute["critic"] = Recompute(critic, critic_cfg.gradient_checkpointing, critic.config,
+                                        placement.device_for("critic"), role="critic")
+    eos = tokenizer.eos_token_id
+    return Components(
+        tokenizer=tokenizer, policy=actor_module, actor=Trained(actor, actor_opt, actor_sched),
+        critic=Trained(critic, critic_opt, critic_sched) if critic is not None else None, ref=ref, kl_ctrl=kl_ctrl,
+        prompts=prompts, generation=_generation(pm, actor, actor_module, reshard, actor_cfg, data_cfg, ppo, dist),
+        reward=reward, checkpoint=checkpoint, reshard=reshard, placement=placement, rng=RNGState(),
+        train_device=device, micro_batch=Batching.from_config(n, ppo, tcfg.gradient_accumulation_steps).micro,
+        eos_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        packed=resolve_packing(ppo.pack_sequences, [actor, critic]), recompute=recompute)
 
 
 def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, device: torch.device,
-                model_path: str, dist: DistInfo) -> tuple[Any, list, Callable]:
-    """``(train loader, held-out rows, ensure_ids)``, ``ensure_ids`` filling each training batch from the
-    loader's; sizes ``ppo.rollout_batch_size=auto`` first."""
-    from rlcore.data.collate import BatchFiller, ensure_input_ids
-    from rlcore.data.loader import PromptLoader
+                model_path: str, dist: DistInfo) -> Prompts:
+    """The training loader, its batch filler and the held-out rows; sizes ``ppo.rollout_batch_size=auto`` first."""
+    from rlcore.data.collate import ensure_input_ids
 
     train_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="train", dist=dist)
     val_rows: list = []
@@ -264,25 +241,12 @@ def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, dev
                                                          max_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
     loader = PromptLoader(train_ds, data_cfg, int(ppo.rollout_batch_size), tcfg.seed, dist)
     loader.check_first_batch()  # an iterable set too small for one batch fails before the models load
-    return loader, val_rows, BatchFiller(loader, tokenizer, data_cfg, int(ppo.rollout_batch_size))
+    return Prompts(loader, BatchFiller(loader, tokenizer, data_cfg, int(ppo.rollout_batch_size)), val_rows)
 
 
 def _wants_compile(setting: Optional[bool], device: torch.device | str) -> bool:
     """``<role>.compile``: as set, or (``null``) on for a role that trains on CUDA."""
     return bool(setting) if setting is not None else torch.device(device).type == "cuda"
-
-
-def prepare_role(reshard: Any, model: torch.nn.Module, role: str, fsdp: Any, policy_fsdp: Any) -> torch.nn.Module:
-    """``reshard.prepare`` with the role's own FSDP settings; a policy whose ``prepare`` takes no
-    ``fsdp`` argument (written before it existed) keeps its own, with a warning when they differ."""
-    import inspect
-
-    if "fsdp" in inspect.signature(reshard.prepare).parameters:
-        return reshard.prepare(model, role, fsdp=fsdp)
-    if fsdp != policy_fsdp:
-        log.warning("the reshard policy %s takes no per-role FSDP settings: %s is sharded with the actor's "
-                    "(%s) instead of its own (%s)", type(reshard).__name__, role, policy_fsdp, fsdp)
-    return reshard.prepare(model, role)
 
 
 def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placement: Any, actor_fsdp: Any,
@@ -292,9 +256,23 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     from rlcore.distributed.fsdp import compile_layers, load_model_for_role
 
     actor_cfg, critic_cfg, ppo, algo = obj(cfg.actor), obj(cfg.critic), obj(cfg.ppo), obj(cfg.algorithm)
-    actor = load_model_for_role(lambda: models.load_causal_lm(model_path, actor_cfg.dtype, device), actor_fsdp, dist)
-    _enable_checkpointing(actor, actor_cfg.gradient_checkpointing)
-    ref = models.frozen_copy(actor) if algo.use_reference and ppo.kl_coeff > 0 else None
+    lora = actor_cfg.lora if actor_cfg.lora.rank > 0 else None
+
+    def load_actor() -> torch.nn.Module:
+        model = models.load_causal_lm(model_path, actor_cfg.dtype, device)
+        if lora is None:
+            return model
+        from rlcore.trainer.lora import add_adapters
+
+        return add_adapters(model, lora)  # inside the loader: other ranks receive rank 0's adapter init
+
+    actor = load_model_for_role(load_actor, actor_fsdp, dist)
+    if _enable_checkpointing(actor, actor_cfg.gradient_checkpointing) and lora is not None \
+            and hasattr(actor, "enable_input_require_grads"):
+        actor.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a graph
+    wants_ref = algo.use_reference and ppo.kl_coeff > 0
+    # a LoRA actor's reference is the actor itself with the adapters off (set up once it is sharded)
+    ref = (actor if lora is not None else models.frozen_copy(actor)) if wants_ref else None
     critic = None
     if trains_critic(algo.adv_estimator):
         critic_path = critic_cfg.model_path or model_path
@@ -310,32 +288,52 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     return actor, ref, critic
 
 
-def _enable_checkpointing(model: torch.nn.Module, setting: Any) -> None:
+def _enable_checkpointing(model: torch.nn.Module, setting: Any) -> bool:
     """``<role>.gradient_checkpointing``: true enables it; auto enables the switch that
-    :class:`~rlcore.trainer.recompute.Recompute` turns per micro-batch, where the model has one."""
+    :class:`~rlcore.trainer.recompute.Recompute` turns per micro-batch, where the model has one.
+    Whether checkpointing may run."""
     from rlcore.distributed.fsdp import enable_gradient_checkpointing
     from rlcore.trainer.recompute import switchable_layers
 
     if setting is True or (setting == "auto" and switchable_layers(model)):
         enable_gradient_checkpointing(model)
+        return True
+    return False
 
 
-def _generation_backends(actor: Any, actor_module: torch.nn.Module, actor_cfg: Any, data_cfg: Any, ppo: Any,
-                         dist: DistInfo) -> Any:
-    """The rollout backends of the actor's generation layouts (built on first use)."""
-    from rlcore.distributed.reshard import GenerationBackends
-    from rlcore.rollout import make_backend
+def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, reshard: ReshardPolicy,
+                actor_cfg: Any, data_cfg: Any, ppo: Any, dist: DistInfo) -> ActorGeneration:
+    """The actor's rollout: backends of its generation layouts from ``rlcore_rollout_backend``, built on first use."""
+    request = rollout_request(actor_cfg, data_cfg, ppo)
 
-    engine_kw = dict(actor_cfg.rollout_engine, max_batch_size=ppo.generation.batch_size,
-                     max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens)
+    def build(module: torch.nn.Module, tensor_parallel: bool) -> RolloutBackend:
+        return pm.build("rlcore_rollout_backend", model=module,
+                        request=dataclasses.replace(request, tensor_parallel=tensor_parallel), dist=dist)
+
     prebuilt = {}
     if not dist.distributed:  # single process: the backend reads the training module directly
-        prebuilt[id(actor)] = make_backend(actor_module, actor_cfg.rollout_backend, **engine_kw)
-    return GenerationBackends(lambda module, kind: make_backend(module, kind, **engine_kw),
-                              actor_cfg.rollout_backend, prebuilt=prebuilt)
+        prebuilt[id(actor)] = build(actor_module, False)
+    return ActorGeneration(actor, reshard, build, int(ppo.generation.batch_size), prebuilt=prebuilt)
 
 
-def _demo_model(output_dir: str, dist: DistInfo) -> str:
+def rollout_request(actor_cfg: Any, data_cfg: Any, ppo: Any) -> RolloutRequest:
+    """What the actor's rollout asks of ``rlcore_rollout_backend`` (``actor``, ``data`` and ``ppo`` sections)."""
+    return RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
+                          max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
+                          engine=_engine_settings(actor_cfg.rollout_engine, data_cfg))
+
+
+def _engine_settings(engine: Any, data_cfg: Any) -> dict[str, Any]:
+    """The rollout engine's keyword arguments: ``actor.rollout_engine``, with the static KV cache for
+    multi-turn episodes (``data.env_key``: observations are written into a slot's cache row)."""
+    kwargs = engine.engine_kwargs()
+    if data_cfg.env_key and kwargs["kv_cache"] == "paged":
+        log.info("data.env_key is set: the rollout engine keeps a static KV cache (multi-turn episodes)")
+        kwargs["kv_cache"] = "static"
+    return kwargs
+
+
+def demo_model(output_dir: str, dist: DistInfo) -> str:
     from rlcore.demo import ensure_demo_model
 
     root = os.path.join(output_dir, "_demo")
@@ -344,6 +342,7 @@ def _demo_model(output_dir: str, dist: DistInfo) -> str:
     with torch.random.fork_rng(devices=[]):
         if dist.is_main:
             ensure_demo_model(root)
-    if dist.distributed:
-        torch.distributed.barrier()
+    from rlcore.distributed.init import barrier
+
+    barrier()
     return ensure_demo_model(root)

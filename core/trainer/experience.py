@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from rlcore import rlmath
-from rlcore.config.schema import AlgorithmConfig, PPOConfig
+from rlcore.config.schema import AdvEstimator, AlgorithmConfig, PPOConfig
 from rlcore.rollout.base import RolloutBatch
 from rlcore.trainer.models import response_logprobs, response_values
 from rlcore.trainer.packing import micro_batches
@@ -28,6 +28,9 @@ class Experience:
     advantages: Optional[torch.Tensor] = None  # [B, R]
     returns: Optional[torch.Tensor] = None  # [B, R]
     rollout_logprobs: Optional[torch.Tensor] = None  # [B, R]: what the sampler reported for its tokens
+    group_ids: Optional[torch.Tensor] = None  # [B] long: samples of one prompt share an id (None: consecutive groups)
+    baseline: Optional[torch.Tensor] = None  # [B] ReMax: the score of the prompt's greedy response
+    loss_mask: Optional[torch.Tensor] = None  # [B] float: 0 leaves a sample out of the loss (mask_truncated)
 
     @property
     def size(self) -> int:
@@ -154,32 +157,56 @@ def to_experience(rollout: RolloutBatch, scores: torch.Tensor, device: torch.dev
 
 def compute_advantages(exp: Experience, algo: AlgorithmConfig, ppo: PPOConfig, kl_coef: float,
                        group_size: int) -> dict[str, float]:
-    """Fill ``exp.advantages`` (and ``exp.returns`` for GAE). Returns metrics."""
+    """Fill ``exp.advantages`` (and ``exp.returns`` for GAE). Returns metrics.
+
+    Groups are ``exp.group_ids`` when set (any sizes), else consecutive blocks of ``group_size``.
+    With ``exp.loss_mask`` the masked samples keep their place in their group's baseline and are
+    then left out of the loss (their response mask is cleared)."""
     mask = exp.response_mask
     metrics: dict[str, float] = {}
     kl = None
     if exp.ref_logprobs is not None:
-        kl = rlmath.kl_penalty(exp.old_logprobs, exp.ref_logprobs, ppo.kl_estimator) * mask
+        kl = rlmath.kl_penalty(exp.old_logprobs, exp.ref_logprobs, ppo.kl_estimator).detach() * mask
         seq_kl = kl.sum(-1)
         metrics["kl/mean"] = float(seq_kl.mean())
     use_kl_reward = kl is not None and ppo.kl_in_reward and kl_coef > 0
-    if algo.adv_estimator == "gae":
-        if exp.values is None:
-            raise ValueError("GAE needs values from a critic")
-        rewards = rlmath.token_level_rewards(exp.scores, mask, kl if use_kl_reward else None, kl_coef)
-        adv, ret = rlmath.compute_gae(rewards, exp.values, mask, algo.gamma, algo.lam)
-        if algo.whiten_advantages:
-            adv = rlmath.masked_whiten(adv, mask)
-        exp.advantages, exp.returns = adv, ret
-        metrics["critic/returns_mean"] = float(rlmath.masked_mean(ret, mask))
-        metrics["critic/values_mean"] = float(rlmath.masked_mean(exp.values, mask))
-    else:
-        seq_scores = exp.scores - (kl_coef * kl.sum(-1) if use_kl_reward else 0.0)
-        if algo.adv_estimator == "grpo":
-            seq_adv = rlmath.grpo_advantages(seq_scores, group_size, norm_by_std=algo.norm_adv_by_std)
-        else:
-            seq_adv = rlmath.rloo_advantages(seq_scores, group_size)
-        exp.advantages = rlmath.broadcast_sequence_advantages(seq_adv, mask)
+    groups = dict(index=exp.group_ids) if exp.group_ids is not None else dict(group_size=group_size)
+    seq_scores = exp.scores - (kl_coef * kl.sum(-1) if use_kl_reward else 0.0)
+
+    def token_rewards() -> torch.Tensor:
+        return rlmath.token_level_rewards(exp.scores, mask, kl if use_kl_reward else None, kl_coef)
+
+    match algo.adv_estimator:
+        case "gae":
+            if exp.values is None:
+                raise ValueError("GAE needs values from a critic")
+            adv, ret = rlmath.compute_gae(token_rewards(), exp.values, mask, algo.gamma, algo.lam)
+            if algo.whiten_advantages:
+                adv = rlmath.masked_whiten(adv, mask)
+            exp.advantages, exp.returns = adv, ret
+            metrics["critic/returns_mean"] = float(rlmath.masked_mean(ret, mask))
+            metrics["critic/values_mean"] = float(rlmath.masked_mean(exp.values, mask))
+        case "grpo":
+            seq_adv = rlmath.grpo_advantages(seq_scores, norm_by_std=algo.norm_adv_by_std, **groups)
+            exp.advantages = rlmath.broadcast_sequence_advantages(seq_adv, mask)
+        case "rloo":
+            exp.advantages = rlmath.broadcast_sequence_advantages(rlmath.rloo_advantages(seq_scores, **groups), mask)
+        case "reinforce_plus_plus":
+            exp.advantages = rlmath.reinforce_pp_advantages(token_rewards(), mask, algo.gamma)
+        case "reinforce_plus_plus_baseline":
+            exp.advantages = rlmath.reinforce_pp_baseline_advantages(seq_scores, mask, **groups)
+        case "remax":
+            if exp.baseline is None:
+                raise ValueError("ReMax needs the greedy-rollout baseline scores (exp.baseline)")
+            rewards = token_rewards()
+            exp.advantages = rlmath.remax_advantages(rewards, mask, exp.baseline.to(rewards.device))
+            metrics["advantages/remax_baseline_mean"] = float(exp.baseline.float().mean())
+        case other:
+            raise ValueError(f"unknown algorithm.adv_estimator {other!r}; valid names: "
+                             f"{', '.join(AdvEstimator.values())}")
     metrics["advantages/mean"] = float(rlmath.masked_mean(exp.advantages, mask))
     metrics["advantages/abs_mean"] = float(rlmath.masked_mean(exp.advantages.abs(), mask))
+    if exp.loss_mask is not None:
+        exp.response_mask = exp.response_mask * exp.loss_mask.to(mask.device, mask.dtype).unsqueeze(1)
+        metrics["response/masked_truncated_frac"] = float(1.0 - exp.loss_mask.float().mean())
     return metrics

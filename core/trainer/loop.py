@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import logging
-import os
+import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlcore.distributed.init import all_gather_object
+from rlcore.distributed.init import all_gather_object, all_reduce_mean
+from rlcore.observe.progress import ProgressBar
 from rlcore.protocols import DistInfo, RolloutSource
-from rlcore.rollout.base import FinishedCallback, RolloutBatch, SamplingParams
-from rlcore.trainer.checkpoint import archive_previous_run
+from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.trainer.checkpoint import GracefulExit, archive_previous_run
 from rlcore.trainer.components import Components, build_components
 from rlcore.trainer.experience import (
     Experience,
@@ -23,9 +25,10 @@ from rlcore.trainer.experience import (
     compute_advantages,
     to_experience,
 )
+from rlcore.errors import TrainingError
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.scoring import rows as _rows
-from rlcore.trainer.update import on_policy, ppo_update
+from rlcore.trainer.update import NonFiniteGuard, on_policy, params_finite, ppo_update
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +36,19 @@ log = logging.getLogger(__name__)
 class TrainerState:
     """Counters saved with every checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self.step = 0
         self.samples = 0
+        self.seed = int(seed)
+        #: ``trainer.seed`` of the run that wrote the checkpoint resumed from (None: fresh, or not recorded).
+        self.saved_seed: int | None = None
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "samples": self.samples}
+        return {"step": self.step, "samples": self.samples, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.samples = int(state["step"]), int(state["samples"])
+        self.saved_seed = int(state["seed"]) if "seed" in state else None
 
 
 class Trainer:
@@ -51,22 +58,32 @@ class Trainer:
         from rlcore.config import check_config
 
         check_config(cfg)  # values set after load_config (Python API) get the same checks
+        pm.configure(OmegaConf.to_container(cfg.plugin_config, resolve=True))  # each plugin's own settings
+        if dist.is_main:
+            from rlcore.config.loader import config_warnings
+
+            for warning in config_warnings(cfg):
+                log.warning("%s", warning)
         self.cfg, self.pm, self.dist = cfg, pm, dist
         self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
         self.hook = pm.hook
-        self.state = TrainerState()
+        self.state = TrainerState(int(cfg.trainer.seed))
         #: "completed" or "interrupted" once :meth:`train` returns (a failed run raises)
         self.status = "not started"
         self.c: Components = build_components(cfg, pm, dist)
+        from rlcore.trainer.components import build_episode_runner
+
+        #: plays rows as multi-turn episodes (``data.env_key``), else None
+        self.episodes = build_episode_runner(cfg, pm, self.c.tokenizer)
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
-        #: the rollout's on_finished callback during a training step's generation (see train_step)
-        self._on_finished: Optional[FinishedCallback] = None
+        self._last_save_s: float | None = None
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
-        #: where each step's rollout comes from: generated here, or (``split``: a plugin's
-        #: :class:`~rlcore.protocols.WorldSplit` and this rank's place in it) from the rollout ranks
+        self.guard = NonFiniteGuard(int(self.tcfg.max_nonfinite_steps))
+        #: where each step's scored samples come from: generated here (:meth:`collect`), or (``split``: a
+        #: plugin's :class:`~rlcore.protocols.WorldSplit` and this rank's place in it) from the rollout ranks
         self.source: RolloutSource = (InPlaceSource(self) if split is None else
                                       split[0].rollout_source(self, split[1]))
 
@@ -81,13 +98,14 @@ class Trainer:
             archive_previous_run(self.tcfg.output_dir)  # a fresh run neither overwrites nor prunes an earlier one
         start = c.checkpoint.resume(self.stateful())
         self.state.step = start
+        if start and self.dist.is_main:
+            self.report_ignored_settings()
         self.hook.rlcore_train_start(run_dir=self.tcfg.output_dir, dist=self.dist,
                                      config=OmegaConf.to_container(self.cfg, resolve=True))
         before = self.evaluate("before") if start == 0 else {}
         status = "completed"
-        c.gpu_monitor.start()
         try:
-            with c.graceful_exit() as stop, c.progress(start, self.tcfg.max_steps) as bar:
+            with GracefulExit() as stop, self.progress(start) as bar:
                 for step in range(start + 1, self.tcfg.max_steps + 1):
                     metrics = self.train_step(step)
                     bar.update(metrics)
@@ -102,21 +120,24 @@ class Trainer:
                 log.exception("a plugin failed in rlcore_train_end")
             raise
         finally:
-            c.gpu_monitor.stop()
             if status != "failed":
-                with self.timer("checkpoint"):
-                    c.checkpoint.save(self.state.step, self.stateful())
-                getattr(c.checkpoint, "wait", lambda: None)()  # an asynchronous save must land before exit
+                if c.checkpoint.should_save(self.state.step, final=True) and self.may_save(self.state.step):
+                    with self.timer("checkpoint"):
+                        c.checkpoint.save(self.state.step, self.stateful())
+                c.checkpoint.wait()  # an asynchronous save must land before exit
             self.source.close(failed=status == "failed")  # after the save: a peer lost on the way out costs no step
-            c.profiler.close()
         after = self.evaluate("after") if status == "completed" else {}
-        summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},
-                   **c.gpu_monitor.summary()}
+        summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()}}
         if status == "completed" and self.tcfg.export_final:
-            path = c.checkpoint.export(c.actor_module, c.tokenizer, "final")
+            if not params_finite(c.policy):
+                self.status = "failed"
+                self.hook.rlcore_train_end(step=self.state.step, status="failed", summary=summary)
+                raise TrainingError("the policy's weights are not finite: the final policy was not exported "
+                                    f"to {self.tcfg.output_dir}/final; the last checkpoint holds the last finite state")
+            path = c.checkpoint.export(c.policy, c.tokenizer, "final")
             if path:
                 log.info("final policy exported to %s", path)
-        self.hook.rlcore_train_end(step=self.state.step, status=status, summary=summary)
+        self.hook.rlcore_train_end(step=self.state.step, status=status, summary=summary)  # plugins may add to it
         self.status = status
         return summary
 
@@ -124,44 +145,97 @@ class Trainer:
         c, m = self.c, {}
         self._times = {}
         t0 = time.perf_counter()
-        c.profiler.step_start(step)
         self.hook.rlcore_step_start(step=step)
-        # 1-3. Prompts (this rank's share, each repeated n times), their rollout and reward: generated
-        # here (InPlaceSource) or received from a plugin's rollout ranks.
-        rollout, scores, m_reward = self.source.next(step)
-        # 4. Old and reference log-probs, values (training layout).
-        exp = self.make_experience(rollout, scores)
-        # 5. Advantages (+ KL in the reward).
-        with self.timer("advantages"):
-            m.update(compute_advantages(exp, self.algo, self.ppo, c.kl_ctrl.value, self.n))
-        # 6. PPO epochs over mini-batches.
-        m.update(self.update(exp))
+        # 1-3. Prompts (this rank's share, each repeated n times), rollout in the generation layout,
+        # reward; with dynamic sampling, more rounds until the batch holds enough informative groups.
+        # Generated here (InPlaceSource: collect), or received from a plugin's rollout ranks.
+        batch = self.source.next(step)
+        rollout, scores = batch.rollout, batch.scores
+        m.update(batch.metrics)
+        if len(scores):
+            # 4. Old and reference log-probs, values (training layout).
+            exp = self.make_experience(rollout, scores)
+            exp.group_ids, exp.baseline = batch.group_ids.to(exp.scores.device), batch.baseline
+            if self.algo.mask_truncated:
+                exp.loss_mask = (~batch.truncated).float().to(exp.scores.device)
+            # 5. Advantages (+ KL in the reward).
+            with self.timer("advantages"):
+                m.update(compute_advantages(exp, self.algo, self.ppo, c.kl_ctrl.value, self.n))
+            # 6. PPO epochs over mini-batches.
+            m.update(self.update(exp))
+        else:  # dynamic sampling kept no group on some rank: nothing to learn from this step
+            log.warning("step %d: no informative group to train on; the update is skipped", step)
         self.hook.rlcore_after_update(step=step, metrics=m)
         # 7. KL controller, metrics, checkpoint.
         if "kl/mean" in m:
-            c.kl_ctrl.update(m["kl/mean"], exp.size)
-        self.state.step, self.state.samples = step, self.state.samples + exp.size
-        if c.checkpoint.should_save(step):
-            with self.timer("checkpoint"):
-                c.checkpoint.save(step, self.stateful())
+            c.kl_ctrl.update(m["kl/mean"], len(scores))
+        self.state.step, self.state.samples = step, self.state.samples + len(scores)
         reshard = c.reshard.stats()
-        m.update(m_reward, **self.rollout_metrics(rollout, scores), **reshard, **self.source.metrics())
+        m.update(batch.reward_metrics, **self.rollout_metrics(rollout, batch.raw_scores), **reshard,
+                 **self.source.metrics())
         m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
         m.update({f"time/{k}_s": v for k, v in self._times.items()})
+        if self._last_save_s is not None:  # the save after the previous step (written after its metrics)
+            m["time/checkpoint_s"], self._last_save_s = self._last_save_s, None
         m["time/step_s"] = time.perf_counter() - t0
-        m.update(c.perf_metrics(rollout, m["time/step_s"]))
+        m.update(self.perf_metrics(rollout, m["time/step_s"]))
         m["actor/kl_coef"] = c.kl_ctrl.value
         self.hook.rlcore_step_end(step=step, metrics=m)
-        c.profiler.step_end(step)
-        logged = step % self.tcfg.log_steps == 0 or step == self.tcfg.max_steps
-        if logged:
-            m.update(c.gpu_monitor.interval_summary())
-        m = c.reduce_metrics(m)  # averaged over ranks: what the log, the progress bar and the summary show
-        if logged:
+        if self.dist.distributed:  # averaged over ranks: what the log, the progress bar and the summary show
+            m = all_reduce_mean(m)
+        if step % self.tcfg.log_steps == 0 or step == self.tcfg.max_steps:
             self.hook.rlcore_metrics(step=step, metrics=m, split="train")
         if self.tcfg.eval_steps and step % self.tcfg.eval_steps == 0:
             self.evaluate("step")  # every rank takes part, also one without held-out rows
+        # 8. Checkpoint, after the step's records: a crash in between never loses a step's metrics.
+        if c.checkpoint.should_save(step):
+            if self.may_save(step):
+                t = time.perf_counter()
+                c.checkpoint.save(step, self.stateful())
+                self._last_save_s = time.perf_counter() - t
+            elif self.guard.streak == 0:
+                raise TrainingError(f"the weights are not finite after step {step}: no checkpoint was written; "
+                                    "the last checkpoint holds the last finite state")
         return m
+
+    def report_ignored_settings(self) -> None:
+        """After a resume, name the settings of this run that the checkpoint's state overrides
+        (learning rate, weight decay, a fixed KL coefficient, the seed), so none is ignored silently."""
+        c, notes = self.c, []
+        for role, trained in (("actor", c.actor), ("critic", c.critic)):
+            if trained is None or not trained.optimizer.param_groups:
+                continue
+            opt, sched = trained.optimizer, trained.scheduler
+            group = opt.param_groups[0]
+            saved_lr = float((getattr(sched, "base_lrs", None) or [group.get("initial_lr", group["lr"])])[0])
+            if not math.isclose(saved_lr, float(self.cfg[role].lr), rel_tol=1e-9):
+                notes.append(f"{role}.lr={float(self.cfg[role].lr):g} (the checkpoint's {saved_lr:g} continues)")
+            if "weight_decay" in group and not math.isclose(float(group["weight_decay"]),
+                                                            float(self.cfg[role].weight_decay), rel_tol=1e-9):
+                notes.append(f"{role}.weight_decay={float(self.cfg[role].weight_decay):g} "
+                             f"(the checkpoint's {float(group['weight_decay']):g} continues)")
+        if self.ppo.kl_ctrl == "fixed" and not math.isclose(c.kl_ctrl.value, float(self.ppo.kl_coeff), rel_tol=1e-9):
+            notes.append(f"ppo.kl_coeff={float(self.ppo.kl_coeff):g} (the checkpoint's {c.kl_ctrl.value:g} continues)")
+        saved_seed = self.state.saved_seed
+        if saved_seed is not None and saved_seed != int(self.tcfg.seed):
+            notes.append(f"trainer.seed={int(self.tcfg.seed)} (the checkpoint's random streams of seed {saved_seed} "
+                         "continue)")
+        if notes:
+            log.warning("resumed run: these settings differ from the checkpoint's and are ignored: %s. Set "
+                        "trainer.resume=disable to start afresh with them", "; ".join(notes))
+
+    def may_save(self, step: int) -> bool:
+        """Whether the state after ``step`` may be saved: its last optimizer step was applied (not
+        skipped as non-finite) and every weight is finite, so a save or the rotation that follows
+        never replaces the last finite checkpoint."""
+        if self.guard.streak:
+            log.warning("step %d: no checkpoint while optimizer steps are being skipped as non-finite "
+                        "(%d in a row)", step, self.guard.streak)
+            return False
+        if params_finite(self.c.policy, self.c.critic and self.c.critic.model):
+            return True
+        log.error("step %d: the weights are not finite: no checkpoint is written", step)
+        return False
 
     # ------------------------------------------------------------------------------------------
     @contextmanager
@@ -172,29 +246,131 @@ class Trainer:
         finally:
             self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - t
 
-    def sampling(self, step: int, greedy: bool = False) -> SamplingParams:
+    def sampling(self, step: int, greedy: bool = False, round: int = 0) -> SamplingParams:
+        """Sampling settings of ``step``; each extra rollout ``round`` of a step (dynamic sampling) has its own seed."""
         g = self.gen_cfg
         return SamplingParams(max_new_tokens=int(g.max_new_tokens), temperature=0.0 if greedy else float(g.temperature),
                               top_p=float(g.top_p), top_k=int(g.top_k),
-                              seed=int(self.tcfg.seed) * 100003 + step * 101 + self.dist.rank,
+                              seed=int(self.tcfg.seed) * 100003 + step * 101 + self.dist.rank + round * 1000003,
                               eos_token_ids=tuple(self.c.eos_ids), pad_token_id=int(self.c.tokenizer.pad_token_id))
 
-    def expand(self, rows: list[dict]) -> tuple[list[list[int]], dict[str, list]]:
-        key = self.cfg.data.prompt_key
-        prompts = [list(r["input_ids"]) for r in rows for _ in range(self.n)]
+    def expand(self, rows: list[dict], n: int | None = None) -> tuple[list[list[int]], dict[str, list]]:
+        """Prompt ids and the other columns of ``rows`` (for the reward), each row repeated ``n`` times
+        (default ``ppo.generation.n``)."""
+        n = self.n if n is None else n
+        prompts = [list(r["input_ids"]) for r in rows for _ in range(n)]
         cols = sorted({k for r in rows for k in r if k not in ("input_ids",)})
-        extras = {k: [r.get(k) for r in rows for _ in range(self.n)] for k in cols}
-        extras["prompt_text"] = [r[key] if isinstance(r.get(key), str) else self.c.tokenizer.decode(r["input_ids"])
-                                 for r in rows for _ in range(self.n)]
+        extras = {k: [r.get(k) for r in rows for _ in range(n)] for k in cols}
         return prompts, extras
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-        # the training step's streaming scorer, if any, takes the samples as they finish
-        return self.c.generate(prompts, params, on_finished=self._on_finished)
+    def sample_round(self, rows: list[dict], step: int, round: int = 0) -> "Sampled":
+        """Generate ``n`` responses for each of ``rows`` and score them (with overlong shaping, and
+        the greedy baseline of ReMax)."""
+        prompts, extras = self.expand(rows)
+        # multi-turn rows play their episodes (data.env_key)
+        prompts, episodes = self.start_episodes(rows, prompts)
+        self.hook.rlcore_before_generation(step=step, prompts=prompts)
+        # finished samples are scored while the rest decode (reward.stream), what is left once the rollout ends;
+        # an episode's reward is known only once it ends, so episodes are scored after the rollout
+        scorer = None if episodes else self.streaming_scorer(prompts, extras)
+        try:
+            with self.timer("generate"):
+                rollout = self.c.generation.generate(prompts, self.sampling(step, round=round), on_finished=scorer)
+            self.hook.rlcore_after_generation(step=step, rollout=rollout)
+            episode_metrics = self.end_episodes(episodes, extras)
+            with self.timer("reward"):
+                raw, m_reward = scorer.finish(rollout) if scorer is not None else self.score(rollout, extras)
+        finally:
+            if scorer is not None:
+                scorer.close()
+        if scorer is not None:
+            m_reward["reward/streamed_frac"] = scorer.streamed_frac
+        scores, shaping = self.shape_scores(rollout, raw)
+        m_reward.update(shaping, **episode_metrics)
+        baseline = None
+        if self.algo.adv_estimator == "remax":
+            with self.timer("remax_baseline"):
+                greedy_prompts, greedy_extras = self.expand(rows, n=1)
+                greedy_prompts, greedy_episodes = self.start_episodes(rows, greedy_prompts, n=1)
+                greedy = self.c.generation.generate(greedy_prompts, self.sampling(step, greedy=True, round=round))
+                self.end_episodes(greedy_episodes, greedy_extras)
+                b_raw, _ = self.score(greedy, greedy_extras)
+                b_scores, _ = self.shape_scores(greedy, b_raw)
+                baseline = b_scores.repeat_interleave(self.n)
+        return Sampled(rollout=rollout, scores=scores, raw_scores=raw, reward_metrics=m_reward,
+                       truncated=self.truncated(rollout), baseline=baseline,
+                       group_ids=torch.arange(len(rows)).repeat_interleave(self.n))
+
+    def collect(self, step: int) -> "Sampled":
+        """This step's scored samples. With ``algorithm.dynamic_sampling`` (DAPO), groups whose raw
+        rewards are all equal are dropped and more prompts drawn (all ranks draw the same number of
+        rounds, at most ``max_rounds`` extra) until ``ppo.rollout_batch_size`` groups are kept; every
+        rank then keeps as many groups as the rank with the fewest, so the update's steps line up."""
+        c = self.c
+        ds = self.algo.dynamic_sampling
+        rows = c.prompts.fill(c.prompts.loader.next_batch())
+        first = self.sample_round(rows, step)
+        if not ds.enable:
+            return first
+        target = int(c.prompts.fill.size)  # ppo.rollout_batch_size, resolved when "auto"
+        kept: list[Sampled] = []
+        n_kept = drawn = dropped = rounds = 0
+        dropped_reward = 0.0
+        batch = first
+        while True:
+            groups = batch.raw_scores.view(-1, self.n)
+            informative = groups.max(dim=1).values != groups.min(dim=1).values
+            drawn += len(groups)
+            dropped += int((~informative).sum())
+            dropped_reward += float(groups[~informative, 0].sum())
+            keep = informative.nonzero().flatten()[:max(0, target - n_kept)]
+            if len(keep):
+                kept.append(batch.select_groups(keep, self.n))
+                n_kept += len(keep)
+            short = any(all_gather_object(n_kept < target))
+            if not short or rounds >= int(ds.max_rounds):
+                break
+            rounds += 1
+            rows = c.prompts.fill(c.prompts.loader.next_batch())
+            batch = self.sample_round(rows, step, round=rounds)
+        fewest = min(all_gather_object(n_kept))
+        if fewest < target:
+            log.warning("step %d: dynamic sampling kept %d of %d groups after %d extra round(s) "
+                        "(algorithm.dynamic_sampling.max_rounds=%d); training on %d group(s)", step, n_kept, target,
+                        rounds, int(ds.max_rounds), fewest)
+        out = Sampled.concat(kept, self.n, int(self.c.tokenizer.pad_token_id), fewest) if fewest else \
+            first.select_groups(torch.zeros(0, dtype=torch.long), self.n)
+        out.metrics = {"dynamic_sampling/groups_drawn": float(drawn), "dynamic_sampling/groups_dropped": float(dropped),
+                       "dynamic_sampling/dropped_reward_mean": dropped_reward / max(1, dropped),
+                       "dynamic_sampling/groups_kept": float(fewest), "dynamic_sampling/extra_rounds": float(rounds),
+                       "dynamic_sampling/dropped_frac": dropped / max(1, drawn)}
+        return out
+
+    def shape_scores(self, rollout: RolloutBatch, scores: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The scores with DAPO's overlong penalty added (``algorithm.overlong_buffer``), and its metrics."""
+        ob = self.algo.overlong_buffer
+        if not ob.length:
+            return scores, {}
+        from rlcore import rlmath
+
+        penalty = rlmath.overlong_penalty(rollout.response_mask.sum(-1).cpu(), int(self.gen_cfg.max_new_tokens),
+                                          int(ob.length), float(ob.penalty_factor))
+        return scores + penalty, {"reward/overlong_penalty_mean": float(penalty.mean()),
+                                  "reward/overlong_frac": float((penalty < 0).float().mean())}
+
+    def truncated(self, rollout: RolloutBatch) -> torch.Tensor:
+        """``[B]`` bool: responses cut at ``ppo.generation.max_new_tokens`` without an end-of-sequence token."""
+        lengths = rollout.response_mask.sum(-1)
+        ended = torch.zeros(rollout.response_ids.shape[0], dtype=torch.bool, device=rollout.response_ids.device)
+        for e in self.c.eos_ids:
+            ended |= ((rollout.response_ids == e) & rollout.response_mask.bool()).any(-1)
+        return ((lengths >= int(self.gen_cfg.max_new_tokens)) & ~ended).cpu()
 
     def _request(self, prompts: list[list[int]], extras: dict[str, list]) -> RolloutRequest:
-        extras = dict(extras)
-        return RolloutRequest(extras.pop("prompt_text"), prompts, extras)
+        """The reward's view of the prompts: texts decoded from their tokens with
+        ``skip_special_tokens=True``, as the responses are (see :class:`~rlcore.protocols.RewardInput`)."""
+        texts = self.c.tokenizer.batch_decode(prompts, skip_special_tokens=True)
+        return RolloutRequest(texts, prompts, dict(extras))
 
     def streaming_scorer(self, prompts: list[list[int]], extras: dict[str, list]) -> Optional[StreamingScorer]:
         """A scorer that takes finished samples during the rollout, where ``reward.stream`` is on and
@@ -204,7 +380,39 @@ class Trainer:
             return None
         return StreamingScorer(self.c.reward, self.c.tokenizer, self._request(prompts, extras))
 
+    def start_episodes(self, rows: list[dict], prompts: list[list[int]], n: int | None = None) -> tuple[list, list]:
+        """With ``data.env_key``: start an episode per sample (``n`` a row, default ``ppo.generation.n``)
+        whose row names an environment; its prompt then carries it (and becomes the environment's
+        initial messages if it gives some)."""
+        if self.episodes is None:
+            return prompts, []
+        from rlcore.envs.runner import EpisodePrompt
+
+        key = self.cfg.data.env_key
+        n = self.n if n is None else n
+        samples = [r for r in rows for _ in range(n)]
+        missing = [r for r in samples if key not in r]
+        if missing:
+            from rlcore.errors import DataError
+            raise DataError(f"data.env_key is '{key}' but a row has no such column; its columns: "
+                            f"{', '.join(sorted(missing[0]))}")
+        episodes = self.episodes.start([r.get(key) for r in samples], samples)
+        out = [EpisodePrompt(getattr(e, "prompt", None) or p, e) if e is not None else p
+               for p, e in zip(prompts, episodes)]
+        return out, episodes
+
+    def end_episodes(self, episodes: list, extras: dict[str, list]) -> dict[str, float]:
+        """The episodes' rewards into the reward's extras (``env_reward``) and their metrics."""
+        if not episodes:
+            return {}
+        from rlcore.envs.runner import episode_metrics
+
+        extras["env_reward"] = [None if e is None else e.reward for e in episodes]
+        return episode_metrics(episodes)
+
     def score(self, rollout: RolloutBatch, extras: dict[str, list]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scores of ``rollout``, in one reward call. Prompt and response texts are decoded alike, from
+        their tokens with ``skip_special_tokens=True`` (see :class:`~rlcore.protocols.RewardInput`)."""
         prompts = _rows(rollout.prompt_ids, rollout.prompt_mask)
         return score_rollout(self.c.reward, self.c.tokenizer, self._request(prompts, extras), rollout)
 
@@ -217,12 +425,12 @@ class Trainer:
         # cut each chunk to its used columns (a token budget and packing read the response mask too)
         trim = exp.response_mask if (self.ppo.trim_padding or c.packed or max_tokens > 0) else None
         cut = dict(max_tokens=max_tokens, packed=c.packed)
-        c.actor_module.eval()
+        c.policy.eval()
         if c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps)):
             exp.old_logprobs = None  # one optimizer step over the rollout: the update's forward gives them
         else:
             with self.timer("old_logprob"):
-                exp.old_logprobs = batched_logprobs(c.actor, exp.input_ids, exp.attention_mask,
+                exp.old_logprobs = batched_logprobs(c.actor.model, exp.input_ids, exp.attention_mask,
                                                     exp.response_len, temp, micro, trim, **cut)
         if c.ref is not None:
             with self.timer("ref_logprob"):
@@ -230,34 +438,54 @@ class Trainer:
                                                     temp, micro, trim, **cut)
         if c.critic is not None:
             with self.timer("values"):
-                exp.values = batched_values(c.critic, exp.input_ids, exp.attention_mask, exp.response_len, micro,
-                                            trim, **cut)
+                exp.values = batched_values(c.critic.model, exp.input_ids, exp.attention_mask, exp.response_len,
+                                            micro, trim, **cut)
         return exp
 
     def update(self, exp: Experience) -> dict[str, float]:
         c = self.c
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
-        out = ppo_update(exp, actor=c.actor, actor_opt=c.actor_opt, actor_sched=c.actor_sched,
-                         actor_grad_clip=self.cfg.actor.grad_clip, critic=c.critic, critic_opt=c.critic_opt,
-                         critic_sched=c.critic_sched, critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
+        critic = c.critic
+        out = ppo_update(exp, actor=c.actor.model, actor_opt=c.actor.optimizer, actor_sched=c.actor.scheduler,
+                         actor_grad_clip=self.cfg.actor.grad_clip, critic=critic and critic.model,
+                         critic_opt=critic and critic.optimizer, critic_sched=critic and critic.scheduler,
+                         critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
                          grad_accum=int(self.tcfg.gradient_accumulation_steps),
                          temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
-                         generator=self._gen, packed=c.packed, recompute=c.recompute)
+                         generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
         return out
 
+    def perf_metrics(self, rollout: RolloutBatch, step_s: float) -> dict[str, float]:
+        c = self.c
+        tokens = float(rollout.prompt_mask.sum() + rollout.response_mask.sum())
+        out = {"perf/tokens_per_s": tokens * self.dist.world_size / step_s, "perf/tokens_per_s_per_gpu": tokens / step_s}
+        try:
+            from rlcore.observe.flops import estimate_flops, peak_flops
+
+            peak = peak_flops(c.train_device)
+            if peak:
+                seq = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
+                out["perf/mfu"] = estimate_flops(c.policy.config, tokens, seq) / step_s / peak
+        except ImportError:
+            pass
+        if c.train_device.type == "cuda":
+            out["memory/peak_gb"] = torch.cuda.max_memory_allocated(c.train_device) / 2**30
+        return out
+
+    def progress(self, start: int) -> ProgressBar:
+        """The progress bar (main rank, ``trainer.progress``); closes on exit."""
+        return ProgressBar(start, int(self.tcfg.max_steps), enabled=bool(self.tcfg.progress) and self.dist.is_main)
+
     def rollout_metrics(self, rollout: RolloutBatch, scores: torch.Tensor) -> dict[str, float]:
+        if not len(scores):
+            return {}
         lengths = rollout.response_mask.sum(-1).float()
-        max_len = int(self.gen_cfg.max_new_tokens)
-        last = rollout.response_ids[:, -1]
-        ended = torch.zeros_like(last, dtype=torch.bool)
-        for e in self.c.eos_ids:
-            ended |= (rollout.response_ids == e).any(-1)
         return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
                 "reward/min": float(scores.min()), "reward/max": float(scores.max()),
                 "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-                "response/clip_frac": float(((lengths >= max_len) & ~ended).float().mean()),
+                "response/clip_frac": float(self.truncated(rollout).float().mean()),
                 # samples the engine's paged KV cache had to preempt (and sample again) for want of pages
                 **{key: float(rollout.stats[key]) for key in ("rollout/preemptions",) if key in rollout.stats}}
 
@@ -269,33 +497,83 @@ class Trainer:
         rank still makes the same number of generation calls, since each one gathers the sharded
         weights: a rank with fewer batches generates (and drops) copies of a held-out row."""
         c = self.c
+        val_rows = c.prompts.val_rows
         bs = max(1, int(self.gen_cfg.batch_size))
-        batches = [c.val_rows[i:i + bs] for i in range(0, len(c.val_rows), bs)]
-        shared = all_gather_object((len(batches), c.val_rows[0] if c.val_rows else None))  # [mine] in one process
+        batches = [val_rows[i:i + bs] for i in range(0, len(val_rows), bs)]
+        shared = all_gather_object((len(batches), val_rows[0] if val_rows else None))  # [mine] in one process
         total = max(count for count, _ in shared)
         if not total:
             return {}
         spare = next(row for _, row in shared if row is not None)
         batches += [None] * (total - len(batches))
         sums = {"reward": 0.0, "length": 0.0, "count": 0.0}
-        saved_n, self.n = self.n, 1
-        try:
-            for rows in batches:
-                prompts, extras = self.expand(rows if rows is not None else [spare])
-                rollout = self.generate(prompts, self.sampling(0, greedy=True))
-                s, _ = self.score(rollout, extras)
-                if rows is not None:
-                    sums["reward"] += float(s.sum())
-                    sums["length"] += float(rollout.response_mask.sum())
-                    sums["count"] += len(rows)
-        finally:
-            self.n = saved_n
+        for rows in batches:
+            rows_now = rows if rows is not None else [spare]
+            prompts, extras = self.expand(rows_now, n=1)
+            prompts, episodes = self.start_episodes(rows_now, prompts, n=1)
+            rollout = c.generation.generate(prompts, self.sampling(0, greedy=True))
+            self.end_episodes(episodes, extras)
+            s, _ = self.score(rollout, extras)
+            if rows is not None:
+                sums["reward"] += float(s.sum())
+                sums["length"] += float(rollout.response_mask.sum())
+                sums["count"] += len(rows)
         parts = all_gather_object(sums)
         sums = {k: sum(p[k] for p in parts) for k in sums}
         count = max(sums["count"], 1.0)
         out = {"reward_mean": sums["reward"] / count, "response_length": sums["length"] / count}
         self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
         return out
+
+
+@dataclass
+class Sampled:
+    """Scored samples of one step: ``B`` samples in groups of ``n`` consecutive ones (one prompt each)."""
+
+    rollout: RolloutBatch
+    scores: torch.Tensor  # [B] what the advantages see (overlong penalty included)
+    raw_scores: torch.Tensor  # [B] the reward backend's scores
+    reward_metrics: dict[str, float]
+    truncated: torch.Tensor  # [B] bool
+    group_ids: torch.Tensor  # [B] long
+    baseline: Optional[torch.Tensor] = None  # [B] ReMax greedy baseline
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def select_groups(self, groups: torch.Tensor, n: int) -> "Sampled":
+        """The samples of the given groups (indices into this batch's groups), in that order."""
+        idx = (groups.view(-1, 1) * n + torch.arange(n)).flatten()
+        r = self.rollout
+        rollout = RolloutBatch(prompt_ids=r.prompt_ids[idx.to(r.prompt_ids.device)],
+                               prompt_mask=r.prompt_mask[idx.to(r.prompt_ids.device)],
+                               response_ids=r.response_ids[idx.to(r.response_ids.device)],
+                               response_mask=r.response_mask[idx.to(r.response_ids.device)],
+                               logprobs=r.logprobs[idx.to(r.logprobs.device)], stats=dict(r.stats),
+                               response_attention=None if r.response_attention is None else
+                               r.response_attention[idx.to(r.response_attention.device)])
+        return Sampled(rollout=rollout, scores=self.scores[idx], raw_scores=self.raw_scores[idx],
+                       reward_metrics=dict(self.reward_metrics), truncated=self.truncated[idx],
+                       group_ids=self.group_ids[idx], baseline=None if self.baseline is None else self.baseline[idx],
+                       metrics=dict(self.metrics))
+
+    @staticmethod
+    def concat(parts: list["Sampled"], n: int, pad_token_id: int, groups: int) -> "Sampled":
+        """The first ``groups`` groups of ``parts`` joined, group ids renumbered so no two parts share one."""
+        from rlcore.rollout.base import concat_batches
+
+        ids, offset = [], 0
+        for p in parts:
+            ids.append(p.group_ids + offset)
+            offset += int(p.group_ids.max()) + 1 if len(p.group_ids) else 0
+        metrics: dict[str, list[float]] = {}
+        for p in parts:
+            for k, v in p.reward_metrics.items():
+                metrics.setdefault(k, []).append(v)
+        joined = Sampled(rollout=concat_batches([p.rollout for p in parts], pad_token_id),
+                         scores=torch.cat([p.scores for p in parts]), raw_scores=torch.cat([p.raw_scores for p in parts]),
+                         reward_metrics={k: sum(v) / len(v) for k, v in metrics.items()},
+                         truncated=torch.cat([p.truncated for p in parts]), group_ids=torch.cat(ids),
+                         baseline=None if parts[0].baseline is None else torch.cat([p.baseline for p in parts]))
+        return joined.select_groups(torch.arange(groups), n)
 
 
 class WholeWorld:
@@ -305,42 +583,25 @@ class WholeWorld:
     rollout_ranks = 0
     weights_backend = "auto"
 
-    def run_rollout_rank(self, config: Any, split: Any) -> int:
+    def run_rollout_rank(self, config: Any, split: Any, pm: Any) -> int:
         raise RuntimeError("no rank generates on its own in an unsplit job")
 
-    def rollout_source(self, trainer: Trainer, split: Any) -> InPlaceSource:
+    def rollout_source(self, trainer: Trainer, split: Any) -> "InPlaceSource":
         return InPlaceSource(trainer)
 
 
 class InPlaceSource:
-    """The default rollout source: draw this rank's prompts, generate them here in the actor's
-    generation layout and score them (finished samples while the rest decode, with ``reward.stream``)."""
+    """The default rollout source: :meth:`Trainer.collect` draws this rank's prompts, generates them
+    here in the actor's generation layout and scores them."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
 
-    def next(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
-        t, c = self.trainer, self.trainer.c
-        rows = c.ensure_ids(c.train_loader.next_batch())
-        prompts, extras = t.expand(rows)
-        t.hook.rlcore_before_generation(step=step, prompts=prompts)
-        scorer = t._on_finished = t.streaming_scorer(prompts, extras)
-        try:
-            with t.timer("generate"):
-                rollout = t.generate(prompts, t.sampling(step))
-            t.hook.rlcore_after_generation(step=step, rollout=rollout)
-            with t.timer("reward"):
-                scores, m_reward = scorer.finish(rollout) if scorer is not None else t.score(rollout, extras)
-        finally:
-            t._on_finished = None
-            if scorer is not None:
-                scorer.close()
-        if scorer is not None:
-            m_reward["reward/streamed_frac"] = scorer.streamed_frac
-        return rollout, scores, m_reward
+    def next(self, step: int) -> Sampled:
+        return self.trainer.collect(step)
 
     def data_state(self) -> Any:
-        return self.trainer.c.ensure_ids  # the loader's position and the rows carried into the next batch
+        return self.trainer.c.prompts.fill  # the loader's position and the rows carried into the next batch
 
     def metrics(self) -> dict[str, float]:
         return {}

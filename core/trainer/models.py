@@ -16,7 +16,6 @@ from rlcore.kernels import logprob as logprob_kernels
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_model_path(path: str, key: str) -> None:
@@ -40,7 +39,9 @@ def load_tokenizer(path: str):
 def load_causal_lm(path: str, dtype: str = "fp32", device: torch.device | str = "cpu") -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    from rlcore.config.schema import torch_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
     return model.to(device)
 
 
@@ -85,96 +86,31 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-#: Elements of one float32 chunk of logits in :class:`ChunkedLogprobs` (64 MiB).
-LOGPROB_CHUNK_ELEMENTS = 1 << 24
+#: use the one-pass kernels of :mod:`rlcore.kernels.logprob` where they run (CUDA); off: the reference
+#: (:func:`rlcore.rlmath.logprobs_from_logits`) everywhere
+LOGPROB_KERNELS = True
 
 
-def _row_chunks(logits: torch.Tensor):
-    """``(b, rows)`` index pairs covering ``logits [B, R, V]`` in chunks of about ``LOGPROB_CHUNK_ELEMENTS``."""
-    batch, length, vocab = logits.shape
-    step = max(1, LOGPROB_CHUNK_ELEMENTS // max(1, vocab))
-    for b in range(batch):
-        for start in range(0, length, step):
-            yield b, slice(start, min(length, start + step))
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool = False,
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs of ``labels`` under ``softmax(logits / T)`` and, with ``with_entropy``, the entropy:
+    ``logits [B, R, V]``, ``labels [B, R]`` -> ``([B, R], [B, R] or None)`` float32.
 
-
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A float32 copy of ``logits / temperature`` that in-place math may overwrite (``.float()`` of a
-    float32 tensor is the tensor itself)."""
-    z = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    return z.div_(temperature) if temperature != 1.0 else z
-
-
-class ChunkedLogprobs(torch.autograd.Function):
-    """Log-probs of ``labels`` under ``softmax(logits / T)``, and optionally the entropy (no gradient).
-
-    ``logits [B, R, V]`` (any float dtype, any strides with a unit last stride), ``labels [B, R]``
-    -> ``(logp [B, R] float32, entropy [B, R] float32 or None)``. Works chunk by chunk in float32 and
-    saves only the log-normalisers for the backward pass, which recomputes the softmax chunk-wise:
-    ``d logp / d logits = (onehot(label) - softmax(z)) / T``. No float32 copy of the logits is kept
-    alive, and the entropy costs one extra read per chunk instead of an autograd graph. On CUDA the
-    same math runs in the one-pass kernels of :mod:`rlcore.kernels.logprob`.
+    Two implementations: the one-pass kernels (:func:`rlcore.kernels.logprob.token_logprobs`, CUDA; their
+    entropy carries no gradient) and the reference in :mod:`rlcore.rlmath` (chunked float32 PyTorch),
+    taken elsewhere, or when the entropy needs a gradient (``entropy_grad``).
     """
+    if (LOGPROB_KERNELS and logprob_kernels.available(logits.device)
+            and not (with_entropy and entropy_grad and torch.is_grad_enabled())):
+        return logprob_kernels.token_logprobs(logits, labels, temperature, with_entropy)
+    logp = rlmath.logprobs_from_logits(logits, labels, temperature=temperature)
+    if not with_entropy:
+        return logp, None
+    if entropy_grad:
+        return logp, rlmath.entropy_from_logits(logits, temperature=temperature)
+    with torch.no_grad():
+        return logp, rlmath.entropy_from_logits(logits.detach(), temperature=temperature)
 
-    #: use the one-pass kernels of :mod:`rlcore.kernels.logprob` where they run (CUDA)
-    use_kernels = True
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature: float, with_entropy: bool):
-        ctx.temperature = temperature
-        ctx.kernels = ChunkedLogprobs.use_kernels and logprob_kernels.available(logits.device)
-        run = logprob_kernels.forward if ctx.kernels else _chunked_forward
-        logp, lse, ent = run(logits, labels, temperature, with_entropy)
-        ctx.save_for_backward(logits, labels, lse)
-        if ent is not None:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        logits, labels, lse = ctx.saved_tensors
-        run = logprob_kernels.backward if ctx.kernels else _chunked_backward
-        return run(logits, labels, ctx.temperature, lse, grad_logp), None, None, None
-
-
-def _chunked_forward(logits, labels, temperature: float, with_entropy: bool):
-    """:func:`rlcore.kernels.logprob.forward` in PyTorch, chunk by chunk."""
-    shape = logits.shape[:2]
-    logp = torch.empty(shape, dtype=torch.float32, device=logits.device)
-    lse = torch.empty_like(logp)
-    ent = torch.empty_like(logp) if with_entropy else None
-    for b, rows in _row_chunks(logits):
-        z = _scaled(logits[b, rows], temperature)
-        norm = torch.logsumexp(z, dim=-1)
-        lse[b, rows] = norm
-        logp[b, rows] = z.gather(-1, labels[b, rows, None]).squeeze(-1) - norm
-        if ent is not None:
-            probs = (z - norm[:, None]).exp_()
-            ent[b, rows] = norm - torch.linalg.vecdot(probs, z)
-    return logp, lse, ent
-
-
-def _chunked_backward(logits, labels, temperature: float, lse, grad_logp):
-    """:func:`rlcore.kernels.logprob.backward` in PyTorch, chunk by chunk."""
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    for b, rows in _row_chunks(logits):
-        g = grad_logp[b, rows].float()
-        z = _scaled(logits[b, rows], temperature)
-        gz = z.sub_(lse[b, rows, None]).exp_().mul_(-g[:, None])  # -softmax * g
-        gz.scatter_add_(-1, labels[b, rows, None], g[:, None])
-        if temperature != 1.0:
-            gz = gz.div_(temperature)
-        grad[b, rows] = gz
-    return grad
-
-
-def _token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temp: float, with_entropy: bool,
-                    entropy_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``logits [B, K, V]``, ``labels [B, K]`` -> log-probs (and entropy) ``[B, K]`` float32."""
-    if with_entropy and entropy_grad and torch.is_grad_enabled():
-        return (rlmath.logprobs_from_logits(logits, labels, temperature=temp),
-                rlmath.entropy_from_logits(logits, temperature=temp))
-    return ChunkedLogprobs.apply(logits, labels.long(), float(temp), bool(with_entropy))
 
 
 def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -184,9 +120,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                       packed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Teacher-forced log-probs of the last ``response_len`` tokens. ``[B, T] -> [B, R]`` (and entropy ``[B, R]``).
 
-    The log-probs go through :class:`ChunkedLogprobs` (chunked float32 math, softmax recomputed in
-    the backward pass). ``entropy_grad=False`` computes the entropy there too, without autograd
-    (a metric only); with ``entropy_grad=True`` both take the plain autograd path.
+    The log-probs go through :func:`token_logprobs`. ``entropy_grad=False``: the entropy is a metric
+    only (no gradient).
 
     ``packed=True`` (needs ``response_mask [B, R]``): one forward over the samples' real tokens packed
     into one row (:mod:`rlcore.trainer.packing`), logits only where they predict a response token;
@@ -200,13 +135,14 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
 
         rows = pack(input_ids, attention_mask, response_mask)
         out = model(**rows.forward_kwargs(model), use_cache=False, logits_to_keep=rows.index)
-        logp, ent = _token_logprobs(out.logits, rows.labels[None], temp, with_entropy, entropy_grad)
+        logp, ent = token_logprobs(out.logits, rows.labels[None].long(), float(temp), bool(with_entropy),
+                                  entropy_grad)
         return rows.unpack(logp[0]), (rows.unpack(ent[0]) if ent is not None else None)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=False, logits_to_keep=response_len + 1)
     logits = out.logits[:, -(response_len + 1):-1]
     labels = input_ids[:, -response_len:]
-    return _token_logprobs(logits, labels, temp, with_entropy, entropy_grad)
+    return token_logprobs(logits, labels.long(), float(temp), bool(with_entropy), entropy_grad)
 
 
 def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -227,24 +163,47 @@ def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: 
 
 
 def build_optimizer(model: nn.Module, role_cfg: Any, total_steps: int):
-    """AdamW with linear warmup then a constant, cosine or linear schedule."""
-    import math
-
+    """AdamW and the role's learning-rate schedule (:func:`build_scheduler`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=role_cfg.lr, weight_decay=role_cfg.weight_decay, betas=(0.9, 0.95))
-    warmup = max(0, int(role_cfg.warmup_steps))
-    total = max(1, int(total_steps))
-    kind = role_cfg.lr_scheduler
+    return optim, build_scheduler(optim, role_cfg.lr_scheduler, role_cfg.warmup_steps, total_steps,
+                                  role_cfg.lr_scheduler_kwargs)
 
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if kind == "linear":
-            return 1.0 - progress
-        return 1.0
 
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, factor)
-    return optim, sched
+#: schedules of ``transformers.get_scheduler`` that step on a validation metric the trainer does not pass
+METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+
+
+def build_scheduler(optim: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int,
+                    kwargs: dict | None = None):
+    """``transformers.get_scheduler(name)`` over ``total_steps`` optimizer steps, the first ``warmup_steps``
+    warming up; ``constant`` with warmup steps is ``constant_with_warmup``.
+
+    :raises ValueError: a schedule that needs a metric, or ``kwargs`` the schedule does not take.
+    """
+    from transformers import get_scheduler
+
+    name, warmup = str(name), max(0, int(warmup_steps))
+    if name in METRIC_SCHEDULES:
+        raise ValueError(f"the {name} schedule steps on a validation metric, which the trainer does not pass")
+    if name == "constant" and warmup:
+        name = "constant_with_warmup"
+    sched = get_scheduler(name, optim, num_warmup_steps=warmup, num_training_steps=max(1, int(total_steps)),
+                          scheduler_specific_kwargs=dict(kwargs or {}))
+    if warmup and isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        # transformers' warmup starts at 0 (an optimizer step that learns nothing); rlcore's first step
+        # takes lr / warmup_steps and the warmup ends at the full lr on step warmup_steps
+        sched.lr_lambdas = [_one_step_ahead(f) for f in sched.lr_lambdas]
+        for group, base, factor in zip(optim.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in optim.param_groups]
+    return sched
+
+
+def _one_step_ahead(factor):
+    """A schedule's factor function read one step later (a plain function: a scheduler's state_dict
+    keeps no copy of it)."""
+    def ahead(step: int) -> float:
+        return factor(step + 1)
+
+    return ahead

@@ -94,6 +94,10 @@ class StreamingScorer:
 
     def __init__(self, reward: Any, tokenizer: Any, request: RolloutRequest):
         self.reward, self.tokenizer, self.request = reward, tokenizer, request
+        # a reward that stops a step when most samples got the fallback score judges the whole step, not each group
+        self._share_check = hasattr(reward, "defer_share_check") and hasattr(reward, "check_fallback_share")
+        if self._share_check:
+            reward.defer_share_check = True
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlcore-reward")
         self._jobs: list[tuple[list[int], list[list[int]], Future]] = []
         self._lock = threading.Lock()
@@ -133,8 +137,14 @@ class StreamingScorer:
             parts.append((len(rest), metrics))
         out = torch.tensor(scores, dtype=torch.float32)
         _check_finite(out, self.request.prompt_text, texts)
-        return out, merge_metrics(parts)
+        metrics = merge_metrics(parts)
+        if self._share_check and metrics.get("reward/errors"):
+            self.reward.check_fallback_share("reward", int(metrics["reward/errors"]),
+                                             int(metrics.get("reward/timeouts", 0)), n)
+        return out, metrics
 
     def close(self) -> None:
         """Stop the worker thread (waits for a scoring call in progress)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._share_check:
+            self.reward.defer_share_check = False

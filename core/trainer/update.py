@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -12,9 +14,12 @@ import torch
 
 from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
+from rlcore.errors import TrainingError
 from rlcore.trainer.experience import Experience
 from rlcore.trainer.models import response_logprobs, response_values
 from rlcore.trainer.packing import micro_batches
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,6 +31,13 @@ class Batching:
 
     @classmethod
     def from_config(cls, n: int, ppo: PPOConfig, grad_accum: int) -> "Batching":
+        from rlcore.config.loader import mini_batch_problem
+
+        problem = mini_batch_problem(n, int(ppo.mini_batch_size or 0))
+        if problem:
+            from rlcore.errors import ConfigError
+
+            raise ConfigError([f"'ppo.mini_batch_size' = {ppo.mini_batch_size}: {problem}"])
         mini = min(n, ppo.mini_batch_size or n)
         micro = ppo.micro_batch_size or max(1, mini // max(1, grad_accum))
         return cls(mini=mini, micro=min(micro, mini))
@@ -48,8 +60,10 @@ def group_weights(response_mask: torch.Tensor, groups: Sequence[torch.Tensor], l
     mini-batch's valid tokens; per-sequence means weigh their share of the sequences that have a
     valid token (the ones :func:`rlcore.rlmath.aggregate_loss` counts). Either way the result does
     not depend on how the mini-batch is cut or ordered, nor on how many tokens each micro-batch
-    holds. ``response_mask [B, R]``.
+    holds; ``token-sum`` losses add up, each micro-batch's weighing 1. ``response_mask [B, R]``.
     """
+    if loss_agg == "token-sum":  # sums add up: every micro-batch's sum counts once
+        return [1.0] * len(groups)
     counts = [response_mask[g.to(response_mask.device)].sum(-1).float().cpu() for g in groups]
     if loss_agg != "token-mean":
         counts = [(c > 0).float() for c in counts]
@@ -65,16 +79,76 @@ def micro_weights(response_mask: torch.Tensor, mini_idx: torch.Tensor, micro: in
     return group_weights(response_mask, list(torch.split(mini_idx, micro)), loss_agg)
 
 
-def _clip_and_step(model: torch.nn.Module, optim, sched, grad_clip: float) -> float:
+def _grad_norm(model: torch.nn.Module, grad_clip: float) -> float:
+    """The global gradient norm of ``model`` (over every rank's shards), after clipping to ``grad_clip``."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if grad_clip and grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-    optim.step()
-    sched.step()
-    optim.zero_grad(set_to_none=True)
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip and grad_clip > 0 else float("inf"))
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def _step(optim, sched, apply: bool) -> None:
+    """One optimizer and scheduler step (``apply``), or drop the gradients of a skipped step."""
+    if apply:
+        optim.step()
+        sched.step()
+    optim.zero_grad(set_to_none=True)
+
+
+class NonFiniteGuard:
+    """Skips optimizer steps whose loss or gradient norm is not finite; stops the run after
+    ``limit`` such steps in a row (``trainer.max_nonfinite_steps``).
+
+    :attr:`streak` counts the skipped optimizer steps since the last applied one (the loop does not
+    save a checkpoint while it is non-zero); :attr:`skipped` counts them over the run.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.streak = 0
+        self.skipped = 0
+
+    def allow(self, finite: bool, where: str) -> bool:
+        """Whether the optimizer step may be applied.
+
+        :raises TrainingError: more than ``limit`` non-finite steps in a row.
+        """
+        if finite:
+            self.streak = 0
+            return True
+        self.streak += 1
+        self.skipped += 1
+        if self.streak > self.limit:
+            raise TrainingError(
+                f"training diverged: {self.streak} optimizer steps in a row had a non-finite loss or gradient "
+                f"norm ({where}); stopped after trainer.max_nonfinite_steps={self.limit}. No checkpoint or "
+                "export was written from the diverged weights; the last checkpoint holds the last finite "
+                "state. Lower actor.lr / critic.lr, set actor.grad_clip, or check the reward scale")
+        log.warning("skipping an optimizer step: non-finite loss or gradient norm (%s); %d in a row, the run "
+                    "stops after trainer.max_nonfinite_steps=%d", where, self.streak, self.limit)
+        return False
+
+
+def params_finite(*modules) -> bool:
+    """Whether every parameter of ``modules`` is finite on every rank (collective)."""
+    from rlcore.distributed.init import any_rank
+
+    bad = False
+    for module in modules:
+        if module is None:
+            continue
+        for p in module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if not bool(torch.isfinite(local.detach()).all()):
+                bad = True
+                break
+    return not any_rank(bad)
+
+
+def _losses_finite(values: list[float]) -> bool:
+    """Whether the micro-batch losses of this optimizer step are finite on every rank (collective)."""
+    from rlcore.distributed.init import any_rank
+
+    return not any_rank(not all(math.isfinite(v) for v in values))
 
 
 def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, kl_loss_coef: float,
@@ -87,6 +161,7 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
                                   response_mask=mb.response_mask, packed=packed)
     mask = mb.response_mask
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # None: on-policy (see on_policy)
+    horizon = int(ppo.generation.max_new_tokens)  # the constant length of seq-mean-token-sum-norm
     is_weights = None
     if ppo.rollout_is != "none" and mb.rollout_logprobs is not None:
         # one factor on every token's policy-gradient loss, whatever the loss (see rlmath.rollout_is_weights)
@@ -96,13 +171,15 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
         stats["rollout_is/capped_frac"].append(float(is_stats["capped_frac"]))
     pg_loss, pg_stats = rlmath.policy_loss(logp, old, mb.advantages, mask, ppo.cliprange,
                                            ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg,
-                                           token_weights=is_weights)
-    entropy = rlmath.masked_mean(ent, mask)
-    loss = pg_loss - ppo.entropy_coeff * entropy if ppo.entropy_coeff != 0 else pg_loss
+                                           kind=ppo.policy_loss, horizon=horizon, token_weights=is_weights)
+    entropy = rlmath.masked_mean(ent.detach(), mask)
+    loss = pg_loss
+    if ppo.entropy_coeff != 0:  # the bonus is aggregated like the policy loss
+        loss = loss - ppo.entropy_coeff * rlmath.aggregate_loss(ent, mask, ppo.loss_agg, horizon)
     if kl_loss_coef > 0 and mb.ref_logprobs is not None:
-        kl = rlmath.masked_mean(rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator), mask)
-        loss = loss + kl_loss_coef * kl
-        stats["actor/kl_loss"].append(float(kl.detach()))
+        kl_tokens = rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator)
+        loss = loss + kl_loss_coef * rlmath.aggregate_loss(kl_tokens, mask, ppo.loss_agg, horizon)
+        stats["actor/kl_loss"].append(float(rlmath.masked_mean(kl_tokens.detach(), mask)))
     (loss * weight).backward()
     stats["loss/policy"].append(float(pg_loss.detach()))
     stats["entropy/mean"].append(float(entropy.detach()))
@@ -146,18 +223,22 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                critic=None, critic_opt=None, critic_sched=None, critic_grad_clip: float = 0.0,
                ppo: PPOConfig, grad_accum: int, temperature: float, kl_loss_coef: float,
                generator: Optional[torch.Generator] = None, packed: bool = False,
-               recompute: Optional[dict[str, Any]] = None) -> dict[str, float]:
+               recompute: Optional[dict[str, Any]] = None,
+               guard: Optional[NonFiniteGuard] = None) -> dict[str, float]:
     """Run ``ppo.ppo_epochs`` passes over ``exp``; return averaged metrics.
 
     Each mini-batch is cut into micro-batches of ``ppo.micro_batch_size`` samples, or of at most
     ``ppo.max_tokens_per_micro_batch`` tokens; ``packed``: each micro-batch's forward is one packed
     row (:mod:`rlcore.trainer.packing`). ``recompute``: per role (``actor``, ``critic``) an
     :class:`~rlcore.trainer.recompute.Recompute` that turns activation checkpointing on for the
-    micro-batches that need it."""
+    micro-batches that need it. An optimizer step whose loss or gradient norm is not finite is
+    skipped (``guard`` decides and stops the run after too many in a row); ``train/nonfinite_steps``
+    counts the skipped ones."""
     cut = Batching.from_config(exp.size, ppo, grad_accum)
     stats: dict[str, list[float]] = defaultdict(list)
     spent = {"actor": 0.0, "critic": 0.0}
     recompute = recompute or {}
+    skipped = 0
     actor.train()
     if critic is not None:
         critic.train()
@@ -201,17 +282,32 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                 spent["actor"] += t1 - t0
                 spent["critic"] += time.perf_counter() - t1
             t0 = time.perf_counter()
-            stats["actor/grad_norm"].append(_clip_and_step(actor, actor_opt, actor_sched, actor_grad_clip))
+            norms = {"actor": _grad_norm(actor, actor_grad_clip)}
             t1 = time.perf_counter()
             if critic is not None:
-                stats["critic/grad_norm"].append(_clip_and_step(critic, critic_opt, critic_sched, critic_grad_clip))
-            spent["actor"] += t1 - t0
-            spent["critic"] += time.perf_counter() - t1
+                norms["critic"] = _grad_norm(critic, critic_grad_clip)
+            t2 = time.perf_counter()
+            losses = stats["loss/policy"][-len(weights):] + stats["loss/value"][-len(weights):]
+            finite = all(math.isfinite(v) for v in norms.values()) and _losses_finite(losses)
+            where = ", ".join(f"{k} grad norm {v:.4g}" for k, v in norms.items())
+            apply = finite if guard is None else guard.allow(finite, where)
+            if not apply:
+                skipped += 1
+            for name, v in norms.items():
+                stats[f"{name}/grad_norm"].append(v)
+            t3 = time.perf_counter()
+            _step(actor_opt, actor_sched, apply)
+            t4 = time.perf_counter()
+            if critic is not None:
+                _step(critic_opt, critic_sched, apply)
+            spent["actor"] += (t1 - t0) + (t4 - t3)
+            spent["critic"] += (t2 - t1) + (time.perf_counter() - t4)
             stats["actor/micro_batches"].append(float(len(groups)))
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out.update(mismatch_metrics(exp, own_old if own_old is not None else exp.old_logprobs))
     out["actor/lr"] = float(actor_sched.get_last_lr()[0])
-    out["actor/optimizer_steps"] = float(len(stats["actor/grad_norm"]))
+    out["actor/optimizer_steps"] = float(len(stats["actor/grad_norm"]) - skipped)
+    out["train/nonfinite_steps"] = float(skipped)
     out["time/update_actor_s"] = spent["actor"]
     if critic is not None:
         out["time/update_critic_s"] = spent["critic"]

@@ -17,7 +17,11 @@ CASES = {
     "rollout": ["bench_rollout.py", "--tiny", "--out", "{out}"],
     "long_rollout": ["bench_long_rollout.py", "--tiny", "--out", "{out}"],
     "grpo_step": ["bench_grpo_step.py", "--tiny", "--systems", "rlcore", "--workdir", "{tmp}", "--out", "{out}"],
+    "lora": ["bench_lora.py", "--tiny", "--rank", "4", "--configs", "lora-7b-r4", "--workdir", "{tmp}", "--out",
+             "{out}"],
     "reward": ["bench_reward.py", "--tiny", "--out", "{out}"],
+    "multiturn": ["bench_multiturn.py", "--shape", "tiny", "--device", "cpu", "--sequences", "4", "--budget", "32",
+                  "--tool-ms", "5", "--obs-tokens", "4", "--repeats", "1", "--out", "{out}"],
     "reshard": ["bench_reshard.py", "--tiny", "--out", "{out}"],
     "checkpoint": ["bench_checkpoint.py", "--hidden", "64", "--layers", "2", "--vocab", "512", "--dir", "{tmp}",
                    "--json", "{out}"],
@@ -109,7 +113,7 @@ def test_model_check_smoke(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-@pytest.mark.parametrize("script", ["check_decode_attention.py", "bench_decode_parts.py", "probe_attention.py"])
+@pytest.mark.parametrize("script", ["check_decode_attention.py", "bench_decode_parts.py", "probes/probe_attention.py"])
 def test_cuda_only_scripts_say_they_need_cuda(tmp_path, script):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script),
                            "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)

@@ -50,10 +50,10 @@ def next(self, step):
     rank = self.trainer.dist.rank
     if rank == 0 and os.environ.get("KILL_AT") == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
-    rollout, scores, m = original(self, step)
+    batch = original(self, step)
     with open(os.path.join(self.trainer.tcfg.output_dir, f"prompts.{rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "prompts": rows(rollout.prompt_ids, rollout.prompt_mask)}) + "\n")
-    return rollout, scores, m
+        f.write(json.dumps({"step": step, "prompts": rows(batch.rollout.prompt_ids, batch.rollout.prompt_mask)}) + "\n")
+    return batch
 async_rl.AsyncSource.next = next
 
 original_generate = async_rl.RolloutWorker._generate

@@ -68,12 +68,12 @@ def test_error_file_is_what_torch_elastic_reads(tmp_path):
 
 
 def test_launch_only_when_asked_and_not_already_launched(no_torchrun):
-    assert launch.maybe_launch(1, ["trainer.max_steps=1"]) is False
+    assert launch.maybe_launch(1, ["trainer.max_steps=1"]) is None
     with pytest.raises(RLCoreError, match="nproc_per_node must be >= 1"):
         launch.maybe_launch(0, [])
     no_torchrun.setenv("LOCAL_RANK", "0")
     assert launch.under_launcher()
-    assert launch.maybe_launch(4, []) is False  # a worker never launches again
+    assert launch.maybe_launch(4, []) is None  # a worker never launches again
     args = launch.launcher_args(2, ["cfg.yaml", "trainer.nproc_per_node=2"])
     assert args[:2] == ["--standalone", "--nproc_per_node=2"]
     assert args[-5:] == ["-m", "rlcore", "train", "cfg.yaml", "trainer.nproc_per_node=2"]
@@ -89,13 +89,15 @@ def test_a_stop_signal_to_the_launcher_is_a_graceful_end(no_torchrun, caplog):
     import torch.distributed.run as trun
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from rlcore.errors import EXIT_INTERRUPTED
+
     def stopped(args):
         raise SignalException("got signal: 15", sigval=15)
 
     no_torchrun.setattr(trun, "run", stopped)
     no_torchrun.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     with caplog.at_level(logging.WARNING):
-        assert launch.maybe_launch(2, ["trainer.max_steps=1"]) is True
+        assert launch.maybe_launch(2, ["trainer.max_steps=1"]) == EXIT_INTERRUPTED
     import os
 
     # the workers get time for their step and checkpoint (torch's own default is 30 s)

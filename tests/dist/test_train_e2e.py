@@ -65,11 +65,46 @@ def test_streaming_with_an_uneven_held_out_set_and_a_global_log_level(tmp_path):
     assert summary.startswith(f"held-out mean reward: {val_means[0]:.3f} -> {val_means[1]:.3f}"), (summary, val_means)
 
 
-def test_worker_failure_fails_the_launch_with_a_clear_error(tmp_path):
+def test_bad_setting_fails_the_launch_before_any_worker_starts(tmp_path):
     proc = run([sys.executable, "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={tmp_path / 'run'}",
                 "trainer.nproc_per_node=2", "plugins=[remesh]", "actor.remeshing.enabled=true",
                 "actor.remeshing.training_shard_size=3"], tmp_path, timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-4000:]
     assert "'actor.remeshing.training_shard_size' = 3 does not divide the world size 2" in text
+    assert "distributed training failed" not in text  # caught by the launcher's checks, no worker started
+
+
+def test_worker_failure_fails_the_launch_with_a_clear_error(tmp_path):
+    # a reward module that imports in the launcher's checks but fails in the worker of rank 1
+    reward = tmp_path / "failing_reward.py"
+    reward.write_text("import os\n"
+                      "if os.environ.get('RANK') == '1':\n"
+                      "    raise RuntimeError('injected failure on rank 1')\n"
+                      "def compute_score(prompts, responses, **kw):\n"
+                      "    return [0.0 for _ in responses]\n")
+    proc = run([sys.executable, "-m", "rlcore", "train", *COMMON, f"trainer.output_dir={tmp_path / 'run'}",
+                "trainer.nproc_per_node=2", f"custom_reward_function.path={reward}"], tmp_path, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-4000:]
+    assert "distributed training failed: rank 1" in text and "the other ranks were stopped" in text, text[-4000:]
+    assert "injected failure on rank 1" in text
     assert "distributed training failed: rank" in text and "the other ranks were stopped" in text
+
+
+def test_lora_actor_with_fsdp2_in_two_processes_checkpoints_resumes_and_exports(tmp_path):
+    """A LoRA actor (peft) sharded with FSDP2 over two gloo processes: the reference is the actor with its
+    adapters off, the adapters and their optimizer state are checkpointed (DCP) and a resumed run continues;
+    the export writes the merged model and the adapter."""
+    pytest.importorskip("peft")
+    out = tmp_path / "run"
+    lora = ["algorithm.adv_estimator=grpo", "ppo.generation.n=2", "ppo.kl_coeff=0.01", "actor.lora.rank=4",
+            "actor.lora.alpha=8", "trainer.save_steps=1", f"trainer.output_dir={out}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlcore",
+              "train", *COMMON]
+    assert_trained(run(launch + lora, tmp_path), out)
+    assert (out / "final-adapter" / "adapter_config.json").is_file()
+    resumed = run(launch + lora + ["trainer.max_steps=3", "trainer.resume=auto"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    assert (out / "checkpoints" / "step_00000003").is_dir()

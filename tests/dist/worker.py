@@ -110,8 +110,8 @@ def run_case(case: str, dist: DistInfo, ref: dict) -> dict:
         opt.zero_grad()
         model.eval()
         with torch.no_grad(), policy.generation(model) as gen:
-            fn = lambda p, sp: HFGenerateBackend(gen).generate(p, sp)  # noqa: E731
-            batch = policy.generate_distributed(fn, prompts_for(dist.rank), GREEDY)
+            share = policy.generation_share(prompts_for(dist.rank), GREEDY)
+            batch = share.own(HFGenerateBackend(gen).generate(share.prompts, share.params))
         model.train()
         got = [r[m.bool()].tolist() for r, m in zip(batch.response_ids, batch.response_mask)]
         token_ok &= got == ref["tokens"][step][dist.rank]
@@ -193,7 +193,6 @@ def check_gradient_accumulation(dist: DistInfo) -> dict:
 
 def check_critic_fsdp(dist: DistInfo) -> dict:
     """The critic is sharded with its own settings, not the actor's the policy was built with."""
-    from rlcore.trainer.components import prepare_role
     from rlcore.trainer.models import ValueModel
 
     actor_fsdp, critic_fsdp = FSDPConfig(param_dtype="fp32"), FSDPConfig(param_dtype="bf16")
@@ -201,7 +200,7 @@ def check_critic_fsdp(dist: DistInfo) -> dict:
     dtypes = {}
     for role, fsdp in (("actor", actor_fsdp), ("critic", critic_fsdp)):
         model = ValueModel.from_causal_lm(build_model()) if role == "critic" else build_model()
-        model = prepare_role(policy, model, role, fsdp, actor_fsdp)
+        model = policy.prepare(model, role, fsdp=fsdp)
         seen = []
         layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
         layer.register_forward_hook(lambda m, a, o: seen.append(str((o[0] if isinstance(o, tuple) else o).dtype)))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlcore import hookspecs, protocols
-from rlcore.config import docgen
+from tools import docgen
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "hooks.md"
@@ -42,7 +42,7 @@ def test_signature_and_docstring_are_documented(name, text):
     assert signature == name + str(inspect.signature(getattr(hookspecs, name)))
     assert f"```python\n{signature}\n```" in text, (
         f"docs/hooks.md lacks the exact signature of {name}:\n{signature}\n"
-        "run `python -m rlcore.config.docgen hooks --write docs/hooks.md`")
+        "run `python tools/docgen.py hooks --write docs/hooks.md`")
     doc = inspect.getdoc(getattr(hookspecs, name))
     assert doc and doc in text, f"docs/hooks.md lacks the docstring of {name}"
 
@@ -54,7 +54,7 @@ def test_every_hook_has_a_test(name, test_sources):
 
 def test_generated_part_matches_the_code(text):
     assert docgen.generated_part(text, "hooks", str(DOC)) == docgen.hooks_reference(), (
-        "docs/hooks.md is out of date: run `python -m rlcore.config.docgen hooks --write docs/hooks.md`")
+        "docs/hooks.md is out of date: run `python tools/docgen.py hooks --write docs/hooks.md`")
 
 
 def test_shapes_and_protocols():

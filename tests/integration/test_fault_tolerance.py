@@ -44,14 +44,14 @@ def hang():
     time.sleep(600)
 if where == "step":
     from rlcore.trainer import loop
-    original = loop.Trainer.generate
-    def generate(self, prompts, params):
-        if self.state.step + 1 == at:
+    original = loop.Trainer.train_step
+    def train_step(self, step):
+        if step == at:
             hang()
-        return original(self, prompts, params)
-    loop.Trainer.generate = generate
+        return original(self, step)
+    loop.Trainer.train_step = train_step
 else:
-    from rlcore.trainer import checkpoint_store as cs
+    from rlcore.trainer.store import files as cs
     original = cs.save_file
     def save_file(obj, path):
         original(obj, path)
@@ -199,7 +199,9 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path, demo_model):
         p.send_signal(signal.SIGTERM)
         code = p.wait(timeout=300)
     out = log_path.read_text()
-    assert code == 0, out[-4000:]
+    from rlcore.errors import EXIT_INTERRUPTED
+
+    assert code == EXIT_INTERRUPTED, out[-4000:]  # not 0: `rlcore train && deploy final/` must not go on
     assert "received SIGTERM" in out and "run interrupted at step" in out
     last = json.loads(metrics.read_text().splitlines()[-1])
     assert last["split"] == "summary" and last["status"] == "interrupted" and last["step"] < 50
@@ -208,13 +210,13 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path, demo_model):
 
 def test_unwritable_or_full_output_dir_fails_before_models_load(tmp_path, monkeypatch):
     from rlcore.testing import run_cli
-    from rlcore.trainer import checkpoint_store
+    from rlcore.trainer.store import files
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     code, out, err = run_cli(["train", f"trainer.output_dir={blocker / 'run'}"])
     assert code == 2 and "trainer.output_dir=" in err and "cannot be created" in err
-    monkeypatch.setattr(checkpoint_store, "free_bytes", lambda path: 5 * 2**20)
+    monkeypatch.setattr(files, "free_bytes", lambda path: 5 * 2**20)
     code, out, err = run_cli(["train", f"trainer.output_dir={tmp_path / 'full'}"])
     assert code == 2 and "nearly full: 5 MiB free" in err
     assert not (tmp_path / "full" / "_demo").exists()  # nothing was built or loaded

@@ -29,7 +29,7 @@ def test_compiled_layers_train_like_eager_ones(tmp_path):
     trainer, compiled = steps(tmp_path / "compiled", "actor.compile=true", "critic.compile=true")
     from rlcore.distributed.fsdp import decoder_layers
 
-    for model in (trainer.c.actor_module, trainer.c.critic):
+    for model in (trainer.c.policy, trainer.c.critic.model):
         layers = decoder_layers(model)
         assert layers and all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers)
     for e, c in zip(eager, compiled):
@@ -54,4 +54,4 @@ def test_by_default_compiled_on_cuda_only_and_without_layers_left_as_is(tmp_path
     assert compile_layers(plain, "actor", fallback=True) is plain
     trainer, _ = steps(tmp_path, n=1)  # the demo on CPU, actor.compile unset
     assert trainer.cfg.actor.compile is None
-    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(trainer.c.actor_module))
+    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(trainer.c.policy))

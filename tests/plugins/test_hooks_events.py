@@ -59,13 +59,13 @@ class EventRecorder:
 class RecordingCheckpoints:
     """A checkpoint policy that writes nothing and records what the trainer asks of it."""
 
-    def __init__(self, trainer: TrainerConfig) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: TrainerConfig, final: bool = True) -> None:
+        self.trainer, self.final = trainer, final
         self.asked: list[tuple] = []
 
     def should_save(self, step, *, final=False):
-        self.asked.append(("should_save", step))
-        return step == 1
+        self.asked.append(("should_save", step, final))
+        return step == 1 or (final and self.final)
 
     def save(self, step, state):
         self.asked.append(("save", step, sorted(state)))
@@ -78,6 +78,9 @@ class RecordingCheckpoints:
     def export(self, model, tokenizer, name="final"):
         self.asked.append(("export", name))
         return None
+
+    def wait(self):
+        self.asked.append(("wait",))
 
 
 class CheckpointPlugin:
@@ -125,9 +128,10 @@ def test_events_reach_a_plugin_in_order(tmp_path, rlcore_pm, rlcore_register):
     policy = checkpoints.policy
     assert isinstance(policy, CheckpointPolicy) and isinstance(policy.trainer, TrainerConfig)
     kinds = [a[0] for a in policy.asked]
-    assert kinds == ["resume", "should_save", "save", "should_save", "save", "export"]
+    assert kinds == ["resume", "should_save", "save", "should_save", "should_save", "save", "wait", "export"]
+    assert [a[1:] for a in policy.asked if a[0] == "should_save"] == [(1, False), (2, False), (2, True)]
     saves = [a for a in policy.asked if a[0] == "save"]
-    assert [s[1] for s in saves] == [1, 2]  # step 1 as asked, step 2 the final save
+    assert [s[1] for s in saves] == [1, 2]  # step 1 as asked, step 2 the final save the policy agreed to
     assert {"actor", "actor_optim", "trainer", "data", "rng"} <= set(saves[0][2])
     assert not (tmp_path / "checkpoints").exists()
 

@@ -147,7 +147,7 @@ def test_plugin_selected_by_name_answers_the_factory_hook(monkeypatch, rm_dir, t
     pm.hook.rlcore_register_rewards(register=lambda n, f: rewards.__setitem__(n, f))
     be = pm.build("rlcore_reward_backend", reward_model=rm_cfg(rm_dir, offload=True),
                   reward_function=RewardFunctionConfig(), reward=RewardConfig(weights={"exact_match": 1.0}),
-                  placement=cpu_placement(offload=True), tokenizer=tok, rewards=rewards)
+                  placement=cpu_placement(offload=True), tokenizer=tok, rewards=rewards, run_dir="")
     assert isinstance(be.rm, SwappedScorer)
     resident = ResidentScorer(RewardModel.load(rm_cfg(rm_dir), tok), CPU)(batch).scores
     out = be.score(batch)

@@ -20,15 +20,21 @@ def _metrics(ms):
 
 
 def test_hooks_write_jsonl_console_and_restore_the_default_console(tmp_path, capsys):
+    from rlcore.plugin_manager import build_plugin_manager
+
     console = logging.getLogger(LOGGER_NAME)
     before = console.level
-    sparse.rlcore_train_start(run_dir=str(tmp_path), dist=DistInfo(), config={})
+    pm = build_plugin_manager(["sparse-logging"])  # with the built-in metrics-file plugin, which writes the JSONL
+    plugin = pm.get_plugin("sparse-logging")
+    assert isinstance(plugin, sparse.SparseLoggingPlugin) and build_plugin_manager(["sparse-logging"]).get_plugin(
+        "sparse-logging") is not plugin  # per-run state lives on an instance per plugin manager
+    pm.hook.rlcore_train_start(run_dir=str(tmp_path), dist=DistInfo(), config={"trainer": {"resume": "disable"}})
     assert console.level == logging.WARNING  # the default line is quiet while the plugin prints
-    sparse.rlcore_metrics(step=10, metrics=_metrics(1142), split="train")
-    sparse.rlcore_metrics(step=20, metrics=_metrics(987.4), split="train")
-    sparse.rlcore_metrics(step=20, metrics={"reward_mean": 0.5}, split="val")
-    sparse.rlcore_train_end(step=20, status="completed", summary={"after/reward_mean": 0.5})
-    assert console.level == before and sparse.RUN.current is None
+    pm.hook.rlcore_metrics(step=10, metrics=_metrics(1142), split="train")
+    pm.hook.rlcore_metrics(step=20, metrics=_metrics(987.4), split="train")
+    pm.hook.rlcore_metrics(step=20, metrics={"reward_mean": 0.5}, split="val")
+    pm.hook.rlcore_train_end(step=20, status="completed", summary={"after/reward_mean": 0.5})
+    assert console.level == before and plugin.current is None
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["split"]) for r in records] == [(10, "train"), (20, "train"), (20, "val"), (20, "summary")]
     assert records[0]["reward/mean"] == 0.25 and records[0]["perf/mfu"] is None  # strict JSON
@@ -48,11 +54,15 @@ def test_non_main_rank_writes_nothing(tmp_path):
 
 
 def test_each_run_gets_fresh_state_and_appends_on_resume(tmp_path):
+    from rlcore.plugins.metrics_file import JsonlSink
+
     stream = io.StringIO()
     for step in (1, 2):
         logger = sparse.SparseLogger(str(tmp_path), tensorboard=False, stream=stream)
-        logger.metrics(step, _metrics(10), "train")
-        logger.close(step, "interrupted", {})
+        record = JsonlSink(str(tmp_path / "metrics.jsonl"))
+        for sink in (logger, record):
+            sink.metrics(step, _metrics(10), "train")
+            sink.close(step, "interrupted", {})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 1, 2, 2]
     assert stream.getvalue().count("took 10ms") == 2
@@ -132,14 +142,14 @@ def test_sink_hooks_close_a_stale_sink_and_build_a_new_one_per_run():
 def test_a_run_that_does_not_resume_starts_its_metrics_file_anew(tmp_path):
     import json
 
-    from rlcore.plugins import sparse_logging
+    from rlcore.plugins.metrics_file import MetricsFilePlugin
     from rlcore.protocols import DistInfo
 
+    plugin = MetricsFilePlugin()
     for resume, expected in (("auto", 2), ("disable", 1)):
         for _ in range(2 if resume == "auto" else 1):
-            sparse_logging.rlcore_train_start(run_dir=str(tmp_path), dist=DistInfo(),
-                                              config={"trainer": {"resume": resume}})
-            sparse_logging.rlcore_metrics(step=1, metrics={"reward/mean": 0.5}, split="train")
-            sparse_logging.rlcore_train_end(step=1, status="completed", summary={})
+            plugin.rlcore_train_start(run_dir=str(tmp_path), dist=DistInfo(), config={"trainer": {"resume": resume}})
+            plugin.rlcore_metrics(step=1, metrics={"reward/mean": 0.5}, split="train")
+            plugin.rlcore_train_end(step=1, status="completed", summary={})
         lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert sum(1 for x in lines if x["split"] == "train") == expected, resume

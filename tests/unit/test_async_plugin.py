@@ -15,12 +15,24 @@ from rlcore.errors import ConfigError, PlacementError
 from rlcore.plugins import async_rl
 
 
+def _configured(section: dict) -> async_rl.AsyncSettings:
+    from rlcore.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(["async"])
+    pm.configure({"async": section})
+    return pm.settings_of("async")
+
+
 def test_settings_are_checked_and_unknown_keys_named():
-    assert async_rl.settings_from({}) == async_rl.AsyncSettings()
-    with pytest.raises(ConfigError, match=r"'plugin_config.async.max_stalenes' is not a setting of plugin 'async'"):
-        async_rl.settings_from({"plugin_config": {"async": {"max_stalenes": 2}}})
+    assert _configured({}) == async_rl.AsyncSettings()
+    assert _configured({"max_staleness": 2}).max_staleness == 2
+    with pytest.raises(ConfigError, match=r"'plugin_config.async.max_stalenes': plugin 'async' has no such setting "
+                                          r"\(did you mean 'max_staleness'\?\)"):
+        _configured({"max_stalenes": 2})
     with pytest.raises(ConfigError, match=r"'plugin_config.async.max_staleness' = -1 must be an integer >= 0"):
-        async_rl.settings_from({"plugin_config": {"async": {"max_staleness": -1}}})
+        async_rl.check_settings(_configured({"max_staleness": -1}))
+    with pytest.raises(ConfigError, match=r"'plugin_config.async.weights_backend' = 'mpi' must be auto, gloo or nccl"):
+        async_rl.check_settings(_configured({"weights_backend": "mpi"}))
 
 
 @pytest.mark.parametrize("world,settings,expected", [(4, {}, 1), (8, {}, 2), (3, {"rollout_ranks": 2}, 2),
@@ -99,6 +111,12 @@ def test_stale_samples_need_the_rollout_importance_weight():
         async_rl.check_run({"ppo": {"rollout_is": "none"}}, async_rl.AsyncSettings(max_staleness=1))
     async_rl.check_run({"ppo": {"rollout_is": "none"}}, async_rl.AsyncSettings(max_staleness=0))
     async_rl.check_run({"ppo": {"rollout_is": "token"}}, async_rl.AsyncSettings(max_staleness=2))
+    with pytest.raises(ConfigError) as error:
+        async_rl.check_run({"ppo": {"rollout_is": "token"}, "algorithm": {"adv_estimator": "remax",
+                            "dynamic_sampling": {"enable": True}}, "data": {"env_key": "env"}}, async_rl.AsyncSettings())
+    assert [p.split(" (")[0] for p in error.value.problems] == [
+        "plugin 'async' does not run algorithm.adv_estimator=remax", "plugin 'async' does not run "
+        "algorithm.dynamic_sampling", "plugin 'async' does not play multi-turn episodes"]
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -125,8 +143,9 @@ def test_rlcore_train_refuses_bad_async_settings_before_any_process_starts(tmp_p
 def test_rlcore_world_split_is_answered_by_async_when_selected_else_by_the_default():
     from rlcore.plugin_manager import build_plugin_manager
 
-    config = {"plugin_config": {"async": {"rollout_fraction": 0.5}}}
-    split = build_plugin_manager(["async"]).build("rlcore_world_split", world_size=4, config=config)
-    assert isinstance(split, async_rl.AsyncSplit) and split.rollout_ranks == 2
-    whole = build_plugin_manager([]).build("rlcore_world_split", world_size=4, config=config)
+    pm = build_plugin_manager(["async"])
+    pm.configure({"async": {"rollout_fraction": 0.5}})
+    split = pm.build("rlcore_world_split", world_size=4, config={})
+    assert isinstance(split, async_rl.AsyncSplit) and split.rollout_ranks == 2 and split.weights_backend == "auto"
+    whole = build_plugin_manager([]).build("rlcore_world_split", world_size=4, config={})
     assert whole.rollout_ranks == 0

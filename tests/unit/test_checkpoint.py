@@ -15,7 +15,8 @@ from rlcore.config.schema import TrainerConfig
 from rlcore.errors import CheckpointError
 from rlcore.protocols import CheckpointPolicy, DistInfo
 from rlcore.rlmath import make_kl_controller
-from rlcore.trainer import checkpoint_store as store
+from rlcore.trainer.store import manifest as mf
+from rlcore.trainer.store import state as stored
 from rlcore.trainer.checkpoint import (
     DefaultCheckpointPolicy,
     RNGState,
@@ -112,7 +113,7 @@ def test_layout_pointer_manifest_and_rotation(tmp_path):
     root = tmp_path / "run" / "checkpoints"
     assert [c.name for c in list_checkpoints(root)] == ["step_00000003", "step_00000002"]
     assert (root / "latest").read_text().strip() == "step_00000003"
-    manifest = store.read_manifest(root / "step_00000003")
+    manifest = mf.read_manifest(root / "step_00000003")
     assert manifest["step"] == 3 and manifest["format"] == "torch" and manifest["world_size"] == 1
     assert {"actor.pt", "actor_optim.pt", "state/rank_00000.pt"} <= set(manifest["files"])
     assert manifest["kinds"]["actor"] == "model" and manifest["kinds"]["rng"] == "rng"
@@ -170,7 +171,7 @@ def test_interrupted_save_is_ignored(tmp_path):
     run = Run()
     p.save(3, run.state())  # a later save replaces the leftover
     assert (root / "latest").read_text().strip() == "step_00000003"
-    assert store.verify(root / "step_00000003") == []
+    assert mf.verify(root / "step_00000003") == []
 
 
 def test_explicit_resume_path_is_strict(tmp_path):
@@ -292,11 +293,11 @@ def test_async_saves_reuse_their_staging_copy_without_mixing_steps(tmp_path):
 def test_stage_copies_into_matching_buffers_only():
     a, b = torch.ones(3), torch.zeros(2)
     tree = {"t": a, "groups": [{"lr": 0.1, "params": ["x"]}], "u": b}
-    copy1 = store.stage(tree)
+    copy1 = stored.stage(tree)
     assert copy1["t"] is not a and torch.equal(copy1["t"], a)
     a.add_(1)
     tree["u"] = torch.zeros(5)
-    copy2 = store.stage(tree, copy1)
+    copy2 = stored.stage(tree, copy1)
     assert copy2["t"] is copy1["t"] and torch.equal(copy2["t"], a)  # refilled in place
     assert copy2["u"] is not copy1["u"] and copy2["u"].shape == (5,)  # new shape: new buffer
     assert copy2["groups"] == [{"lr": 0.1, "params": ["x"]}] and copy2["groups"] is not tree["groups"]
@@ -309,18 +310,18 @@ def test_dcp_format_round_trip_in_one_process(tmp_path, asynchronous):
     tmp = tmp_path / "ckpt"
     tmp.mkdir()
     done = []
-    pending = store.write_state(tmp, run.state(), "dcp", DistInfo(), asynchronous=asynchronous,
+    pending = stored.write_state(tmp, run.state(), "dcp", DistInfo(), asynchronous=asynchronous,
                                 on_done=lambda: done.append(1))
     if pending is not None:
         pending.result()
-    kinds = {k: store.kind_of(k, v, run.state()) for k, v in run.state().items()}
-    store.write_manifest(tmp, step=1, world_size=1, fmt="dcp", kinds=kinds)
-    assert store.verify(tmp) == [] and (tmp / "dcp" / ".metadata").is_file()
+    kinds = {k: stored.kind_of(k, v, run.state()) for k, v in run.state().items()}
+    mf.write_manifest(tmp, step=1, world_size=1, fmt="dcp", kinds=kinds)
+    assert mf.verify(tmp) == [] and (tmp / "dcp" / ".metadata").is_file()
     assert done == ([1] if asynchronous else [])
     params = [p.detach().clone() for p in run.model.parameters()]
     expected = run.step()  # the saved RNG streams are the ones this step drew from
     fresh = Run(seed=3)
-    store.load_state(tmp, store.read_manifest(tmp), fresh.state(), DistInfo(), seed=0)
+    stored.load_state(tmp, mf.read_manifest(tmp), fresh.state(), DistInfo(), seed=0)
     for a, b in zip(fresh.model.parameters(), params):
         torch.testing.assert_close(a, b)
     assert fresh.step() == expected
@@ -343,7 +344,8 @@ def test_check_output_dir_errors_before_training(tmp_path, monkeypatch):
     blocker.write_text("x")
     with pytest.raises(CheckpointError, match=r"trainer.output_dir=.*cannot be created"):
         check_output_dir(TrainerConfig(output_dir=str(blocker / "run")))
-    monkeypatch.setattr(store, "free_bytes", lambda path: 10 * 2**20)
+    from rlcore.trainer.store import files
+    monkeypatch.setattr(files, "free_bytes", lambda path: 10 * 2**20)
     with pytest.raises(CheckpointError, match="nearly full: 10 MiB free"):
         check_output_dir(TrainerConfig(output_dir=str(tmp_path / "ok")))
 

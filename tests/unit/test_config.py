@@ -126,21 +126,16 @@ def test_role_fsdp_inherits_global():
 def test_inert_keys_are_reported_with_a_reason():
     cfg = load_config([], ["actor.remeshing.enabled=true", "fsdp.sync_module_states=false",
                            "algorithm.adv_estimator=grpo", "ppo.generation.n=2", "critic.lr=0.1"])
-    inert = dict(inert_keys(cfg, plugins=[], world_size=1))
-    assert "remesh" in inert["actor.remeshing.enabled"]
+    inert = dict(inert_keys(cfg, world_size=1))
     assert "single process" in inert["fsdp.sync_module_states"]
     assert "critic" in inert["critic.lr"]
-    # with the plugin and several ranks the same keys are live
-    live = dict(inert_keys(cfg, plugins=["remesh"], world_size=4))
-    assert "actor.remeshing.enabled" not in live and "fsdp.sync_module_states" not in live
-    from rlcore.config.inert import idle_plugins
-
-    assert dict(idle_plugins(load_config(), ["remesh", "rm-offload", "streaming"])) == {
-        "remesh": "actor.remeshing.enabled is false", "rm-offload": "reward_model.enable is false (no reward model to place)"}
-    assert idle_plugins(load_config([], ["actor.remeshing.enabled=true"]), ["remesh"]) == []
+    assert "actor.remeshing.enabled" not in inert  # a plugin's setting: the plugins report it
+    live = dict(inert_keys(cfg, world_size=4))  # with several ranks the same keys are live
+    assert "fsdp.sync_module_states" not in live
     cached = load_config([], ["data.cache_dir=/tmp/c"])
-    assert "data.cache_dir" not in dict(inert_keys(cached, plugins=[], world_size=1))
-    assert "streaming" in dict(inert_keys(cached, plugins=["streaming"], world_size=1))["data.cache_dir"]
+    assert "data.cache_dir" not in dict(inert_keys(cached, world_size=1))
+    custom = load_config([], ["data.cache_dir=/tmp/c", "data.custom_cls.path=x.py", "data.custom_cls.name=X"])
+    assert "custom_cls" in dict(inert_keys(custom, world_size=1))["data.cache_dir"]
 
 
 def test_config_is_plain_yaml_round_trip():
@@ -182,7 +177,59 @@ def test_variable_length_settings_accept_their_values():
 
 def test_token_budget_and_is_cap_inert_keys():
     cfg = load_config([], ["ppo.max_tokens_per_micro_batch=4096", "ppo.micro_batch_size=4", "ppo.rollout_is_cap=3"])
-    inert = dict(inert_keys(cfg, plugins=[], world_size=1))
+    inert = dict(inert_keys(cfg, world_size=1))
     assert "max_tokens_per_micro_batch" in inert["ppo.micro_batch_size"]
     assert inert["ppo.rollout_is_cap"] == "ppo.rollout_is is none"
-    assert "reward.stream" in dict(inert_keys(load_config([], ["reward.stream=false"]), plugins=[], world_size=2))
+    assert "reward.stream" in dict(inert_keys(load_config([], ["reward.stream=false"]), world_size=2))
+def lr_trace(overrides: list[str], steps: int, total_steps: int = 10) -> list[float]:
+    """The actor's learning rate at each of ``steps`` optimizer steps under ``overrides``."""
+    import torch
+
+    from rlcore.trainer.models import build_optimizer
+
+    optim, sched = build_optimizer(torch.nn.Linear(2, 2), load_config([], overrides).actor, total_steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optim.param_groups[0]["lr"])
+        optim.step()
+        sched.step()
+    return lrs
+
+
+def test_every_transformers_schedule_is_accepted_and_built():
+    from transformers import SchedulerType
+
+    from rlcore.trainer.models import METRIC_SCHEDULES
+
+    extra = {"cosine_with_min_lr": "{min_lr_rate: 0.1}", "cosine_warmup_with_min_lr": "{min_lr_rate: 0.1}",
+             "warmup_stable_decay": "{num_decay_steps: 3}"}
+    for kind in SchedulerType:
+        if kind.value in METRIC_SCHEDULES:
+            continue
+        overrides = [f"actor.lr_scheduler={kind.value}", "actor.warmup_steps=2", "actor.lr=1.0"]
+        if kind.value in extra:
+            overrides.append(f"actor.lr_scheduler_kwargs={extra[kind.value]}")
+        lrs = lr_trace(overrides, 10)
+        assert lrs[1] > 0.9, kind.value  # warmed up on step warmup_steps
+        assert 0 < lrs[0] <= 1.0, kind.value  # the first step learns
+
+
+def test_schedule_names_and_arguments_are_checked_at_load():
+    with pytest.raises(ConfigError) as caught:
+        load_config([], ["actor.lr_scheduler=cosin", "critic.lr_scheduler=cosine_with_min_lr",
+                         "actor.lr_scheduler_kwargs={num_cycles: 2}"])
+    text = str(caught.value)
+    assert "'actor.lr_scheduler' = 'cosin'" in text and "did you mean 'cosine'" in text
+    assert "'critic.lr_scheduler' = 'cosine_with_min_lr'" in text and "min_lr" in text
+    with pytest.raises(ConfigError, match="validation metric"):
+        load_config([], ["actor.lr_scheduler=reduce_lr_on_plateau"])
+
+
+def test_old_schedules_keep_their_shape():
+    for kind, last in (("constant", 1.0), ("linear", 0.1), ("cosine", 0.0245)):
+        assert lr_trace([f"actor.lr_scheduler={kind}", "actor.lr=1.0"], 10)[-1] == pytest.approx(last, abs=1e-3), kind
+
+
+def test_warmup_starts_at_lr_over_warmup_steps():
+    lrs = lr_trace(["actor.lr_scheduler=constant", "actor.lr=1.0", "actor.warmup_steps=4"], 6)
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])

@@ -107,9 +107,9 @@ def encoded(monkeypatch):
     calls = []
     original = table.encode_prompts
 
-    def counting(prompts, tok, where):
+    def counting(prompts, tok, where, *rest):
         calls.append(len(prompts))
-        return original(prompts, tok, where)
+        return original(prompts, tok, where, *rest)
 
     monkeypatch.setattr(table, "encode_prompts", counting)
     return calls

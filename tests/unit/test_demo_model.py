@@ -6,14 +6,14 @@ import os
 import torch
 
 from rlcore.protocols import DistInfo
-from rlcore.trainer.components import _demo_model
+from rlcore.trainer.components import demo_model
 
 
-def test_building_the_demo_model_leaves_the_global_rng_alone(tmp_path):
+def test_building_thedemo_model_leaves_the_global_rng_alone(tmp_path):
     torch.manual_seed(0)
     before = torch.get_rng_state()
-    path = _demo_model(str(tmp_path), DistInfo())  # builds
+    path = demo_model(str(tmp_path), DistInfo())  # builds
     assert os.path.isfile(os.path.join(path, "config.json"))
     assert torch.equal(torch.get_rng_state(), before)
-    assert _demo_model(str(tmp_path), DistInfo()) == path  # loads
+    assert demo_model(str(tmp_path), DistInfo()) == path  # loads
     assert torch.equal(torch.get_rng_state(), before)

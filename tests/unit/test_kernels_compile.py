@@ -30,26 +30,24 @@ PAGED = dict(ATTEND_NEW, SHARED=False, PAGED=True, PAGE=64)
 CASES = {
     # the engine's decode step: RoPE, q/k/v slices and bias, shared prompt rows; one program per pair
     "attend_new": ("rlcore.kernels.decode_attention", "_attend_part", ATTENTION,
-                   dict(ATTEND_NEW, SPLIT=False, FOLD=False), 2),
+                   dict(ATTEND_NEW, SPLIT=False), 2),
     # each warp on a sub-block of 16 columns with a softmax state of its own (a batched product)
     "attend_new_subblocks": ("rlcore.kernels.decode_attention", "_attend_part", ATTENTION,
-                             dict(ATTEND_NEW, SPLIT=False, FOLD=False, SUB=4), 4),
+                             dict(ATTEND_NEW, SPLIT=False, SUB=4), 4),
     # small batches: chunks merged by the pair's last program
     "attend_new_split": ("rlcore.kernels.decode_attention", "_attend_part",
-                         dict(ATTENTION, out_ptr="*fp32"), dict(ATTEND_NEW, SPLIT=True, FOLD=True), 2),
+                         dict(ATTENTION, out_ptr="*fp32"), dict(ATTEND_NEW, SPLIT=True), 2),
     # the paged cache: keys/values found through the block table (a 7B shape: head dim 128, blocks of 32)
     "attend_new_paged": ("rlcore.kernels.decode_attention", "_attend_part", ATTENTION,
-                         dict(PAGED, SPLIT=False, FOLD=False, dim=128, BLOCK_D=128, BLOCK_N=32), 4),
+                         dict(PAGED, SPLIT=False, dim=128, BLOCK_D=128, BLOCK_N=32), 4),
     # the long tail: few rows, the columns cut into chunks merged by the pair's last program
     "attend_new_paged_split": ("rlcore.kernels.decode_attention", "_attend_part",
-                               dict(ATTENTION, out_ptr="*fp32"), dict(PAGED, SPLIT=True, FOLD=True), 2),
-    # plain attention of given queries, float32 products, separate merge kernel
+                               dict(ATTENTION, out_ptr="*fp32"), dict(PAGED, SPLIT=True), 2),
+    # plain attention of given queries, float32 products, chunks merged by the pair's last program
     "attend_fp32": ("rlcore.kernels.decode_attention", "_attend_part",
                     {k: v.replace("bf16", "fp32") for k, v in ATTENTION.items()} | {"out_ptr": "*fp32"},
                     dict(ATTEND_NEW, NEW=False, ROWS=False, SHARED=False, PARTS=1, PBIAS=False, IEEE=True,
-                         SPLIT=True, FOLD=False, dim=128, BLOCK_D=128, BLOCK_N=32), 4),
-    "merge_parts": ("rlcore.kernels.decode_attention", "_merge_parts", ATTENTION,
-                    dict(group=7, dim=64, BLOCK_G=16, BLOCK_D=64), 2),
+                         SPLIT=True, dim=128, BLOCK_D=128, BLOCK_N=32), 4),
     "begin_step": ("rlcore.kernels.step_kernels", "_begin_step", STEP, dict(BLOCK_N=32, BLOCK_D=64), 4),
     "record": ("rlcore.kernels.step_kernels", "_record", STEP, dict(BLOCK_N=128, BLOCK_E=2), 4),
     "partial_rows": ("rlcore.kernels.fused_sampling", "_partial_rows", SAMPLING,

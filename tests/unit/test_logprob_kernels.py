@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlcore.kernels import logprob as logprob_kernels
-from rlcore.trainer.models import ChunkedLogprobs
+from rlcore.trainer import models
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(not logprob_kernels.available(DEVICE),
@@ -51,37 +51,60 @@ def test_forward_backward_match_torch(dtype, temperature):
 
 
 @needs_kernels
-def test_autograd_function_uses_kernels_and_agrees_with_chunked_path():
+def test_fast_path_agrees_with_the_reference():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 3000, generator=gen).to(DEVICE).requires_grad_(True)
     labels = torch.randint(0, 3000, (2, 5), generator=gen).to(DEVICE)
     upstream = torch.randn(2, 5, generator=gen).to(DEVICE)
     results = {}
     for kernels in (True, False):
-        ChunkedLogprobs.use_kernels = kernels
+        models.LOGPROB_KERNELS = kernels
         try:
             logits.grad = None
-            logp, ent = ChunkedLogprobs.apply(logits, labels, 0.9, True)
+            logp, ent = models.token_logprobs(logits, labels, 0.9, True)
             (logp * upstream).sum().backward()
             results[kernels] = (logp.detach(), ent, logits.grad.clone())
         finally:
-            ChunkedLogprobs.use_kernels = True
+            models.LOGPROB_KERNELS = True
     for a, b in zip(results[True], results[False]):
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@needs_kernels
+def test_fast_path_is_a_custom_op_the_compiler_traces():
+    """The kernels are ``torch.library`` operators with fake implementations: a compiled function calls
+    them in one graph (no graph break) and gets the eager results and gradients."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 700, generator=gen).to(DEVICE)
+    labels = torch.randint(0, 700, (2, 4), generator=gen).to(DEVICE)
+    torch.library.opcheck(torch.ops.rlcore.logprob_forward.default, (logits, labels, 0.8, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def loss(x):
+        logp, ent = logprob_kernels.token_logprobs(x, labels, 0.8, True)
+        return (logp * 2).sum() + ent.sum()
+
+    eager_in = logits.clone().requires_grad_(True)
+    compiled_in = logits.clone().requires_grad_(True)
+    loss(eager_in).backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    compiled(compiled_in).backward()
+    assert torch.allclose(compiled_in.grad, eager_in.grad, atol=1e-6)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_path_matches_autograd_and_leaves_logits_alone(temperature, monkeypatch):
-    """The PyTorch path (CPU, or where the kernels do not run) on float32 logits: exact gradients,
+def test_reference_path_matches_autograd_and_leaves_logits_alone(temperature, monkeypatch):
+    """The reference path (CPU, or where the kernels do not run) on float32 logits: exact gradients,
     and the logits it was given are not changed in place."""
-    monkeypatch.setattr(ChunkedLogprobs, "use_kernels", False)
+    monkeypatch.setattr(models, "LOGPROB_KERNELS", False)
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 5, 700, generator=gen).requires_grad_(True)
     labels = torch.randint(0, 700, (2, 5), generator=gen)
     upstream = torch.randn(2, 5, generator=gen)
     scaled = logits * 1.0  # a non-leaf, as the model's output
     before = scaled.detach().clone()
-    logp, ent = ChunkedLogprobs.apply(scaled, labels, temperature, True)
+    logp, ent = models.token_logprobs(scaled, labels, temperature, True)
     (logp * upstream).sum().backward()
     assert torch.equal(scaled.detach(), before)
     want_logp, want_ent = reference(before, labels, temperature)

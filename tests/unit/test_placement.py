@@ -106,35 +106,6 @@ def test_one_process_holds_every_role_whatever_the_rank_groups():
         ColocatedPlacement(PlacementRequest(rank_groups={"reward": [2]}), DistInfo(world_size=2))
 
 
-def test_a_reshard_policy_without_per_role_settings_keeps_its_own_with_a_warning(caplog):
-    import logging
-
-    from rlcore.config.schema import FSDPConfig
-    from rlcore.trainer.components import prepare_role
-
-    calls = []
-
-    class Old:  # written before prepare took fsdp
-        def prepare(self, model, role):
-            calls.append((role, None))
-            return model
-
-    class New:
-        def prepare(self, model, role, fsdp=None):
-            calls.append((role, fsdp))
-            return model
-
-    actor, critic = FSDPConfig(), FSDPConfig(param_dtype="fp32")
-    model = torch.nn.Linear(2, 2)
-    with caplog.at_level(logging.WARNING):
-        assert prepare_role(Old(), model, "critic", actor, actor) is model
-        assert "takes no per-role FSDP settings" not in caplog.text  # same settings: nothing lost
-        prepare_role(Old(), model, "critic", critic, actor)
-    assert "Old takes no per-role FSDP settings: critic is sharded with the actor's" in caplog.text
-    prepare_role(New(), model, "critic", critic, actor)
-    assert calls == [("critic", None), ("critic", None), ("critic", critic)]
-
-
 def test_one_named_gpu_for_every_process_of_a_node_is_warned_about(monkeypatch, caplog):
     import logging
 

@@ -5,10 +5,12 @@ import sys
 import types
 
 import pytest
+import torch
 
 from rlcore.errors import PluginError
 from rlcore.hookspecs import FACTORY_HOOKS, hookimpl
 from rlcore.plugin_manager import (
+    DEFAULT_PLUGINS,
     ENV_DISABLE_AUTOLOAD,
     RLCorePluginManager,
     available_names,
@@ -20,8 +22,8 @@ from rlcore.protocols import DistInfo, PlacementRequest
 def test_defaults_are_registered_first_and_flagged():
     pm = build_plugin_manager(["sparse-logging"])
     infos = pm.infos()
-    assert [i.name for i in infos] == ["defaults", "sparse-logging"]
-    assert infos[0].default and not infos[1].default
+    assert [i.name for i in infos] == [*DEFAULT_PLUGINS, "sparse-logging"]
+    assert all(i.default for i in infos[:-1]) and not infos[-1].default
     assert "rlcore_dataset_provider" in infos[0].hooks
     assert infos[0].distribution == "rlcore"
 
@@ -75,8 +77,16 @@ def test_third_party_plugin_by_entry_point(tmp_path, monkeypatch):
     assert m["seen_by_fake"] == 4
 
 
+def _placement(label):
+    """A placement policy written to the protocol (subclassing nothing), told apart by ``label``."""
+    cpu = torch.device("cpu")
+    return types.SimpleNamespace(label=label, device_for=lambda role: cpu, ranks_for=lambda role: [0],
+                                 offload=lambda role: False)
+
+
 def _factory_plugin(name, value):
     mod = types.ModuleType(name)
+    value = _placement(value) if isinstance(value, str) else value
 
     @hookimpl
     def rlcore_placement_policy(request, dist):
@@ -93,7 +103,7 @@ def test_selected_plugin_overrides_default_and_two_conflict():
     default_answer = pm.build("rlcore_placement_policy", **args)
     assert type(default_answer).__name__ == "ColocatedPlacement"
     pm.register_plugin(_factory_plugin("a", "A"), "a")
-    assert pm.build("rlcore_placement_policy", **args) == "A"
+    assert pm.build("rlcore_placement_policy", **args).label == "A"
     pm.register_plugin(_factory_plugin("b", "B"), "b")
     with pytest.raises(PluginError) as e:
         pm.build("rlcore_placement_policy", **args)

@@ -14,10 +14,10 @@ from rlcore.distributed.remesh import (
     meta_skeleton,
     tp_plan,
 )
-from rlcore.distributed.reshard import FSDPReshardPolicy, slice_rollout
+from rlcore.distributed.reshard import FSDPReshardPolicy
 from rlcore.errors import ConfigError
-from rlcore.protocols import DistInfo, ReshardPolicy
-from rlcore.rollout.base import RolloutBatch, SamplingParams
+from rlcore.protocols import DistInfo, GenerationShare, ReshardPolicy
+from rlcore.rollout.base import RolloutBatch, SamplingParams, slice_rollout
 from rlcore.rollout.tiny import tiny_causal_lm
 
 
@@ -38,9 +38,8 @@ def test_single_process_is_a_pass_through(make, tiny):
     assert policy.prepare(tiny, "actor") is tiny
     with policy.generation(tiny) as gen:
         assert gen is tiny
-    calls = []
-    out = policy.generate_distributed(lambda p, sp: calls.append((p, sp)) or "batch", [[1, 2]], SamplingParams())
-    assert out == "batch" and calls == [([[1, 2]], SamplingParams())]
+    share = policy.generation_share([[1, 2]], SamplingParams())
+    assert share == GenerationShare([[1, 2]], SamplingParams()) and share.own("batch") == "batch"
     assert policy.stats() == {}
 
 
@@ -137,15 +136,16 @@ class FakeBackend:
 
 
 def test_generation_backends_build_inside_the_layout_then_refresh(tiny):
-    from rlcore.distributed.reshard import GenerationBackends, has_dtensor_params
+    from rlcore.trainer.generation import ActorGeneration, has_dtensor_params
 
     assert not has_dtensor_params(tiny)
     made = []
-    backends = GenerationBackends(lambda m, kind: made.append(FakeBackend(m, kind)) or made[-1], "engine")
-    first = backends.get(tiny)
-    assert made == [first] and first.kind == "engine" and first.syncs == 0
-    assert backends.get(tiny) is first and first.syncs == 1
-    prebuilt = FakeBackend(tiny, "auto")
-    backends = GenerationBackends(lambda m, kind: pytest.fail("must not build"), "auto", {id(tiny): prebuilt})
-    assert backends.get(tiny) is prebuilt and prebuilt.syncs == 0  # built for the current weights already
-    assert backends.get(tiny) is prebuilt and prebuilt.syncs == 1
+    policy = FSDPReshardPolicy(FSDPConfig(), DistInfo())
+    gen = ActorGeneration(tiny, policy, lambda m, tp: made.append(FakeBackend(m, tp)) or made[-1], 4)
+    first = gen.backend(tiny)
+    assert made == [first] and first.kind is False and first.syncs == 0
+    assert gen.backend(tiny) is first and first.syncs == 1
+    prebuilt = FakeBackend(tiny, False)
+    gen = ActorGeneration(tiny, policy, lambda m, tp: pytest.fail("must not build"), 4, prebuilt={id(tiny): prebuilt})
+    assert gen.backend(tiny) is prebuilt and prebuilt.syncs == 0  # built for the current weights already
+    assert gen.backend(tiny) is prebuilt and prebuilt.syncs == 1

@@ -130,5 +130,5 @@ def test_defaults_plugin_builds_it(rlcore_pm):
     placement = ColocatedPlacement(PlacementRequest(), DistInfo())
     be = rlcore_pm.build("rlcore_reward_backend", reward_model=RewardModelConfig(),
                          reward_function=RewardFunctionConfig(), reward=RewardConfig(), placement=placement,
-                         tokenizer=None, rewards=rewards)
+                         tokenizer=None, rewards=rewards, run_dir="")
     assert be.score(batch_of(["x"], ground_truth=["x"])).scores.tolist() == [1.0]

@@ -87,7 +87,7 @@ def test_length_penalty_ramps_to_minus_one():
 def test_builtin_table_and_demo_rule():
     import rlcore.demo
 
-    base = {"exact_match", "gsm8k", "math_equiv", "format_penalty", "length_penalty"}
+    base = {"exact_match", "gsm8k", "math_equiv", "format_penalty", "length_penalty", "env_reward"}
     demo = set(BUILTIN_REWARDS) - base
     assert base <= set(BUILTIN_REWARDS) and demo and demo <= set(rules.DEMO_RULES)
     for name in demo:  # the registered rule is the demo module's own function
@@ -102,3 +102,8 @@ def test_defaults_plugin_registers_the_builtin_rules(rlcore_pm):
     found = {}
     rlcore_pm.hook.rlcore_register_rewards(register=lambda name, fn: found.__setitem__(name, fn))
     assert {k: found[k] for k in BUILTIN_REWARDS} == BUILTIN_REWARDS
+
+
+def test_env_reward_reads_the_episode_reward():
+    assert BUILTIN_REWARDS["env_reward"](["p", "q", "r"], ["a", "b", "c"], env_reward=[1.0, None, 0.25]) == [1.0, 0.0,
+                                                                                                          0.25]

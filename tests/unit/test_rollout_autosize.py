@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore.rollout.autosize import (CPU_DEFAULT_BATCH_SIZE, AdaptiveMicroBatch, auto_rollout_batch_size,
-                                     estimate_sample_bytes)
+from rlcore.config.schema import FSDPConfig
+from rlcore.distributed.reshard import FSDPReshardPolicy
+from rlcore.protocols import DistInfo
+from rlcore.rollout.autosize import CPU_DEFAULT_BATCH_SIZE, auto_rollout_batch_size, estimate_sample_bytes
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.tiny import tiny_config
 
@@ -64,11 +66,26 @@ def _fake_generate(limit: int, calls: list):
     return generate
 
 
+class _Backend:
+    def __init__(self, generate):
+        self.generate = generate
+
+    def sync_weights(self):
+        pass
+
+
+def _generation(generate, micro_batch: int, **kw):
+    from rlcore.trainer.generation import ActorGeneration
+
+    return ActorGeneration(torch.nn.Linear(1, 1), FSDPReshardPolicy(FSDPConfig(), DistInfo()),
+                           lambda module, tp: _Backend(generate), micro_batch, **kw)
+
+
 def test_oom_halves_the_micro_batch_and_loses_no_sample():
     calls: list = []
-    runner = AdaptiveMicroBatch(8)
+    runner = _generation(_fake_generate(3, calls), 8)
     prompts = [[i, i] for i in range(11)] + [[99]]
-    batch = runner.generate(_fake_generate(3, calls), prompts, SamplingParams(seed=10))
+    batch = runner.generate(prompts, SamplingParams(seed=10))
     assert batch.response_ids[:, 0].tolist() == [p[0] for p in prompts]
     assert runner.micro_batch == 2 and runner.retries == 2
     assert calls[:3] == [(8, 10), (4, 10), (2, 10)] and calls[3] == (2, 12)
@@ -77,7 +94,6 @@ def test_oom_halves_the_micro_batch_and_loses_no_sample():
 
 def test_oom_at_the_minimum_is_raised():
     with pytest.raises(torch.OutOfMemoryError):
-        AdaptiveMicroBatch(2, minimum=2).generate(_fake_generate(1, []), [[1], [2]], SamplingParams())
+        _generation(_fake_generate(1, []), 2, minimum=2).generate([[1], [2]], SamplingParams())
     with pytest.raises(RuntimeError, match="boom"):
-        AdaptiveMicroBatch(4).generate(lambda p, s: (_ for _ in ()).throw(RuntimeError("boom")), [[1]],
-                                       SamplingParams())
+        _generation(lambda p, s: (_ for _ in ()).throw(RuntimeError("boom")), 4).generate([[1]], SamplingParams())

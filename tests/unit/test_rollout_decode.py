@@ -31,7 +31,7 @@ def eos_case(qwen2):
     return params, HFGenerateBackend(qwen2).generate(PROMPTS, params)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("attention", ["sdpa"])
 def test_short_attention_lengths_with_slot_reuse_match_hf(qwen2, eos_case, attention):
     params, expected = eos_case
     assert expected.response_mask.sum(-1).min() < 10  # some rows stop early and free their slot

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlcore.rollout.base import SamplingParams
-from rlcore.rollout.engine import CONFIG_KEYS, RolloutEngine
+from rlcore.rollout.engine import RolloutEngine
 from rlcore.rollout.hf import HFGenerateBackend
 from rlcore.rollout.tiny import tiny_causal_lm
 from rlcore.testing import teacher_forced_logprobs
@@ -112,9 +112,8 @@ def test_qwen3_norms_enter_before_rope():
     cache must hold exactly the model's rotated, normed keys, and its tokens follow HF's."""
     model = tiny_causal_lm("qwen3")
     assert RolloutEngine.supports(model) and model.config.head_dim * 4 != model.config.hidden_size
-    # the cache read below is the static layout [L, 2, slots, KVH, S, D] (paged caches: asked for)
-    static = {"kv_cache": "static"} if "kv_cache" in CONFIG_KEYS else {}
-    engine = RolloutEngine(model, max_batch_size=2, max_seq_len=16, **static)
+    # the cache read below is the static layout [L, 2, slots, KVH, S, D]
+    engine = RolloutEngine(model, max_batch_size=2, max_seq_len=16, kv_cache="static")
     assert engine.spec.qk_norm and engine.spec.head_dim == 32
     prompt = [[5, 9, 14, 2, 77, 3]]
     engine.generate(prompt, SamplingParams(max_new_tokens=1, temperature=0.0))

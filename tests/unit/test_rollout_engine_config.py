@@ -1,53 +1,84 @@
-"""``actor.rollout_engine``: rollout-engine settings from the training config, checked when the config
-loads (each problem naming its key) and handed to the engine the trainer builds."""
+"""``actor.rollout_engine``: the engine's settings as a typed section of the schema, checked when the
+config loads (each problem naming its key) and handed to the engine the trainer builds."""
 
 from __future__ import annotations
+
+import dataclasses
+import inspect
 
 import pytest
 
 from rlcore.config import load_config
+from rlcore.config.schema import RolloutEngineConfig
 from rlcore.distributed.init import DistInfo
 from rlcore.errors import ConfigError
-from rlcore.rollout.engine import CONFIG_KEYS, RolloutEngine
+from rlcore.rollout.engine import RolloutEngine
 from rlcore.rollout.tiny import tiny_causal_lm
 from rlcore.trainer import components
 
 
-def test_settings_reach_the_engine_the_trainer_builds():
-    cfg = load_config([], ["actor.rollout_backend=engine", "actor.rollout_engine.attention=matmul",
-                           "actor.rollout_engine.eos_check_interval=3", "actor.rollout_engine.graph_batch_buckets=[2]",
-                           "actor.rollout_engine.page_size=16", "actor.rollout_engine.kv_pages=5",
-                           "ppo.generation.batch_size=4", "ppo.generation.max_new_tokens=8",
-                           "data.max_prompt_length=16"])
+def _engine(cfg):
+    """The rollout backend the trainer builds (through rlcore_rollout_backend) for a tiny model."""
+    from rlcore.config.schema import FSDPConfig
+    from rlcore.distributed.reshard import FSDPReshardPolicy
+    from rlcore.plugin_manager import build_plugin_manager
+
     model = tiny_causal_lm("qwen2")
-    backends = components._generation_backends(model, model, components.obj(cfg.actor), components.obj(cfg.data),
-                                                components.obj(cfg.ppo), DistInfo())
-    engine = backends.get(model)
+    generation = components._generation(build_plugin_manager([]), model, model,
+                                        FSDPReshardPolicy(FSDPConfig(), DistInfo()), components.obj(cfg.actor),
+                                        components.obj(cfg.data), components.obj(cfg.ppo), DistInfo())
+    return generation.backend(model)
+
+
+def test_settings_reach_the_engine_the_trainer_builds():
+    engine = _engine(load_config([], [
+        "actor.rollout_backend=engine", "actor.rollout_engine.attention=sdpa",
+        "actor.rollout_engine.eos_check_interval=3", "actor.rollout_engine.graph_batch_buckets=[2]",
+        "actor.rollout_engine.split_k.down=2", "actor.rollout_engine.attention_tuning.num_warps=4",
+        "actor.rollout_engine.mlp_transposed=true", "actor.rollout_engine.page_size=16",
+        "actor.rollout_engine.kv_pages=5", "ppo.generation.batch_size=4",
+        "ppo.generation.max_new_tokens=8", "data.max_prompt_length=16"]))
     assert isinstance(engine, RolloutEngine)
-    assert (engine.attention, engine.eos_check_interval, engine.buckets) == ("matmul", 3, [2, 4])
+    assert (engine.attention, engine.eos_check_interval, engine.buckets) == ("sdpa", 3, [2, 4])
+    assert engine.split_k == (1, 1, 2, 1) and engine.attention_tuning == {"num_warps": 4}
+    assert engine.mlp_transposed is True
     assert (engine.max_batch_size, engine.max_seq_len) == (4, 24)  # still the trainer's
     assert engine.paged and (engine.page_size, engine.pool.pages) == (16, 5)
 
 
 def test_default_engine_settings_are_the_engines_defaults():
-    cfg = load_config([], ["actor.rollout_backend=engine"])
-    model = tiny_causal_lm("qwen2")
-    backends = components._generation_backends(model, model, components.obj(cfg.actor), components.obj(cfg.data),
-                                               components.obj(cfg.ppo), DistInfo())
-    engine = backends.get(model)
+    engine = _engine(load_config([], ["actor.rollout_backend=engine"]))
     assert engine.eos_check_interval == 8 and engine.attention_tuning == {}
+    kwargs = RolloutEngineConfig().engine_kwargs()
+    defaults = {name: p.default for name, p in inspect.signature(RolloutEngine.__init__).parameters.items()}
+    for name, value in kwargs.items():
+        expected = defaults[name]
+        if name == "graph_batch_buckets":
+            expected = list(expected)
+        if name == "attention_tuning":
+            expected = {}
+        assert value == expected, name
 
 
 @pytest.mark.parametrize("override, key, words", [
-    ("actor.rollout_engine.atention=triton", "actor.rollout_engine.atention", "did you mean 'attention'"),
-    ("actor.rollout_engine.max_batch_size=8", "actor.rollout_engine.max_batch_size", "not a rollout engine setting"),
-    ("actor.rollout_engine.attention=flash", "actor.rollout_engine.attention", "'flash' is not one of"),
+    ("actor.rollout_engine.atention=triton", "actor.rollout_engine.atention", "did you mean 'actor.rollout_engine.attention'"),
+    ("actor.rollout_engine.max_batch_size=8", "actor.rollout_engine.max_batch_size", "unknown key"),
+    ("actor.rollout_engine.attention=flash", "actor.rollout_engine.attention", "'flash' is not one of auto, sdpa, triton"),
+    ("actor.rollout_engine.attention=matmul", "actor.rollout_engine.attention", "is not one of"),
     ("actor.rollout_engine.compile_mode=fast", "actor.rollout_engine.compile_mode", "'fast' is not one of"),
-    ("actor.rollout_engine.attention_tuning.warps=2", "actor.rollout_engine.attention_tuning", "['warps']"),
+    ("actor.rollout_engine.attention_tuning.warps=2", "actor.rollout_engine.attention_tuning.warps",
+     "did you mean 'actor.rollout_engine.attention_tuning.num_warps'"),
     ("actor.rollout_engine.attention_tuning.subblocks=3", "actor.rollout_engine.attention_tuning",
      "attention_tuning['subblocks']"),
     ("actor.rollout_engine.split_k.down=0", "actor.rollout_engine.split_k", "split_k['down']"),
-    ("actor.rollout_engine.mlp_transposed=maybe", "actor.rollout_engine.mlp_transposed", "mlp_transposed must be"),
+    ("actor.rollout_engine.split_k.up=2", "actor.rollout_engine.split_k.up", "unknown key"),
+    ("actor.rollout_engine.mlp_transposed=maybe", "actor.rollout_engine.mlp_transposed", "bad value"),
+    ("actor.rollout_engine.eos_check_interval=0", "actor.rollout_engine.eos_check_interval", "must be >= 1"),
+    ("actor.rollout_engine.admit_fraction=1.5", "actor.rollout_engine.admit_fraction", "must be in (0, 1]"),
+    ("actor.rollout_engine.kv_cache=dynamic", "actor.rollout_engine.kv_cache", "'dynamic' is not one of paged, static"),
+    ("actor.rollout_engine.page_size=48", "actor.rollout_engine.page_size", "a power of two >= 16"),
+    ("actor.rollout_engine.kv_pages=1", "actor.rollout_engine.kv_pages", "must be >= 2 or null"),
+    ("actor.rollout_engine.kv_memory_fraction=0", "actor.rollout_engine.kv_memory_fraction", "must be in (0, 1]"),
 ])
 def test_bad_settings_fail_when_the_config_loads_naming_the_key(override, key, words):
     with pytest.raises(ConfigError) as caught:
@@ -55,9 +86,9 @@ def test_bad_settings_fail_when_the_config_loads_naming_the_key(override, key, w
     assert f"'{key}'" in str(caught.value) and words in str(caught.value)
 
 
-def test_every_config_key_is_an_engine_argument():
-    import inspect
-
+def test_every_setting_is_an_engine_argument():
     arguments = inspect.signature(RolloutEngine.__init__).parameters
-    assert set(CONFIG_KEYS) <= set(arguments)
-    assert not set(CONFIG_KEYS) & {"model", "max_batch_size", "max_seq_len", "device", "dtype"}
+    names = set(RolloutEngineConfig().engine_kwargs())
+    assert names == {f.name for f in dataclasses.fields(RolloutEngineConfig)}
+    assert names <= set(arguments)
+    assert not names & {"model", "max_batch_size", "max_seq_len", "device", "dtype"}

@@ -63,7 +63,7 @@ def test_hf_restores_training_mode(gpt2):
 
 
 def test_make_backend_auto_picks_engine_or_falls_back(gpt2, caplog):
-    with caplog.at_level(logging.INFO, logger="rlcore.rollout"):
+    with caplog.at_level(logging.INFO, logger="rlcore.plugins.engine"):
         fallback = make_backend(gpt2, "auto", max_batch_size=4, max_seq_len=32)
     assert isinstance(fallback, HFGenerateBackend) and isinstance(fallback, RolloutBackend)
     assert "auto -> hf" in caplog.text

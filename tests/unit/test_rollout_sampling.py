@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlcore.rollout.base import SamplingParams
-from rlcore.rollout.sampling import filter_top_k_top_p, make_generator, sample_next, token_logprobs
+from rlcore.rlmath import logprobs_from_logits
+from rlcore.rollout.sampling import filter_top_k_top_p, make_generator, sample_next
 
 
 def test_top_k_then_top_p_keep_the_nucleus():
@@ -25,7 +26,7 @@ def test_sampling_frequencies_follow_softmax_of_scaled_logits():
     freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
     expected = torch.softmax(logits[0] / 0.5, -1)
     assert torch.allclose(freq, expected, atol=0.01)
-    assert torch.allclose(logprobs, token_logprobs(logits, tokens, 0.5))
+    assert torch.allclose(logprobs, logprobs_from_logits(logits, tokens, 0.5))
 
 
 def test_top_p_never_draws_outside_the_nucleus_but_reports_full_logprobs():

@@ -36,7 +36,7 @@ def test_begin_step_matches_pytorch():
 @needs_kernel
 @pytest.mark.parametrize("eos", [[], [7], [3, 7, 11]])
 def test_record_matches_pytorch(eos):
-    cap, width, n = 6, 4, 5
+    cap, width = 6, 4
     tokens = torch.tensor([7, 1, 3, 11, 2], device=DEVICE)
     logprobs = torch.tensor([-0.5, -1.0, -2.0, -0.1, -3.0], device=DEVICE)
     eos_t = torch.tensor(eos, dtype=torch.long, device=DEVICE)
@@ -53,3 +53,24 @@ def test_record_matches_pytorch(eos):
         assert torch.equal(a, b)
     assert bool(got[4][1])  # a finished flag stays set
     assert int(got[3][3]) == 5 and int(got[1][3, width - 1]) == 11  # past the last column: written at the last
+
+
+def test_step_and_sampling_kernels_are_custom_ops_with_fake_implementations():
+    """The engine's step kernels and the fused sampler are ``torch.library`` operators: under fake
+    tensors (what the compiler traces with) they give the shapes and dtypes of their results and run no
+    kernel, so compiled code can call them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rlcore.kernels import fused_sampling, step_kernels
+
+    with FakeTensorMode():
+        cos = torch.empty(16, 8)
+        positions, columns = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+        rows, _, now = torch.ops.rlcore.begin_step(cos, cos, positions, columns, torch.zeros(4, 16), 15)
+        tokens, logprobs = torch.ops.rlcore.sample_rows(torch.empty(5, 100), 0.7, 1)
+        torch.ops.rlcore.record(tokens, logprobs, torch.zeros(5, dtype=torch.long), torch.zeros(5, 4, dtype=torch.long),
+                                torch.zeros(5, 4), torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.bool),
+                                torch.empty(0, dtype=torch.long))
+    assert rows.shape == (3, 8) and now.shape == (3,) and now.dtype == torch.long
+    assert tokens.shape == (5,) and tokens.dtype == torch.long and logprobs.dtype == torch.float32
+    assert step_kernels.begin_step is not None and fused_sampling.sample_rows is not None

@@ -7,10 +7,13 @@ import torch
 
 from rlcore.rewards.backend import RewardPipeline
 from rlcore.rewards.functions import FunctionReward
-from rlcore.rollout.autosize import AdaptiveMicroBatch
+from rlcore.config.schema import FSDPConfig
+from rlcore.distributed.reshard import FSDPReshardPolicy
+from rlcore.protocols import DistInfo
 from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.engine import RolloutEngine
 from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.trainer.generation import ActorGeneration
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, merge_metrics, rows, score_rollout
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [3], [5, 6, 7], [100, 101, 102, 103], [50],
@@ -39,7 +42,8 @@ def _rollout(on_finished=None, micro=8):
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, eos_token_ids=(5, 17, 40, 77),
                             pad_token_id=0)
     engine = RolloutEngine(model, max_batch_size=8, max_seq_len=32, eos_check_interval=1)
-    return AdaptiveMicroBatch(micro).generate(engine.generate, PROMPTS, params, on_finished)
+    generation = ActorGeneration(model, FSDPReshardPolicy(FSDPConfig(), DistInfo()), lambda module, tp: engine, micro)
+    return generation.generate(PROMPTS, params, on_finished=on_finished)
 
 
 def _request():
@@ -94,3 +98,37 @@ def test_merge_metrics():
     parts = [(3, {"reward/x": 1.0, "reward/errors": 1.0, "time/reward_model_s": 0.5}),
              (1, {"reward/x": 5.0, "reward/errors": 2.0, "time/reward_model_s": 0.25})]
     assert merge_metrics(parts) == {"reward/x": 2.0, "reward/errors": 3.0, "time/reward_model_s": 0.75}
+
+
+def _failing_reward(fail):
+    def score(prompt, response, **_):
+        if fail(response):
+            raise ValueError("bad sample")
+        return float(len(response))
+    return score
+
+
+@pytest.mark.parametrize("most_fail", [False, True])
+def test_fallback_share_is_judged_on_the_whole_streamed_step(most_fail):
+    from collections import Counter
+
+    from rlcore.errors import RewardError
+
+    lengths = [len(r) for r in rows(*(lambda b: (b.response_ids, b.response_mask))(_rollout()))]
+    rare = min(Counter(lengths).items(), key=lambda kv: kv[1])[0]  # a length few samples have
+    assert lengths.count(rare) < len(lengths) / 2
+    fails = (lambda r: True) if most_fail else (lambda r: len(r) == rare)
+    pipeline = RewardPipeline([(FunctionReward("f", _failing_reward(fails), fallback=0.0), 1.0)],
+                              count_errors=True, max_fallback_share=0.5)
+    scorer = StreamingScorer(pipeline, CharTokenizer(), _request())
+    try:
+        batch = _rollout(scorer)
+        if most_fail:
+            with pytest.raises(RewardError, match="max_fallback_share"):
+                scorer.finish(batch)
+        else:  # a group in which every sample failed is not a step in which most did
+            _, metrics = scorer.finish(batch)
+            assert metrics["reward/errors"] == lengths.count(rare) and scorer.streamed_frac == 1.0
+    finally:
+        scorer.close()
+    assert pipeline.defer_share_check is False

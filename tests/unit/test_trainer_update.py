@@ -73,15 +73,17 @@ def test_on_policy_rule(epochs, mini, accum, expected):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_logprobs_match_log_softmax(monkeypatch, temperature):
-    """Values, entropy and gradient of the chunked path equal plain log_softmax, with chunks splitting rows."""
+    """Values, entropy and gradient of the reference path equal plain log_softmax, with chunks splitting rows."""
+    from rlcore import rlmath
     from rlcore.trainer import models
 
-    monkeypatch.setattr(models, "LOGPROB_CHUNK_ELEMENTS", 3 * 50)  # 3 positions per chunk, 8 positions per row
+    monkeypatch.setattr(models, "LOGPROB_KERNELS", False)
+    monkeypatch.setattr(rlmath, "_LOGIT_CHUNK_ELEMENTS", 3 * 50)  # 3 positions per chunk, 9 chunks
     g = torch.Generator().manual_seed(0)
     base = (3 * torch.randn(3, 9, 50, generator=g, dtype=torch.float64)).requires_grad_(True)
     labels = torch.randint(0, 50, (3, 8), generator=g)
     weights = torch.randn(3, 8, generator=g, dtype=torch.float64)
-    logp, ent = models.ChunkedLogprobs.apply(base[:, :-1], labels, temperature, True)  # a strided view
+    logp, ent = models.token_logprobs(base[:, :-1], labels, temperature, True)  # a strided view
     (logp.double() * weights).sum().backward()
     got = base.grad.clone()
     base.grad = None

@@ -7,7 +7,6 @@ continuous batching (:class:`RolloutEngine`, in :mod:`rlcore.rollout.engine.core
 * :mod:`rlcore.rollout.engine.pages` — the paged KV cache's pool: free pages, reference counts, its size.
 """
 
-from rlcore.rollout.engine.core import (CONFIG_KEYS, DEFAULT_BUCKETS, RolloutEngine, check_config_settings,
-                                        length_step)
+from rlcore.rollout.engine.core import DEFAULT_BUCKETS, RolloutEngine, length_step
 
-__all__ = ["CONFIG_KEYS", "DEFAULT_BUCKETS", "RolloutEngine", "check_config_settings", "length_step"]
+__all__ = ["DEFAULT_BUCKETS", "RolloutEngine", "length_step"]

@@ -37,18 +37,12 @@ import torch
 from rlcore.rollout.engine import decode
 from rlcore.kernels import decode_attention
 from rlcore.rollout.engine import llama
+from rlcore.rollout.adapters import has_adapter_layers, unwrap
 from rlcore.rollout.engine import pages
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
 
 log = logging.getLogger(__name__)
-
-#: the :class:`RolloutEngine` arguments a training config may set (``actor.rollout_engine``); the
-#: trainer gives the model, batch size, sequence length, device and dtype itself
-CONFIG_KEYS = ("use_cuda_graphs", "graph_batch_buckets", "admit_fraction", "eos_check_interval", "max_prefill_tokens",
-               "fused_sampling", "compile", "compile_mode", "attention", "attention_length_step", "rope_in_attention",
-               "split_k", "attention_tuning", "prompt_sharing", "mlp_transposed", "kv_cache", "page_size",
-               "kv_pages", "kv_memory_fraction")
 
 
 def _check_attention(value) -> None:
@@ -71,7 +65,8 @@ def _check_kv_cache(value) -> None:
         raise ValueError(f"RolloutEngine: kv_cache {value!r} is not one of {pages.KV_CACHE_KINDS}")
 
 
-def _check_page_size(value) -> None:
+def check_page_size(value) -> None:
+    """``page_size``: a power of two >= 16 (a multiple of the attention kernel's column block)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
         raise ValueError(f"RolloutEngine: page_size must be a power of two >= 16, got {value!r}")
 
@@ -84,35 +79,6 @@ def _check_kv_pages(value) -> None:
 def _check_kv_memory_fraction(value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
         raise ValueError(f"RolloutEngine: kv_memory_fraction must be in (0, 1], got {value!r}")
-
-
-#: the settings whose values are checked without a model (each check raises ``ValueError``)
-_SETTING_CHECKS = {"attention": _check_attention, "compile_mode": _check_compile_mode,
-                   "mlp_transposed": _check_mlp_transposed, "kv_cache": _check_kv_cache,
-                   "page_size": _check_page_size, "kv_pages": _check_kv_pages,
-                   "kv_memory_fraction": _check_kv_memory_fraction,
-                   "split_k": lambda value: value == "auto" or decode.split_k_tuple(value),
-                   "attention_tuning": decode.check_attention_tuning}
-
-
-def check_config_settings(settings: Mapping[str, object]) -> list[tuple[str, str]]:
-    """``(key, problem)`` for each setting of ``settings`` (``actor.rollout_engine``) that cannot work,
-    found without a model: keys outside :data:`CONFIG_KEYS` (with the nearest one), and the values of
-    the settings in :data:`_SETTING_CHECKS`."""
-    import difflib
-
-    problems = []
-    for key, value in settings.items():
-        if key not in CONFIG_KEYS:
-            near = difflib.get_close_matches(str(key), CONFIG_KEYS, n=1, cutoff=0.6)
-            problems.append((key, "not a rollout engine setting" + (f" (did you mean '{near[0]}'?)" if near else
-                                                                    f"; settings: {', '.join(CONFIG_KEYS)}")))
-        elif key in _SETTING_CHECKS:
-            try:
-                _SETTING_CHECKS[key](value)
-            except ValueError as error:
-                problems.append((key, str(error)))
-    return problems
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -224,7 +190,7 @@ class RolloutEngine:
         compile_mode: ``torch.compile`` mode, ``"default"`` or ``"max-autotune-no-cudagraphs"``
             (the engine does its own graph capture, so modes that add CUDA graphs are refused).
         attention: ``"auto"`` (default: ``"triton"`` where it can run, else ``"sdpa"``), ``"sdpa"``
-            (PyTorch's fused attention), ``"matmul"`` (two matmuls and a softmax) or ``"triton"`` (the
+            (PyTorch's fused attention) or ``"triton"`` (the
             grouped-query decode kernel of :mod:`rlcore.kernels.decode_attention`, checked once against
             PyTorch; without Triton or CUDA, or if the check fails, the engine logs a warning and uses
             ``"sdpa"``).
@@ -243,7 +209,8 @@ class RolloutEngine:
             product read the transposed layout). ``"auto"`` (default): on when the step is compiled on
             CUDA.
         attention_tuning: settings of the Triton attention kernel, e.g. ``{"num_warps": 2}``; keys in
-            :data:`rlcore.rollout.engine.decode.ATTENTION_TUNING_KEYS` (see :func:`rlcore.rollout.engine.decode.check_attention_tuning`).
+            :data:`rlcore.rollout.engine.decode.ATTENTION_TUNING_KEYS` (see
+            :func:`rlcore.rollout.engine.decode.check_attention_tuning`).
         prompt_sharing: with ``attention="triton"``, the samples of a prompt prefilled together read
             the prompt's columns from the cache row of its first sample instead of their own copies
             (same results, fewer bytes from memory). A slot whose source row is refilled or moved
@@ -279,9 +246,10 @@ class RolloutEngine:
         _check_compile_mode(compile_mode)
         _check_mlp_transposed(mlp_transposed)
         _check_kv_cache(kv_cache)
-        _check_page_size(page_size)
+        check_page_size(page_size)
         _check_kv_pages(kv_pages)
         _check_kv_memory_fraction(kv_memory_fraction)
+        model = unwrap(model)  # a LoRA (peft) model: its decoder, read with the adapters merged
         self.paged = kv_cache == "paged"
         self.page_size = int(page_size)
         self.spec = llama.decoder_spec(model)
@@ -294,9 +262,13 @@ class RolloutEngine:
         self.max_batch_size = int(max_batch_size)
         self.max_seq_len = int(max_seq_len)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
-        if share_weights is None:
+        adapters = has_adapter_layers(model)
+        if share_weights and adapters:
+            raise ValueError("RolloutEngine: share_weights=True cannot merge LoRA adapters; the engine must own "
+                             "its weights (leave share_weights unset)")
+        if share_weights is None:  # merged LoRA weights need owned copies, refreshed by sync_weights
             share_weights = (not self.use_cuda_graphs and self.dtype == next(model.parameters()).dtype
-                             and _model_device(model) == self.device)
+                             and _model_device(model) == self.device and not adapters)
         self.weights = llama.DecoderWeights.from_model(model, self.dtype, self.device, share=share_weights)
         self.buckets = sorted({b for b in graph_batch_buckets if 0 < b < max_batch_size} | {max_batch_size})
         step = int(attention_length_step or length_step(self.max_seq_len))
@@ -378,8 +350,15 @@ class RolloutEngine:
 
         ``on_finished(indices, responses)``, if given, is called from the decode loop as requests
         finish, with their prompt indices and response tokens (up to and including the first EOS,
-        as in the result); it should return quickly (hand the work to another thread)."""
+        as in the result); it should return quickly (hand the work to another thread).
+
+        Prompts that carry an episode (:class:`rlcore.envs.runner.EpisodePrompt`) are played as
+        multi-turn episodes (:mod:`rlcore.rollout.engine.turns`, static KV cache only):
+        ``max_new_tokens`` then bounds each response with its observations; ``on_finished`` is not
+        called for them."""
+        from rlcore.envs.runner import episodes_of
         from rlcore.rollout.engine.scheduler import Scheduler
+        from rlcore.rollout.engine.turns import TurnScheduler
 
         validate_params(params, self.spec.vocab_size)
         if len(prompts) == 0:
@@ -393,7 +372,14 @@ class RolloutEngine:
         start = time.perf_counter()
         # the sharing kernel only when some prompt repeats (it loads two more numbers a slot)
         self.state.share_active = self.prompt_sharing and len({tuple(p) for p in prompts}) < len(prompts)
-        run = Scheduler(self, prompts, params, on_finished)
+        episodes, runner = episodes_of(prompts)
+        if runner is None:
+            run = Scheduler(self, prompts, params, on_finished)
+        elif self.paged:
+            raise ValueError("RolloutEngine: multi-turn episodes need kv_cache='static' (observations are written "
+                             "into a slot's cache row); the trainer builds its engine so when data.env_key is set")
+        else:
+            run = TurnScheduler(self, prompts, params, episodes, *runner.stops(), runner.decode)
         run.loop()
         batch = run.result()
         batch.stats["rollout/seconds"] = time.perf_counter() - start
@@ -626,6 +612,26 @@ class RolloutEngine:
         dev = self.device
         self.state.table[torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(at, device=dev)] = \
             torch.tensor(fresh, dtype=torch.int32, device=dev)
+
+    def _extend(self, slot: int, ids: Sequence[int], column: int, position: int) -> torch.Tensor:
+        """Append ``ids`` to slot ``slot``'s sequence at cache column ``column`` and position
+        ``position`` (a prefill of these tokens only, writing their keys/values; the slot's cache is
+        kept) and make the slot continue after them. Columns from ``column`` on that the slot had
+        written before (tokens decoded past a turn's end) are dropped. Returns the ``[V]`` logits
+        of the token after ``ids``."""
+        if column + len(ids) >= self.max_seq_len:
+            raise ValueError(f"RolloutEngine: appending {len(ids)} tokens at column {column} exceeds max_seq_len "
+                             f"{self.max_seq_len}")
+        st = self.state
+        st.bias[slot, column:] = float("-inf")
+        valid = st.bias[slot, :column] == 0
+        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        logits = llama.extend(self.weights, self.spec, self.cache, slot, tokens, column, position, valid,
+                              self.cos, self.sin)
+        st.bias[slot, column:column + len(ids)] = 0.0
+        st.positions[slot] = position + len(ids)
+        st.cache_index[slot] = column + len(ids)
+        return logits
 
     def _release(self, slots: list[int]) -> None:
         """Freed slots keep decoding (their output is ignored) until reused: give each a valid

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rlcore.config.schema import AttentionKind, CompileMode
 from rlcore.kernels import decode_attention
 from rlcore.kernels import step_kernels
 from rlcore.rollout.engine.llama import (DecoderSpec, DecoderWeights, LayerWeights, linear_group, norm_heads, rms_norm,
@@ -37,8 +38,8 @@ from rlcore.rollout.engine.llama import (DecoderSpec, DecoderWeights, LayerWeigh
 
 log = logging.getLogger(__name__)
 
-ATTENTION_KINDS = ("sdpa", "matmul", "triton")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+ATTENTION_KINDS = tuple(kind for kind in AttentionKind.values() if kind != "auto")
+COMPILE_MODES = CompileMode.values()
 
 
 @dataclass
@@ -209,8 +210,8 @@ class StepFunctions:
 
 SPLIT_K_KEYS = ("o", "gate_up", "down", "qkv")
 #: the engine's default on CUDA: at a few hundred rows the o, down and q/k/v products have too few
-#: output tiles for the GPU (Qwen2-0.5B/1.5B shapes at 256 rows on an H200: o 5.0 -> 4.3 us,
-#: down 10.6 -> 7.0 us, q/k/v 5.1 -> 4.4 us; gate/up, already wide, got slower split)
+#: output tiles for the GPU; gate/up, already wide, is not split (measured: docs/benchmarks.md,
+#: "Settings chosen by measurement")
 AUTO_SPLIT_K = {"o": 2, "down": 4, "qkv": 2}
 
 
@@ -255,7 +256,8 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_a
 
     ``split_k``: slices of the inner dimension for the o, gate/up, down and q/k/v products
     (:func:`_partials`; with ``rope_in_attention`` the attention kernel adds the q/k/v slices and the
-    bias, unless the model norms its queries and keys: then the head sums them and applies the norms). ``mlp_transposed``: the gate/up product as ``weight @ norm(x)^T`` (see :func:`_tail`).
+    bias, unless the model norms its queries and keys: then the head sums them and applies the norms).
+    ``mlp_transposed``: the gate/up product as ``weight @ norm(x)^T`` (see :func:`_tail`).
 
     Compilation is lazy (first call); the caller falls back to the plain pieces if it raises.
     The model constants are closed over, so each model shape gets its own compiled graphs.
@@ -353,26 +355,20 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             as ``G`` query rows, so no key/value head is repeated).
         layer: ``[2, B, KVH, S, D]`` one layer's cache (rows ``0..n-1`` are read).
         bias: ``[n, S]`` additive key mask; every row must have a valid column below ``length``.
-        kind: ``"sdpa"`` (one fused attention kernel), ``"matmul"`` (two matmuls and a softmax)
-            or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`: reads each key/value block
-            once for the ``G`` query rows, needs CUDA or Triton's interpreter).
+        kind: ``"sdpa"`` (one fused attention kernel) or ``"triton"`` (:mod:`rlcore.kernels.decode_attention`:
+            reads each key/value block once for the ``G`` query rows, needs CUDA or Triton's interpreter).
         pages: ``(table, page_size)`` for a paged cache (``layer`` ``[2, pages, KVH, page_size, D]``,
-            see :func:`rlcore.kernels.decode_attention.attend`); the other kinds gather the pages first.
+            see :func:`rlcore.kernels.decode_attention.attend`); sdpa gathers the pages first.
     Returns:
         ``[n, KVH·G·D]``.
     """
     if kind == "triton":
         return decode_attention.attend(q, layer, bias, length, pages=pages, **(tuning or {}))
-    n, dim = q.shape[0], q.shape[-1]
+    n = q.shape[0]
     if pages is not None:
         layer = decode_attention.gather_pages(layer, pages[0], n, length)
     keys, values = layer[0, :n, :, :length], layer[1, :n, :, :length]
-    mask = bias[:, None, None, :length]
-    if kind == "sdpa":
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    else:
-        scores = torch.matmul(q, keys.transpose(-1, -2))  # [n, KVH, G, length]
-        out = torch.matmul(torch.softmax(torch.add(mask, scores, alpha=dim ** -0.5), dim=-1), values)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, None, None, :length])
     return out.reshape(n, -1)
 
 

@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from rlcore.rollout.adapters import effective_weight, unwrap
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 #: RoPE variants whose cos/sin depend on the position alone (a table can be precomputed).
@@ -109,7 +111,7 @@ def _qk_norm(attn, head_dim: int) -> bool:
 def supports(model, max_seq_len: int | None = None) -> bool:
     """Whether the engine can run ``model`` (and, given ``max_seq_len``, its sliding window)."""
     try:
-        spec = decoder_spec(model)
+        spec = decoder_spec(unwrap(model))
     except (ValueError, AttributeError, TypeError):
         return False
     window = spec.sliding_window
@@ -143,7 +145,8 @@ def _fused(parts: list[torch.Tensor | None], dtype, device) -> torch.Tensor | No
 
 
 def _bias(linear) -> torch.Tensor | None:
-    return getattr(linear, "bias", None)
+    base = linear.get_base_layer() if hasattr(linear, "get_base_layer") else linear  # a LoRA layer's base
+    return getattr(base, "bias", None)
 
 
 @dataclass
@@ -179,10 +182,10 @@ class DecoderWeights:
     @torch.no_grad()
     def from_model(cls, model, dtype: torch.dtype, device: torch.device, share: bool) -> "DecoderWeights":
         inner = model.model
-        embed = _param(inner.embed_tokens.weight, dtype, device, share)
+        embed = _param(effective_weight(inner.embed_tokens), dtype, device, share)
         tied = model.lm_head.weight is inner.embed_tokens.weight or (
             model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr())
-        head = embed if tied else _param(model.lm_head.weight, dtype, device, share)
+        head = embed if tied else _param(effective_weight(model.lm_head), dtype, device, share)
         out = cls(embed=embed, norm=_param(inner.norm.weight, dtype, device, share), lm_head=head, share=share)
         for layer in inner.layers:
             out.layers.append(_layer_weights(layer, dtype, device, share))
@@ -219,18 +222,19 @@ def _layer_weights(layer, dtype, device, share: bool) -> LayerWeights:
         qkv_bias = [_param(_bias(p), dtype, device, True) for p in projs]
         gate_up = [p.weight.detach() for p in ups]
         gate_up_bias = [_param(_bias(p), dtype, device, True) for p in ups]
-    else:
-        qkv = [_fused([p.weight for p in projs], dtype, device)]
+    else:  # owned copies: LoRA layers contribute their weight with the adapters merged
+        qkv = [_fused([effective_weight(p) for p in projs], dtype, device)]
         qkv_bias = [_fused([_bias(p) for p in projs], dtype, device)]
-        gate_up = [_fused([p.weight for p in ups], dtype, device)]
+        gate_up = [_fused([effective_weight(p) for p in ups], dtype, device)]
         gate_up_bias = [_fused([_bias(p) for p in ups], dtype, device)]
     return LayerWeights(
         ln1=_param(layer.input_layernorm.weight, dtype, device, share),
         ln2=_param(layer.post_attention_layernorm.weight, dtype, device, share),
         qkv=qkv, qkv_bias=qkv_bias,
-        o=_param(attn.o_proj.weight, dtype, device, share), o_bias=_param(_bias(attn.o_proj), dtype, device, share),
+        o=_param(effective_weight(attn.o_proj), dtype, device, share),
+        o_bias=_param(_bias(attn.o_proj), dtype, device, share),
         gate_up=gate_up, gate_up_bias=gate_up_bias,
-        down=_param(mlp.down_proj.weight, dtype, device, share),
+        down=_param(effective_weight(mlp.down_proj), dtype, device, share),
         down_bias=_param(_bias(mlp.down_proj), dtype, device, share),
         qk_norm=qk_norm,
     )
@@ -358,3 +362,45 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
         x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
     last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
     return F.linear(last, weights.lm_head)
+
+
+@torch.no_grad()
+def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slot: int, ids: torch.Tensor,
+           column: int, position: int, valid: torch.Tensor, cos_table: torch.Tensor,
+           sin_table: torch.Tensor) -> torch.Tensor:
+    """Append ``ids`` to the sequence of cache row ``slot``: run them at cache columns
+    ``column..column+k-1`` and positions ``position..``, attending to the row's valid earlier
+    columns (``valid [column]`` bool) and causally to each other, and write their keys/values.
+    The history is read from the cache, not recomputed (a multi-turn observation costs a prefill
+    of its own tokens only).
+
+    Args:
+        ids: ``[k]`` token ids. cos_table, sin_table: as for :func:`prefill`.
+    Returns:
+        ``[V]`` next-token logits (compute dtype) after the last of ``ids``.
+    """
+    k = ids.shape[0]
+    dtype = weights.embed.dtype
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    pos = torch.arange(position, position + k, device=ids.device)
+    cos = cos_table[pos].to(dtype)[None, :, None]  # [1, k, 1, D]
+    sin = sin_table[pos].to(dtype)[None, :, None]
+    end = column + k
+    causal = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril_()
+    allowed = torch.cat([valid[:column].to(torch.bool)[None].expand(k, column), causal], dim=1)[None, None]
+    x = F.embedding(ids[None], weights.embed)
+    for index, lw in enumerate(weights.layers):
+        q, key, value = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
+        q = rotate(q.view(1, k, heads, dim), cos, sin).transpose(1, 2)
+        key = rotate(key.view(1, k, kv_heads, dim), cos, sin).transpose(1, 2)
+        cache[index, 0, slot, :, column:end] = key[0]
+        cache[index, 1, slot, :, column:end] = value.view(k, kv_heads, dim).transpose(0, 1)
+        keys, values = cache[index, 0, slot, :, :end][None], cache[index, 1, slot, :, :end][None]
+        if spec.group > 1:
+            keys = keys.repeat_interleave(spec.group, dim=1)
+            values = values.repeat_interleave(spec.group, dim=1)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        x = residual_linear(x, attn.transpose(1, 2).reshape(1, k, heads * dim), lw.o, lw.o_bias)
+        x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
+    last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
+    return F.linear(last, weights.lm_head)[0]

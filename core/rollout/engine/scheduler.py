@@ -237,9 +237,16 @@ class Scheduler:
             finished = sorted(set(finished) | {s for s in self.live if flags[s]})
         return finished
 
+    def _between_steps(self) -> None:
+        """Called before each admission or decode step; a subclass continues paused sequences here
+        (multi-turn rollouts: :mod:`rlcore.rollout.engine.turns`)."""
+
     def loop(self) -> None:
         limit = self.params.max_new_tokens
         while self.queue or self.live:
+            self._between_steps()
+            if not (self.queue or self.live):
+                break
             if self._should_admit():
                 self._admit()
                 self._finish([s for s in self.live if self._count(s) >= limit])

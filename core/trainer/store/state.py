@@ -1,34 +1,33 @@
-"""Reading and writing checkpoint directories: files, fsync, manifest with checksums, DCP shards.
+"""The state of a checkpoint: what each entry is, writing it (at once or in the background), loading it back.
 
-:mod:`rlcore.trainer.checkpoint` decides *when* and *which*; this module only moves bytes. Every
-function that touches ``torch.distributed`` works the same with one process and no process group.
+Loading reads data only: every file goes through ``torch.load(weights_only=True)``, and DCP's
+``.metadata`` (which DCP unpickles) is first read with an unpickler that admits only DCP's metadata
+types, so a crafted checkpoint cannot run code (see "Trust boundary" in docs/checkpoints.md). What a component saves in
+its ``state_dict`` must therefore be plain containers (dict, list, tuple), numbers, strings, None
+and tensors; :data:`SAFE_TYPES` lists the few other types allowed.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import copy
-import hashlib
-import json
 import logging
-import os
-import shutil
+import pickle
+import random
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
+from rlcore.distributed.init import dist_active
 from rlcore.errors import CheckpointError
 from rlcore.protocols import DistInfo
+from rlcore.trainer.store import files
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
 OPTIM_SUFFIXES = ("_optim", "_optimizer", "_opt")
 RESHARD_NOTE = ("per-rank data positions and RNG streams cannot be split across a different number of "
                 "processes: ranks the saved run did not have start from rank 0's data position and fresh "
@@ -37,59 +36,62 @@ RESHARD_NOTE = ("per-rank data positions and RNG streams cannot be split across 
 
 
 # --------------------------------------------------------------------------------------------
-# torch.distributed utilities (no-ops in a single process)
+# Random streams
 # --------------------------------------------------------------------------------------------
 
 
-def _dist_active() -> bool:
-    import torch.distributed as tdist
+class RNGState:
+    """Random streams of this process: python, numpy, torch CPU, every CUDA device, and named generators.
 
-    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+    The checkpoint policy saves one copy per rank. Extra ``torch.Generator`` objects (e.g. the one
+    shuffling mini-batches) join with :meth:`register` so a resumed run draws the same numbers.
+    """
+
+    def __init__(self, generators: Optional[Mapping[str, torch.Generator]] = None):
+        self.generators: dict[str, torch.Generator] = dict(generators or {})
+
+    def register(self, name: str, generator: torch.Generator) -> torch.Generator:
+        self.generators[name] = generator
+        return generator
+
+    def state_dict(self) -> dict[str, Any]:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "torch": torch.get_rng_state(),
+            "generators": {n: g.get_state() for n, g in self.generators.items()},
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        import numpy as np
+
+        random.setstate(_as_tuple(state["python"]))
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
+        torch.set_rng_state(state["torch"])
+        for name, gen_state in state.get("generators", {}).items():
+            if name in self.generators:
+                self.generators[name].set_state(gen_state)
+            else:
+                log.warning("checkpoint holds RNG generator %r that this run does not register; ignored", name)
+        cuda = state.get("cuda")
+        if cuda is not None and torch.cuda.is_available():
+            if len(cuda) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda)
+            else:
+                log.warning("checkpoint holds CUDA RNG states of %d devices, this process sees %d: "
+                            "CUDA random streams restart from the seed", len(cuda), torch.cuda.device_count())
 
 
-def collective_device() -> torch.device:
-    """The device small collectives use: CUDA under a NCCL-only process group, else CPU."""
-    import torch.distributed as tdist
-
-    backend = str(tdist.get_backend()).lower()
-    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def barrier() -> None:
-    if _dist_active():
-        import torch.distributed as tdist
-
-        tdist.barrier()
-
-
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if not _dist_active():
-        return obj
-    import torch.distributed as tdist
-
-    box = [obj]
-    tdist.broadcast_object_list(box, src=0, device=collective_device())
-    return box[0]
-
-
-@contextlib.contextmanager
-def _dcp_quiet() -> Iterator[None]:
-    """Silence DCP's notice that it runs without a process group (expected with one process)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def new_gloo_group() -> Any:
-    """A gloo group for DCP's background writes, so they never share a NCCL stream with training (collective)."""
-    if not _dist_active():
-        return None
-    import torch.distributed as tdist
-
-    return tdist.new_group(backend="gloo")
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,8 +122,6 @@ def module_of(key: str, state: Mapping[str, Any]) -> Optional[torch.nn.Module]:
 
 def kind_of(key: str, value: Any, state: Mapping[str, Any]) -> str:
     """``model`` | ``optim`` (tensor state, resharded by DCP) | ``rng`` | ``state`` (small, per rank)."""
-    from rlcore.trainer.checkpoint import RNGState
-
     if isinstance(value, torch.nn.Module):
         return "model"
     if isinstance(value, torch.optim.Optimizer) and module_of(key, state) is not None:
@@ -138,158 +138,30 @@ def _tensor_state(key: str, value: Any, state: Mapping[str, Any], *, full: bool 
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=full, cpu_offload=full)
     if isinstance(value, torch.nn.Module):
+        # a model with frozen weights (a LoRA actor) saves only what trains; the rest comes from its model path
+        opts = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=has_frozen(value))
         return get_model_state_dict(value, options=opts)
+    opts = StateDictOptions(full_state_dict=full, cpu_offload=full)
     return get_optimizer_state_dict(module_of(key, state), value, options=opts)
 
 
-# --------------------------------------------------------------------------------------------
-# Files
-# --------------------------------------------------------------------------------------------
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory under ``root`` (bottom-up)."""
-    for dirpath, _, files in os.walk(root, topdown=False):
-        for name in files:
-            fsync_path(Path(dirpath) / name)
-        fsync_path(Path(dirpath))
-
-
-def save_file(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def remove_tree(path: Path) -> None:
-    if path.exists():
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def free_bytes(path: str) -> Optional[int]:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final`` (replacing an older ``final``) and make the rename durable."""
-    fsync_tree(tmp)
-    trash = final.parent / f".trash-{final.name}"
-    if final.exists():
-        remove_tree(trash)
-        os.rename(final, trash)
-    os.rename(tmp, final)
-    fsync_path(final.parent)
-    remove_tree(trash)
-
-
-def write_pointer(path: Path, target: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(target + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def read_pointer(path: Path) -> Optional[str]:
-    try:
-        name = path.read_text().strip()
-    except OSError:
-        return None
-    return name or None
+def has_frozen(module: torch.nn.Module) -> bool:
+    """Whether some parameter of ``module`` does not train (``requires_grad`` off)."""
+    return any(not p.requires_grad for p in module.parameters())
 
 
 # --------------------------------------------------------------------------------------------
-# Manifest
+# Writing
 # --------------------------------------------------------------------------------------------
 
 
-def sha256_of(path: Path, chunk: int = 8 * 2**20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _hash_all(root: Path, files: list[Path]) -> dict[str, str]:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:
-        digests = list(pool.map(sha256_of, files))
-    return {str(p.relative_to(root)): d for p, d in zip(files, digests)}
-
-
-def write_manifest(root: Path, *, step: int, world_size: int, fmt: str, kinds: Mapping[str, str]) -> None:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-    digests = _hash_all(root, files)
-    from rlcore import __version__
-
-    manifest = {
-        "format_version": FORMAT_VERSION, "step": int(step), "world_size": int(world_size), "format": fmt,
-        "kinds": dict(kinds), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rlcore_version": __version__,
-        "torch_version": torch.__version__,
-        "files": {rel: {"bytes": (root / rel).stat().st_size, "sha256": d} for rel, d in digests.items()},
-    }
-    with open(root / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        with open(path / MANIFEST) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path / MANIFEST}: {e}") from e
-
-
-def verify(path: Path) -> list[str]:
-    """Problems that make checkpoint ``path`` unusable (empty list: complete and intact)."""
-    if not path.is_dir():
-        return [f"{path} does not exist"]
-    if not (path / MANIFEST).is_file():
-        return [f"no {MANIFEST} (the save did not finish)"]
-    try:
-        manifest = read_manifest(path)
-        files = dict(manifest["files"])
-        for key in ("step", "world_size", "format", "kinds"):
-            manifest[key]
-    except (CheckpointError, KeyError, TypeError, ValueError) as e:
-        return [f"{MANIFEST} is unreadable or incomplete: {e}"]
-    problems, present = [], []
-    for rel, meta in sorted(files.items()):
-        p = path / rel
-        if not p.is_file():
-            problems.append(f"{rel} is missing")
-        elif p.stat().st_size != int(meta["bytes"]):
-            problems.append(f"{rel} is truncated or altered: {p.stat().st_size} bytes, expected {meta['bytes']}")
-        else:
-            present.append(p)
-    if problems:
-        return problems
-    digests = _hash_all(path, present)
-    return [f"{rel} fails its sha256 check" for rel, d in sorted(digests.items()) if d != files[rel]["sha256"]]
-
-
-# --------------------------------------------------------------------------------------------
-# Writing state
-# --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _dcp_quiet() -> Iterator[None]:
+    """Silence DCP's notice that it runs without a process group (expected with one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 class PendingSave:
@@ -303,7 +175,7 @@ class PendingSave:
     def _run(self, work: Callable[[], None]) -> None:
         try:
             work()
-        except BaseException as e:  # reported by result()
+        except BaseException as e:  # noqa: BLE001 - reported by result()
             self._error = e
 
     def running(self) -> bool:
@@ -357,19 +229,19 @@ def write_state(tmp: Path, state: Mapping[str, Any], fmt: str, dist: DistInfo, *
     asynchronous save for reuse (the caller waits for the previous save before the next one).
     """
     small = {k: v.state_dict() for k, v in state.items() if kind_of(k, v, state) in ("state", "rng")}
-    save_file(small, tmp / "state" / f"rank_{dist.rank:05d}.pt")
+    files.save_file(small, tmp / "state" / f"rank_{dist.rank:05d}.pt")
     tensor_keys = [k for k, v in state.items() if kind_of(k, v, state) in ("model", "optim")]
     tensors = {k: _tensor_state(k, state[k], state) for k in tensor_keys}
     if fmt == "torch":
         if not asynchronous:
             for k, sd in tensors.items():
-                save_file(sd, tmp / f"{k}.pt")
+                files.save_file(sd, tmp / f"{k}.pt")
             return None
         snapshot = (staging or Staging())(tensors)
 
         def work() -> None:
             for k, sd in snapshot.items():
-                save_file(sd, tmp / f"{k}.pt")
+                files.save_file(sd, tmp / f"{k}.pt")
             on_done()
 
         return PendingSave(work)
@@ -378,10 +250,10 @@ def write_state(tmp: Path, state: Mapping[str, Any], fmt: str, dist: DistInfo, *
     writer = dcp.FileSystemWriter(str(tmp / "dcp"), sync_files=True)
     with _dcp_quiet():
         if not asynchronous:
-            dcp.save(tensors, storage_writer=writer, no_dist=not _dist_active())
+            dcp.save(tensors, storage_writer=writer, no_dist=not dist_active())
             return None
         response = dcp.async_save(tensors, storage_writer=writer, process_group=process_group,
-                                  no_dist=not _dist_active())
+                                  no_dist=not dist_active())
     future = getattr(response, "upload_completion", response)
 
     def wait_then_finish() -> None:
@@ -392,15 +264,63 @@ def write_state(tmp: Path, state: Mapping[str, Any], fmt: str, dist: DistInfo, *
 
 
 # --------------------------------------------------------------------------------------------
-# Loading state
+# Loading
 # --------------------------------------------------------------------------------------------
 
 
-def _load_file(path: Path, *, weights_only: bool) -> Any:
+#: Types other than containers, numbers, strings and tensors that a checkpoint may hold.
+SAFE_TYPES: tuple[type, ...] = ()
+
+
+def load_file(path: Path) -> Any:
+    """The data in ``path``, read with ``torch.load(weights_only=True)``: no code runs.
+
+    :raises CheckpointError: the file cannot be read, or holds objects other than data.
+    """
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        with torch.serialization.safe_globals(list(SAFE_TYPES)):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling problem is a checkpoint problem
-        raise CheckpointError(f"cannot load {path}: {e}") from e
+        text = str(e)
+        if "weights_only" in text or "Unsupported global" in text or "unsupported" in text.lower():
+            first = next((ln.strip() for ln in text.splitlines() if "GLOBAL" in ln or "global" in ln), "")
+            raise CheckpointError(f"{path} holds objects other than data and was not loaded: checkpoints are "
+                                  f"read as data only, never as code ({first or type(e).__name__})") from e
+        raise CheckpointError(f"cannot load {path}: {text.splitlines()[0] if text else type(e).__name__}") from e
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` (which DCP itself reads with plain ``pickle.load``) allowing only
+    the types such metadata is made of: DCP's metadata classes, tensor sizes and dtypes, paths."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = super().find_class(module, name)
+        allowed = (
+            (module == "torch.distributed.checkpoint.metadata" and isinstance(obj, type))
+            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
+            or (module == "torch" and (name == "Size" or isinstance(obj, torch.dtype)))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"))
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"Unsupported global: {module}.{name}")
+        return obj
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """Read the ``.metadata`` of the DCP directory ``path`` as data before DCP unpickles it.
+
+    :raises CheckpointError: it holds anything but DCP metadata (it would run code when loaded).
+    """
+    try:
+        with open(path / ".metadata", "rb") as f:
+            _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, AttributeError, ImportError) as e:
+        raise CheckpointError(f"{path / '.metadata'} holds objects other than data and was not loaded: "
+                              f"checkpoints are read as data only, never as code ({e})") from e
+    except (OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / '.metadata'}: {e}") from e
 
 
 def _apply_tensor_state(key: str, value: Any, sd: dict[str, Any], state: Mapping[str, Any], full: bool) -> None:
@@ -410,11 +330,18 @@ def _apply_tensor_state(key: str, value: Any, sd: dict[str, Any], state: Mapping
         set_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=full, strict=True)
     try:
         if isinstance(value, torch.nn.Module):
-            set_model_state_dict(value, sd, options=opts)
+            frozen = has_frozen(value)
+            opts = StateDictOptions(full_state_dict=full, strict=not frozen, ignore_frozen_params=frozen)
+            result = set_model_state_dict(value, sd, options=opts)
+            trainable = {n for n, p in value.named_parameters() if p.requires_grad}
+            missing = sorted(k for k in getattr(result, "missing_keys", []) if k in trainable)
+            if frozen and missing:
+                raise KeyError(f"the checkpoint lacks trainable weights {missing[:5]}"
+                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         else:
+            opts = StateDictOptions(full_state_dict=full, strict=True)
             set_optimizer_state_dict(module_of(key, state), value, sd, options=opts)
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint entry {key!r} does not fit this run's {type(value).__name__}: {e}") from e
@@ -427,23 +354,24 @@ def load_state(path: Path, manifest: Mapping[str, Any], state: Mapping[str, Any]
     tensor_keys = [k for k in state if kinds.get(k) in ("model", "optim")]
     if manifest["format"] == "torch":
         for k in tensor_keys:
-            sd = _load_file(path / f"{k}.pt", weights_only=True)
+            sd = load_file(path / f"{k}.pt")
             _apply_tensor_state(k, state[k], sd, state, full=True)
     else:
         import torch.distributed.checkpoint as dcp
 
         template = {k: _tensor_state(k, state[k], state) for k in tensor_keys}
+        check_dcp_metadata(path / "dcp")
         reader = dcp.FileSystemReader(str(path / "dcp"))
         try:
             with _dcp_quiet():
-                dcp.load(template, storage_reader=reader, no_dist=not _dist_active())
+                dcp.load(template, storage_reader=reader, no_dist=not dist_active())
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot load sharded state from {path / 'dcp'}: {e}") from e
         for k in tensor_keys:
             _apply_tensor_state(k, state[k], template[k], state, full=False)
     saved_ws = int(manifest["world_size"])
     src = dist.rank if dist.rank < saved_ws else 0
-    small = _load_file(path / "state" / f"rank_{src:05d}.pt", weights_only=False)
+    small = load_file(path / "state" / f"rank_{src:05d}.pt")
     rng_keys = [k for k in state if kinds.get(k) == "rng"]
     for k in [k for k in state if kinds.get(k) == "state"] + rng_keys:
         if k in rng_keys and src != dist.rank:
@@ -465,31 +393,3 @@ def reseed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# --------------------------------------------------------------------------------------------
-# Hugging Face export
-# --------------------------------------------------------------------------------------------
-
-
-def export_hf(model: torch.nn.Module, tokenizer: Any, target: Path, dist: DistInfo) -> Optional[str]:
-    """Write ``model`` and ``tokenizer`` to ``target`` atomically; FSDP shards are gathered first (collective)."""
-    if not hasattr(model, "save_pretrained"):
-        raise CheckpointError(f"cannot export {type(model).__name__} as a Hugging Face directory: "
-                              "it has no save_pretrained()")
-    full = None
-    if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.is_main:
-        tmp = target.parent / f".tmp-{target.name}"
-        remove_tree(tmp)
-        try:
-            kwargs = {"state_dict": full} if full is not None else {}
-            model.save_pretrained(str(tmp), **kwargs)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
-            replace_dir(tmp, target)
-        except OSError as e:
-            raise CheckpointError(f"could not export the model to {target}: {e}") from e
-    barrier()
-    return str(target) if dist.is_main else None

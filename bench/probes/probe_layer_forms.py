@@ -14,7 +14,7 @@ forms other than ``engine`` are timings only, their outputs are not the model's)
   the SiLU·mul kernel and the down product reading the transposed layout);
 * ``engine_cublaslt``: the engine's step with PyTorch's preferred BLAS library set to cuBLASLt.
 
-    python bench/probe_layer_forms.py --shape qwen2-0.5b --batch 256
+    python bench/probes/probe_layer_forms.py --shape qwen2-0.5b --batch 256
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
 from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E402
-from bench_rollout import SHAPES, build  # noqa: E402
+from bench_rollout import build  # noqa: E402
 
 import_rlcore()
 

@@ -7,11 +7,11 @@ at context ``c`` (its column), RoPE rows gathered beforehand, one call per layer
 kernel from an earlier commit can be timed in the same process as the installed one:
 
     git show 5b61e7c:core/rollout/decode_attention.py > /tmp/attention_before.py
-    python bench/probe_attention.py --versions /tmp/attention_before.py --contexts 129,256,383
+    python bench/probes/probe_attention.py --versions /tmp/attention_before.py --contexts 129,256,383
 
 ``--settings`` times the installed version under several kernel settings in the same process:
 
-    python bench/probe_attention.py --settings '[{}, {"subblocks": 4, "num_warps": 4}]'
+    python bench/probes/probe_attention.py --settings '[{}, {"subblocks": 4, "num_warps": 4}]'
 
 ``unique MB`` counts each prompt's keys and values once and each slot's own columns once.
 """
@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for _common
 from _common import environment, graph_ms, import_rlcore, write_json  # noqa: E402
 
 import_rlcore()

@@ -1,0 +1,136 @@
+"""Multi-turn rollout throughput against single-turn, at the same number of model tokens.
+
+A random-init decoder of a real shape plays episodes in the engine: a turn ends when the model
+samples one of ``--end-fraction`` of the vocabulary (so turns average about ``1 / end_fraction``
+tokens), an environment answers after ``--tool-ms`` (an ``asyncio.sleep``: a tool that takes that
+long) with ``--obs-tokens`` observation tokens, up to ``--turns`` turns. The single-turn
+reference generates the same number of model tokens per sequence in one turn. Both report model
+tokens per second (observation tokens excluded); the target is multi-turn within 1.5x of
+single-turn (ratio single/multi <= 1.5).
+
+Run (GPU):  python bench/bench_multiturn.py --out bench/results/multiturn.json
+CPU smoke:  python bench/bench_multiturn.py --shape tiny --device cpu --sequences 8 --budget 64 --tool-ms 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment, import_rlcore, timed, write_json  # noqa: E402
+
+import_rlcore()
+
+from bench_rollout import SHAPES, build, make_prompts  # noqa: E402
+from rlcore.envs import Step  # noqa: E402
+from rlcore.envs.runner import EpisodeLimits, EpisodePrompt, EpisodeRunner, Environments, episode_metrics  # noqa: E402
+from rlcore.rollout.base import SamplingParams  # noqa: E402
+from rlcore.rollout.engine import RolloutEngine  # noqa: E402
+
+
+class NumberTokenizer:
+    """Token ids written as numbers: what the runner needs (decode, encode, no chat template)."""
+
+    chat_template = None
+    unk_token_id = None
+
+    def __init__(self, eos: int):
+        self.eos_token_id = eos
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(w) for w in text.split()]}
+
+
+class SlowTool:
+    """Answers each turn after ``delay`` seconds with ``obs`` tokens; done after ``turns`` turns."""
+
+    observation_role = "user"
+
+    def __init__(self, config):
+        self.delay, self.obs, self.turns = float(config["delay"]), list(config["obs"]), int(config["turns"])
+
+    def start(self, row):
+        return None
+
+    async def step(self, turn):
+        await asyncio.sleep(self.delay)
+        if turn.index + 1 >= self.turns:
+            return Step(reward=1.0, done=True)
+        return Step(observation=" ".join(map(str, self.obs)), metrics={"tool_calls": 1.0})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sequences", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=1024, help="max_new_tokens: model + observation tokens")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--end-fraction", type=float, default=1 / 192)
+    ap.add_argument("--obs-tokens", type=int, default=32)
+    ap.add_argument("--tool-ms", type=float, default=50.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build(args.shape, args.device, dtype)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    ends = tuple(range(vocab - max(1, int(vocab * args.end_fraction)), vocab))
+    engine = RolloutEngine(model, max_batch_size=args.sequences, max_seq_len=args.prompt_len + args.budget + 8)
+    prompts = make_prompts(args.sequences, 1, args.prompt_len, vocab - len(ends))
+    obs = list(range(20, 20 + args.obs_tokens))
+    tok = NumberTokenizer(ends[0])
+    envs = Environments({"tool": (SlowTool, "bench")},
+                        {"tool": {"delay": args.tool_ms / 1e3, "obs": obs, "turns": args.turns}},
+                        defaults=EpisodeLimits(max_turns=args.turns, timeout_s=600))
+    runner = EpisodeRunner(envs, tok, max_concurrency=args.sequences, stop=())
+
+    def multi(seed):
+        episodes = runner.start(["tool"] * len(prompts), [{} for _ in prompts])
+        params = SamplingParams(max_new_tokens=args.budget, temperature=1.0, seed=seed, eos_token_ids=ends)
+        return engine.generate([EpisodePrompt(p, e) for p, e in zip(prompts, episodes)], params), episodes
+
+    def single(seed, tokens):
+        params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=seed)  # no EOS: exactly `tokens`
+        return engine.generate(prompts, params)
+
+    multi(0)  # warm-up: graphs, compilation
+    rows = []
+    for r in range(args.repeats):
+        sec_m, (batch, episodes) = timed(lambda: multi(r + 1))
+        model_tokens = float(batch.response_mask.sum())
+        per_seq = max(1, round(model_tokens / len(prompts)))
+        single(0, per_seq)
+        sec_s, ref = timed(lambda: single(r + 1, per_seq))
+        ref_tokens = float(ref.response_mask.sum())
+        metrics = episode_metrics(episodes)
+        rows.append({"multi_s": sec_m, "multi_model_tokens": model_tokens, "multi_tok_s": model_tokens / sec_m,
+                     "single_s": sec_s, "single_model_tokens": ref_tokens, "single_tok_s": ref_tokens / sec_s,
+                     "ratio": (ref_tokens / sec_s) / (model_tokens / sec_m),
+                     "turns_mean": metrics["env/turns_mean"], "observation_tokens": float(batch.stats.get(
+                         "rollout/observation_tokens", 0.0)), "env_waits": batch.stats.get("rollout/env_waits", 0.0),
+                     "env_seconds_mean": metrics["env/seconds_mean"]})
+    runner.close()
+    write_json(args.out, {"environment": environment(), "args": vars(args), "runs": rows})
+    print(f"\n{args.shape} on {args.device}: {args.sequences} sequences, budget {args.budget}, up to {args.turns} turns, "
+          f"tool {args.tool_ms:.0f} ms, {args.obs_tokens} observation tokens")
+    print(f"{'run':>3} {'multi tok/s':>12} {'single tok/s':>13} {'single/multi':>13} {'turns':>6} {'model tok':>10}")
+    for i, row in enumerate(rows):
+        print(f"{i:>3} {row['multi_tok_s']:>12.0f} {row['single_tok_s']:>13.0f} {row['ratio']:>13.2f} "
+              f"{row['turns_mean']:>6.2f} {row['multi_model_tokens']:>10.0f}")
+    best = min(r["ratio"] for r in rows)
+    print(f"target single/multi <= 1.5: {'met' if best <= 1.5 else 'NOT met'} (best {best:.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Every check that can run before a model loads (``rlcore validate``, and ``rlcore train`` before it
+starts): plugins and their settings, data files, model and reward-model paths, role devices, the
+output directory, the checkpoint to resume from, the reward function, each plugin's own checks, rank
+groups, and two plugins answering one factory hook."""
+
+from __future__ import annotations
+
+from rlcore.errors import RLCoreError
+
+
+def preflight(cfg, names):
+    """Every check that can run before a model loads: plugins and their settings, data files, model and
+    reward-model paths, role devices, output directory, the checkpoint to resume from, the reward
+    function, each plugin's own checks (``rlcore_preflight``: plugin requirements, shard sizes), rank
+    groups, and — when the rest is sound — two selected plugins answering the same factory hook.
+    Every problem found is reported together.
+
+    :raises RLCoreError: the one problem found, or an :class:`~rlcore.errors.PreflightError` listing all.
+    """
+    from rlcore.plugin_manager import build_plugin_manager
+
+    pm = build_plugin_manager(names)
+    from rlcore.data.provider import check_data_files, check_rows_for_batch
+    from rlcore.errors import PreflightError
+    from rlcore.trainer.checkpoint import check_output_dir, check_resume
+    from rlcore.config.schema import trains_critic
+    from rlcore.trainer.models import check_model_path
+
+    problems: list[RLCoreError] = []
+
+    def attempt(check, *args):
+        try:
+            return check(*args)
+        except RLCoreError as e:
+            problems.append(e)
+            return None
+
+    train_files = attempt(check_data_files, _to_object(cfg.data))
+    if train_files:
+        attempt(check_rows_for_batch, train_files, cfg.ppo.rollout_batch_size, _world_size(cfg))
+    for role in ("actor", "critic") if trains_critic(cfg.algorithm.adv_estimator) else ("actor",):
+        if cfg[role].model_path:
+            attempt(check_model_path, cfg[role].model_path, f"{role}.model_path")
+    if cfg.reward_model.enable:
+        from rlcore.rewards.reward_model import check_reward_model_dir
+
+        attempt(check_reward_model_dir, cfg.reward_model.path)
+    attempt(_check_devices, cfg)
+    attempt(check_output_dir, _to_object(cfg.trainer))
+    attempt(check_resume, _to_object(cfg.trainer))
+    attempt(_check_reward_function, cfg, train_files)
+    from rlcore.config.loader import to_container
+    from rlcore.plugin_checks import check_conflicts, check_rollout_backend, check_settings
+
+    attempt(check_settings, pm, cfg)
+    attempt(check_rollout_backend, pm, cfg)
+    given = {"config": to_container(cfg), "plugins": list(names)}
+    for impl in pm.hook.rlcore_preflight.get_hookimpls():  # each plugin's checks, all reported
+        attempt(_plugin_check, impl, given)
+    attempt(_check_environments, cfg, pm)
+    attempt(_check_rank_groups, cfg)
+    if not problems:  # two plugins answering one factory hook, found as train would find it
+        attempt(check_conflicts, pm, cfg, _world_size(cfg), lambda: _tokenizer(cfg))
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise PreflightError(problems)
+    return pm
+
+
+def _plugin_check(impl, given: dict) -> None:
+    """Run one plugin's ``rlcore_preflight``; an exception that is not an rlcore error (a bug in the
+    plugin, a missing module) becomes a :class:`PluginError` naming the plugin."""
+    from rlcore.errors import PluginError
+
+    try:
+        impl.function(**{name: given[name] for name in impl.argnames})
+    except RLCoreError:
+        raise
+    except Exception as e:
+        raise PluginError(f"plugin '{impl.plugin_name}': its start-up check (rlcore_preflight) failed: "
+                          f"{type(e).__name__}: {e}") from e
+
+
+def _check_reward_function(cfg, train_files) -> None:
+    """Import the custom reward function (before the data is tokenized or a model loads) and match
+    its required arguments with the columns every training file has."""
+    fn = cfg.custom_reward_function
+    if fn.path is None:
+        return
+    from rlcore.rewards.functions import check_arguments, load_function
+
+    reward = load_function(fn.path, fn.name)
+    # Columns are known for local parquet files (their footers) and jsonl files (every record); remote
+    # files are not opened here, so those leave the check to the first batch.
+    if train_files and all(info.format in ("parquet", "jsonl") and info.columns for info in train_files):
+        columns = set.intersection(*(set(info.columns) for info in train_files))
+        check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
+
+
+def _tokenizer(cfg):
+    """The actor's tokenizer, as the trainer loads it (the demo's when no model is given)."""
+    from rlcore.protocols import DistInfo
+    from rlcore.trainer.components import demo_model
+    from rlcore.trainer.models import load_tokenizer
+
+    return load_tokenizer(cfg.actor.model_path or demo_model(cfg.trainer.output_dir, DistInfo()))
+
+
+def _check_environments(cfg, pm) -> None:
+    """With ``data.env_key``: the tool-call parser exists, and every environment configured under
+    ``plugin_config`` builds from its settings (a bad key fails here, naming it)."""
+    if not cfg.data.env_key:
+        return
+    from omegaconf import OmegaConf
+
+    from rlcore.envs.runner import collect_environments
+    from rlcore.errors import EnvError
+
+    envs = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True), cfg.env.tool_parser)
+    if cfg.env.tool_parser not in envs.parsers:
+        raise EnvError(f"env.tool_parser: '{cfg.env.tool_parser}' is not a registered tool-call parser; parsers: "
+                       f"{', '.join(sorted(envs.parsers))}")
+    for name in cfg.plugin_config:
+        if name in envs.factories:
+            try:
+                envs.make(name)
+            except ValueError as error:
+                raise EnvError(f"environment '{name}': {error}") from error
+
+
+def _check_devices(cfg) -> None:
+    """Each role's ``device`` names a device this machine has (the roles this run uses)."""
+    import torch
+
+    from rlcore.config.schema import trains_critic
+    from rlcore.distributed.placement import DEVICE_KEYS, parse_device, requested_devices
+
+    devices = requested_devices(cfg.actor, cfg.critic, cfg.reward_model, trains_critic(cfg.algorithm.adv_estimator))
+    for role, spec in devices.items():
+        parse_device(str(spec), torch.device("cpu"), DEVICE_KEYS[role])
+
+
+def _check_rank_groups(cfg) -> None:
+    """``placement.rank_groups`` against the world size, where it is known before any process starts:
+    ``trainer.nproc_per_node`` (rlcore's own launcher) or torchrun's ``WORLD_SIZE``."""
+    groups = _to_object(cfg.placement.rank_groups)
+    world = _world_size(cfg)
+    if not groups or world < 2:
+        return
+    from rlcore.distributed.placement import ColocatedPlacement, check_trainer_placement
+    from rlcore.protocols import DistInfo, PlacementRequest
+
+    check_trainer_placement(ColocatedPlacement(PlacementRequest(rank_groups=groups), DistInfo(world_size=world)),
+                            world)
+
+
+def _world_size(cfg) -> int:
+    """Processes of the run as known before any starts: torchrun's ``WORLD_SIZE``, else ``trainer.nproc_per_node``."""
+    from rlcore.distributed.init import env_int
+
+    return env_int("WORLD_SIZE", 0) or int(cfg.trainer.nproc_per_node or 1)
+
+
+def _to_object(node):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(node)

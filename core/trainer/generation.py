@@ -1,0 +1,116 @@
+"""The actor's rollout, two calls deep from the loop: :meth:`ActorGeneration.generate` -> the backend.
+
+Inside one call it switches the actor to the reshard policy's generation layout, asks the policy
+which prompts this rank generates (:meth:`~rlcore.protocols.ReshardPolicy.generation_share`), takes
+the rollout backend of the generation module (built there on first use, refreshed with
+``sync_weights`` afterwards) and runs it in micro-batches of ``ppo.generation.batch_size`` prompts,
+halving the micro-batch on out-of-memory and retrying the failed chunk so no sample is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from rlcore.protocols import ReshardPolicy, RolloutBackend
+from rlcore.rollout.base import FinishedCallback, RolloutBatch, SamplingParams, concat_batches, reports_finished
+
+log = logging.getLogger(__name__)
+
+#: ``make_backend(module, tensor_parallel) -> RolloutBackend``; ``tensor_parallel`` is True for a
+#: generation module with DTensor weights (a tensor-parallel replica).
+BackendFactory = Callable[[torch.nn.Module, bool], RolloutBackend]
+
+
+def has_dtensor_params(module: torch.nn.Module) -> bool:
+    """True when some parameter of ``module`` is a DTensor (a sharded or tensor-parallel layout)."""
+    return any(type(p).__name__ == "DTensor" or hasattr(p, "device_mesh") for p in module.parameters())
+
+
+def _shifted(on_finished: FinishedCallback, offset: int) -> FinishedCallback:
+    """``on_finished`` of a chunk starting at ``offset``: its indices shifted to the whole call's."""
+    return lambda indices, responses: on_finished([offset + i for i in indices], responses)
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+class ActorGeneration:
+    """Rollouts of ``actor`` through ``reshard``'s generation layout.
+
+    :param actor: the actor as the reshard policy prepared it for training.
+    :param reshard: the reshard policy.
+    :param make_backend: builds the rollout backend of a generation module (see :data:`BackendFactory`).
+    :param micro_batch: prompts per backend call (``ppo.generation.batch_size``); halves on out-of-memory.
+    :param minimum: the smallest micro-batch; an out-of-memory error at it is raised.
+    :param prebuilt: ``{id(module): backend}`` already built for the current weights (single process:
+        the training module generates itself).
+    """
+
+    def __init__(self, actor: torch.nn.Module, reshard: ReshardPolicy, make_backend: BackendFactory,
+                 micro_batch: int, *, minimum: int = 1, prebuilt: Optional[dict[int, RolloutBackend]] = None):
+        if micro_batch < 1 or minimum < 1:
+            raise ValueError(f"ActorGeneration: micro_batch ({micro_batch}) and minimum ({minimum}) must be >= 1")
+        self.actor, self.reshard, self.make_backend = actor, reshard, make_backend
+        self.micro_batch, self.minimum, self.retries = int(micro_batch), int(minimum), 0
+        #: the backends built so far, by ``id`` of their generation module
+        self.backends: dict[int, RolloutBackend] = dict(prebuilt or {})
+        self._fresh: set[int] = set(self.backends)
+
+    def backend(self, module: torch.nn.Module) -> RolloutBackend:
+        """The backend of ``module`` (call inside ``generation()``): built on first use, so an engine
+        copies or references the gathered weights, never the shards; refreshed with ``sync_weights``
+        on every later use."""
+        key = id(module)
+        if key not in self.backends:
+            self.backends[key] = self.make_backend(module, has_dtensor_params(module))
+        elif key in self._fresh:
+            self._fresh.discard(key)
+        else:
+            self.backends[key].sync_weights()
+        return self.backends[key]
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finished: Optional[FinishedCallback] = None) -> RolloutBatch:
+        """One sample per prompt, rows in the order of ``prompts``.
+
+        ``on_finished`` (:data:`rlcore.rollout.base.FinishedCallback`) is handed to a backend that
+        reports finished samples (:func:`rlcore.rollout.base.reports_finished`), with indices into
+        ``prompts``, where this rank generates all of them; otherwise it is not called. A chunk
+        retried after an out-of-memory error may report samples again."""
+        with self.reshard.generation(self.actor) as module:
+            module.eval()
+            backend = self.backend(module)
+            share = self.reshard.generation_share(prompts, params)
+            whole = len(share.prompts) == len(prompts)
+            report = on_finished if on_finished is not None and whole and reports_finished(backend) else None
+            batch = self._in_micro_batches(backend, share.prompts, share.params, report)
+        return share.own(batch)
+
+    def _in_micro_batches(self, backend: RolloutBackend, prompts: Sequence[Sequence[int]],
+                          params: SamplingParams, on_finished: Optional[FinishedCallback] = None) -> RolloutBatch:
+        """``backend.generate`` chunk by chunk. A seeded call gives each chunk its own seed
+        (``seed + first prompt index``) so repeated prompts in different chunks do not share noise."""
+        parts: list[RolloutBatch] = []
+        start = 0
+        while start < len(prompts):
+            size = min(self.micro_batch, len(prompts) - start)
+            chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
+            kw = {} if on_finished is None else {"on_finished": _shifted(on_finished, start)}
+            try:
+                parts.append(backend.generate(prompts[start:start + size], chunk_params, **kw))
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                if not is_oom(error) or self.micro_batch <= self.minimum:
+                    raise
+                self.micro_batch = max(self.minimum, self.micro_batch // 2)
+                self.retries += 1
+                log.warning("rollout out of memory at micro-batch %d; retrying at %d", size, self.micro_batch)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            start += size
+        return concat_batches(parts, params.pad_token_id)

@@ -1,0 +1,124 @@
+"""Multi-turn generation: the engine continues a slot after an observation with its KV cache kept,
+gives the same greedy episodes as the turn-by-turn Hugging Face path, and its log-probs line up
+with the trainer's teacher-forced ones on model tokens only."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rlcore.demo import LETTERS, build_tool_model_dir
+from rlcore.envs import Step
+from rlcore.envs.runner import EpisodePrompt, EpisodeRunner, Environments, EpisodeLimits, episode_metrics
+from rlcore.rollout.base import SamplingParams
+from rlcore.rollout.engine import RolloutEngine
+from rlcore.rollout.hf import HFGenerateBackend
+from rlcore.trainer.experience import batched_logprobs, to_experience
+from rlcore.trainer.models import load_causal_lm, load_tokenizer
+
+
+class Echo:
+    """Answers every turn with a fixed observation after a short, thread-blocking delay."""
+
+    observation_role = "user"
+    calls = 0
+    lock = threading.Lock()
+
+    def __init__(self, config):
+        self.delay = float(config.get("delay", 0.0))
+
+    def start(self, row):
+        return None
+
+    def step(self, turn):
+        time.sleep(self.delay)
+        with Echo.lock:
+            Echo.calls += 1
+        return Step(observation="e f g", reward=1.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tool_model_dir(str(tmp_path_factory.mktemp("tool-model")))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_causal_lm(model_dir).eval()
+
+
+def play(backend, tok, n=5, delay=0.0, max_turns=3, max_new_tokens=24, stop=("a", "b", "c")):
+    envs = Environments({"echo": (Echo, "test")}, {"echo": {"delay": delay}},
+                        defaults=EpisodeLimits(max_turns=max_turns, timeout_s=30))
+    runner = EpisodeRunner(envs, tok, stop=stop)
+    rows = [{"env": "echo"} for _ in range(n)]
+    episodes = runner.start([r["env"] for r in rows], rows)
+    prompts = [EpisodePrompt(tok.convert_tokens_to_ids(list(LETTERS[i:i + 2 + i % 3])), e)
+               for i, e in enumerate(episodes)]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=(tok.eos_token_id,),
+                            pad_token_id=tok.pad_token_id)
+    try:
+        return backend.generate(prompts, params), episodes
+    finally:
+        runner.close()
+
+
+def test_engine_episodes_match_turn_by_turn_generate(model, tok):
+    engine = RolloutEngine(model, max_batch_size=2, max_seq_len=64)  # 5 prompts in 2 slots: a queue
+    got, eps = play(engine, tok)
+    ref, ref_eps = play(HFGenerateBackend(model), tok)
+    assert [e.turns for e in eps] == [e.turns for e in ref_eps]
+    assert max(e.turns for e in eps) > 1, "the test needs episodes of several turns"
+    width = ref.response_ids.shape[1]
+    assert got.response_ids.shape[1] == width
+    assert torch.equal(got.response_ids, ref.response_ids)
+    assert torch.equal(got.response_mask, ref.response_mask) and torch.equal(got.attention, ref.attention)
+    torch.testing.assert_close(got.logprobs, ref.logprobs, atol=5e-3, rtol=0)  # padding changes fp32 sums
+    # observations are context: in the sequence, not in the loss
+    obs = tok.convert_tokens_to_ids(["e", "f", "g"])
+    row = next(i for i, e in enumerate(eps) if e.turns > 1)
+    ids, model_mask, attention = got.response_ids[row].tolist(), got.response_mask[row], got.attention[row]
+    start = next(i for i in range(width - 2) if ids[i:i + 3] == obs and model_mask[i] == 0)
+    assert model_mask[start:start + 3].tolist() == [0, 0, 0] and attention[start:start + 3].tolist() == [1, 1, 1]
+    assert got.logprobs[row, start:start + 3].abs().sum() == 0
+    # the history was never prefilled again: one prefill per admission, not per turn
+    assert got.stats["rollout/prefill_calls"] <= 5
+    metrics = episode_metrics(eps)
+    assert metrics["env/turns_mean"] == sum(e.turns for e in eps) / 5
+    assert metrics["env/observation_tokens_mean"] > 0
+
+
+@pytest.mark.parametrize("backend", ["engine", "hf"])
+def test_teacher_forced_logprobs_line_up_on_model_tokens(model, tok, backend):
+    gen = RolloutEngine(model, max_batch_size=4, max_seq_len=64) if backend == "engine" else HFGenerateBackend(model)
+    batch, eps = play(gen, tok, n=4)
+    assert int((batch.attention - batch.response_mask).sum()) > 0, "no observation tokens in the batch"
+    exp = to_experience(batch, torch.zeros(4), torch.device("cpu"))
+    forced = batched_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len, 1.0, 2,
+                              exp.response_mask)
+    mask = exp.response_mask.bool()
+    torch.testing.assert_close(forced[mask], exp.old_logprobs[mask], atol=5e-3, rtol=0)  # fp32 sums differ
+    assert torch.equal(exp.attention_mask[:, -batch.response_ids.shape[1]:], batch.attention)
+    # with the observations left out of the attention the model tokens after them would not line up
+    ids, attn = exp.input_ids.clone(), exp.attention_mask.clone()
+    attn[:, -batch.response_ids.shape[1]:] = batch.response_mask
+    wrong = batched_logprobs(model, ids, attn, exp.response_len, 1.0, 2, exp.response_mask)
+    assert (wrong[mask] - exp.old_logprobs[mask]).abs().max() > 0.05
+
+
+def test_environment_calls_run_concurrently_while_slots_decode(model, tok):
+    Echo.calls = 0
+    engine = RolloutEngine(model, max_batch_size=8, max_seq_len=64)
+    start = time.perf_counter()
+    batch, eps = play(engine, tok, n=8, delay=0.3, max_turns=2)
+    elapsed = time.perf_counter() - start
+    calls = Echo.calls
+    assert calls >= 8
+    # one after the other the calls alone would take calls x 0.3 s
+    assert elapsed < 0.3 * calls * 0.6, (elapsed, calls)
