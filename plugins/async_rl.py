@@ -322,8 +322,9 @@ class AsyncSource:
                          "async/wait_s": wait, "async/weights_sync_s": self._weights_s,
                          "async/queued_steps": float(len(self.pending))}
         self._weights_s = 0.0
+        groups = torch.arange(rollout.batch_size // t.n).repeat_interleave(t.n)  # n samples of each prompt in a row
         return Sampled(rollout=rollout, scores=scores, raw_scores=raw, reward_metrics=m_reward,
-                       truncated=t.truncated(rollout), group_ids=torch.arange(rollout.batch_size // t.n).repeat_interleave(t.n))
+                       truncated=t.truncated(rollout), group_ids=groups)
 
     def data_state(self) -> _Position:
         return _Position(self)
@@ -422,9 +423,9 @@ class AsyncSource:
 
 def _take(batch: Any, a: int, b: int) -> Any:
     """Rows ``a:b`` of a rollout batch."""
-    return dataclasses.replace(batch, prompt_ids=batch.prompt_ids[a:b], prompt_mask=batch.prompt_mask[a:b],
-                               response_ids=batch.response_ids[a:b], response_mask=batch.response_mask[a:b],
-                               logprobs=batch.logprobs[a:b], stats=dict(batch.stats))
+    rows = {f.name: getattr(batch, f.name)[a:b] for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return dataclasses.replace(batch, **rows, stats=dict(batch.stats))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -505,7 +506,7 @@ class RolloutWorker:
                 self.inbox.put(msg)
                 if msg[0] == "stop":
                     return
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - handed to the main thread, which raises it
             self.stopping.set()
             self.inbox.put(("error", error))
 
@@ -513,7 +514,7 @@ class RolloutWorker:
         try:
             while (item := self.outbox.get()) is not None:
                 self.bridge.send(item, 0, timeout=None)  # training rank 0 takes the samples when its step needs them
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - handed to the main thread, which raises it
             self.stopping.set()
             self.inbox.put(("error", error))
 

@@ -3,6 +3,7 @@ in buckets, and the rollout source's order of work with stand-in peers."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from datetime import timedelta
 
@@ -149,3 +150,15 @@ def test_rlcore_world_split_is_answered_by_async_when_selected_else_by_the_defau
     assert isinstance(split, async_rl.AsyncSplit) and split.rollout_ranks == 2 and split.weights_backend == "auto"
     whole = build_plugin_manager([]).build("rlcore_world_split", world_size=4, config={})
     assert whole.rollout_ranks == 0
+
+
+def test_a_training_ranks_rows_keep_every_per_sample_tensor():
+    from rlcore.rollout.base import RolloutBatch
+
+    ids = torch.arange(12).view(4, 3)
+    batch = RolloutBatch(ids, torch.ones(4, 3), ids + 100, torch.ones(4, 3), torch.zeros(4, 3), stats={"x": 1.0},
+                         response_attention=torch.arange(12).view(4, 3) % 2)
+    part = async_rl._take(batch, 1, 3)
+    assert torch.equal(part.prompt_ids, ids[1:3]) and torch.equal(part.response_ids, ids[1:3] + 100)
+    assert torch.equal(part.response_attention, batch.response_attention[1:3]) and part.stats == {"x": 1.0}
+    assert async_rl._take(dataclasses.replace(batch, response_attention=None), 0, 2).response_attention is None
