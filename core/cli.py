@@ -104,7 +104,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return code
     split = _world_split(cfg, pm)
     if split is not None and split[1].role == "rollout":
-        return split[0].run_rollout_rank(cfg, split[1], pm)
+        code = split[0].run_rollout_rank(cfg, split[1], pm)
+        split[1].close()
+        return code
     dist = split[1].dist if split is not None else init_distributed(cfg.trainer.device)
     if dist.is_main:
         from rlcore.demo import announce, demo_preset_keys
@@ -117,6 +119,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     trainer = Trainer(cfg, pm, dist, split)
     summary = trainer.train()
+    if split is not None:
+        split[1].close()
     if dist.is_main:
         print_summary(summary, cfg.trainer.output_dir)
         if trainer.status == "interrupted":

@@ -131,6 +131,13 @@ class SplitInfo:
     def bridge_rank(self) -> int:
         return 0 if self.role == "train" else 1 + self.dist.rank
 
+    def close(self) -> None:
+        """Leave the groups once this process's part is done (the bridge first, then its own group),
+        so that no group's threads are still running while the interpreter shuts down."""
+        self.bridge = None
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
 
 def _store(rank: int, world: int) -> Any:
     store, _, _ = next(tdist.rendezvous("env://", rank, world, timeout=collective_timeout()))
