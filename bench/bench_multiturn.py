@@ -86,7 +86,8 @@ def main() -> None:
     model = build(args.shape, args.device, dtype)
     vocab = SHAPES[args.shape]["vocab_size"]
     ends = tuple(range(vocab - max(1, int(vocab * args.end_fraction)), vocab))
-    engine = RolloutEngine(model, max_batch_size=args.sequences, max_seq_len=args.prompt_len + args.budget + 8)
+    engine = RolloutEngine(model, max_batch_size=args.sequences, max_seq_len=args.prompt_len + args.budget + 8,
+                           kv_cache="static")  # multi-turn episodes write observations into a slot's cache row
     prompts = make_prompts(args.sequences, 1, args.prompt_len, vocab - len(ends))
     obs = list(range(20, 20 + args.obs_tokens))
     tok = NumberTokenizer(ends[0])

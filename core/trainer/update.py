@@ -30,10 +30,13 @@ class Batching:
     micro: int
 
     @classmethod
-    def from_config(cls, n: int, ppo: PPOConfig, grad_accum: int) -> "Batching":
+    def from_config(cls, n: int, ppo: PPOConfig, grad_accum: int, strict: bool = True) -> "Batching":
+        """``strict``: a rollout of ``n`` samples that ``ppo.mini_batch_size`` does not divide is an
+        error (the configured rollout); otherwise (a rollout that dynamic sampling made smaller) the
+        last optimizer step takes the remainder."""
         from rlcore.config.loader import mini_batch_problem
 
-        problem = mini_batch_problem(n, int(ppo.mini_batch_size or 0))
+        problem = mini_batch_problem(n, int(ppo.mini_batch_size or 0)) if strict else None
         if problem:
             from rlcore.errors import ConfigError
 
@@ -49,7 +52,7 @@ def on_policy(n: int, ppo: PPOConfig, grad_accum: int) -> bool:
     Every micro-batch's forward then runs on the weights that scored the rollout, so the old
     log-probs equal the new ones (detached): the ratio is 1 and no separate forward pass is needed.
     """
-    return int(ppo.ppo_epochs) == 1 and Batching.from_config(n, ppo, grad_accum).mini >= n
+    return int(ppo.ppo_epochs) == 1 and Batching.from_config(n, ppo, grad_accum, strict=False).mini >= n
 
 
 def group_weights(response_mask: torch.Tensor, groups: Sequence[torch.Tensor], loss_agg: str) -> list[float]:
@@ -234,7 +237,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     micro-batches that need it. An optimizer step whose loss or gradient norm is not finite is
     skipped (``guard`` decides and stops the run after too many in a row); ``train/nonfinite_steps``
     counts the skipped ones."""
-    cut = Batching.from_config(exp.size, ppo, grad_accum)
+    cut = Batching.from_config(exp.size, ppo, grad_accum, strict=False)
     stats: dict[str, list[float]] = defaultdict(list)
     spent = {"actor": 0.0, "critic": 0.0}
     recompute = recompute or {}
@@ -248,7 +251,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
         exp.old_logprobs is None and exp.rollout_logprobs is not None) else None
     for _ in range(ppo.ppo_epochs):
         order = torch.randperm(exp.size, generator=generator)
-        for start in range(0, exp.size - cut.mini + 1, cut.mini):
+        for start in range(0, exp.size, cut.mini):  # every sample trains: a last, smaller step takes a remainder
             mini_idx = order[start:start + cut.mini]
             if lengths is not None:  # similar lengths share a micro-batch (stable: ties keep the shuffle)
                 mini_idx = mini_idx[torch.sort(lengths[mini_idx.to(lengths.device)].cpu(), descending=True,

@@ -95,7 +95,9 @@ def test_rank_death_fails_the_job_promptly(tmp_path):
     proc = torchrun(2, [WORKER, "--out", str(tmp_path / "x.json"), "--cases", "die"], timeout=240)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    root = text.split("Root Cause")[-1]
-    assert "injected failure on rank 1" in root, text[-3000:]
-    assert "rank      : 1" in root, text[-3000:]
+    # torchrun's report names rank 1 and its error (as the root cause, or beside rank 0's broken collective when
+    # both fail within the same moment on a loaded machine)
+    report = text.split("Failures:")[-1]
+    assert "injected failure on rank 1" in report, text[-3000:]
+    assert "rank      : 1" in report, text[-3000:]
     assert not (tmp_path / "x.json").exists()

@@ -70,7 +70,8 @@ def play(backend, tok, n=5, delay=0.0, max_turns=3, max_new_tokens=24, stop=("a"
 
 
 def test_engine_episodes_match_turn_by_turn_generate(model, tok):
-    engine = RolloutEngine(model, max_batch_size=2, max_seq_len=64)  # 5 prompts in 2 slots: a queue
+    # 5 prompts in 2 slots: a queue
+    engine = RolloutEngine(model, max_batch_size=2, max_seq_len=64, kv_cache="static")
     got, eps = play(engine, tok)
     ref, ref_eps = play(HFGenerateBackend(model), tok)
     assert [e.turns for e in eps] == [e.turns for e in ref_eps]
@@ -96,7 +97,8 @@ def test_engine_episodes_match_turn_by_turn_generate(model, tok):
 
 @pytest.mark.parametrize("backend", ["engine", "hf"])
 def test_teacher_forced_logprobs_line_up_on_model_tokens(model, tok, backend):
-    gen = RolloutEngine(model, max_batch_size=4, max_seq_len=64) if backend == "engine" else HFGenerateBackend(model)
+    gen = RolloutEngine(model, max_batch_size=4, max_seq_len=64, kv_cache="static") if backend == "engine" \
+        else HFGenerateBackend(model)
     batch, eps = play(gen, tok, n=4)
     assert int((batch.attention - batch.response_mask).sum()) > 0, "no observation tokens in the batch"
     exp = to_experience(batch, torch.zeros(4), torch.device("cpu"))
@@ -114,7 +116,7 @@ def test_teacher_forced_logprobs_line_up_on_model_tokens(model, tok, backend):
 
 def test_environment_calls_run_concurrently_while_slots_decode(model, tok):
     Echo.calls = 0
-    engine = RolloutEngine(model, max_batch_size=8, max_seq_len=64)
+    engine = RolloutEngine(model, max_batch_size=8, max_seq_len=64, kv_cache="static")
     start = time.perf_counter()
     batch, eps = play(engine, tok, n=8, delay=0.3, max_turns=2)
     elapsed = time.perf_counter() - start
@@ -122,3 +124,14 @@ def test_environment_calls_run_concurrently_while_slots_decode(model, tok):
     assert calls >= 8
     # one after the other the calls alone would take calls x 0.3 s
     assert elapsed < 0.3 * calls * 0.6, (elapsed, calls)
+
+
+def test_a_paged_engine_refuses_episodes_and_the_trainer_builds_a_static_one(model, tok):
+    from rlcore.config import load_config
+    from rlcore.trainer.components import _engine_settings, obj
+
+    with pytest.raises(ValueError, match="kv_cache='static'"):
+        play(RolloutEngine(model, max_batch_size=2, max_seq_len=64), tok, n=2)
+    cfg = load_config([], ["data.env_key=env"])
+    assert _engine_settings(obj(cfg.actor).rollout_engine, obj(cfg.data))["kv_cache"] == "static"
+    assert _engine_settings(obj(cfg.actor).rollout_engine, obj(load_config([], []).data))["kv_cache"] == "paged"

@@ -33,7 +33,7 @@ def tool_task_config(tmp_path, *overrides):
 
 
 def test_tool_task_is_learned(tmp_path):
-    cfg = tool_task_config(tmp_path, "trainer.max_steps=100")
+    cfg = tool_task_config(tmp_path, "trainer.max_steps=140")
     summary = Trainer(cfg, build_plugin_manager([]), DistInfo()).train()
     before, after = summary["before/reward_mean"], summary["after/reward_mean"]
     assert before < 0.15, before

@@ -94,3 +94,32 @@ def test_chunked_logprobs_match_log_softmax(monkeypatch, temperature):
     torch.testing.assert_close(ent.double(), -(ref_all.exp() * ref_all).sum(-1).detach(), rtol=0, atol=1e-5)
     torch.testing.assert_close(got, base.grad, rtol=0, atol=1e-5)
     assert got[:, -1].abs().max() == 0 and got.abs().max() > 0.1
+
+
+def test_a_rollout_smaller_than_configured_trains_every_sample():
+    """Dynamic sampling may keep fewer groups than configured: 6 samples with mini-batches of 4 make two
+    optimizer steps (4 + 2), no sample left out."""
+    from rlcore.trainer.update import ppo_update
+
+    model = tiny_causal_lm("qwen2")
+    exp = _experience(model, batch=6, seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    seen = []
+    real = actor_micro_loss
+
+    def counting(actor, mb, *args, **kwargs):
+        seen.append(mb.input_ids.shape[0])
+        return real(actor, mb, *args, **kwargs)
+
+    import rlcore.trainer.update as update
+
+    update.actor_micro_loss, saved = counting, update.actor_micro_loss
+    try:
+        out = ppo_update(exp, actor=model, actor_opt=opt, actor_sched=sched, actor_grad_clip=0.0,
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4), grad_accum=1, temperature=1.0,
+                         kl_loss_coef=0.0)
+    finally:
+        update.actor_micro_loss = saved
+    assert sum(seen) == 6 and sorted(seen) == [2, 4]
+    assert out["actor/optimizer_steps"] == 2
