@@ -112,7 +112,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from rlcore.demo import announce, demo_preset_keys
 
         preset = demo_preset_keys(args.overrides) if args.demo else set()
-        for key, why in inert_keys(cfg, dist.world_size, ignore=preset):
+        world = split[1].world_size if split is not None else dist.world_size  # the whole job, rollout ranks too
+        for key, why in inert_keys(cfg, world, ignore=preset):
             log.warning("config key '%s' has no effect in this run: %s", key, why)
         announce(cfg, args.demo, provides_data(pm))
     from rlcore.trainer.loop import Trainer
