@@ -4,6 +4,7 @@ engine's ``attention="triton"`` option (run through Triton's interpreter on CPU 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -515,38 +516,47 @@ def test_attention_kernels_are_custom_ops_with_fake_implementations():
 @needs_kernel
 @pytest.mark.parametrize("paged", [False, True])
 def test_attention_ops_compile_into_one_graph(paged, monkeypatch):
-    """A function calling ``attend_new`` and ``attend`` (every option) compiles with ``fullgraph=True``
-    into one graph that holds both operators, and gives the eager results and cache writes (eager
-    graph, and through AOT autograd's functionalised graph). Called eagerly, they launch the kernels
-    directly, without the operators' dispatch."""
+    """A function calling ``attend_new`` and ``attend`` (every option) on one layer of a cache compiles
+    with ``fullgraph=True`` into one graph that holds both operators, and gives the eager results and
+    cache writes: eager graph, AOT autograd's functionalised graph, and Inductor, which calls the
+    operators on the cache itself (no copy of it). Called eagerly, they launch the kernels directly,
+    without the operators' dispatch."""
+    from torch._inductor.utils import run_and_get_code
+
     proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads, options, q = op_case(paged)
     plain_options = {key: value for key, value in options.items() if key != "proj_bias"}
+    cache = torch.stack((torch.zeros_like(layer), layer))  # [L, ...]: the engine passes cache[index]
 
-    def step(proj, layer, q):
-        new = decode_attention.attend_new(proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads,
+    def step(proj, cache, q):
+        new = decode_attention.attend_new(proj, cache[1], bias, length, cos, sin, positions, at, heads, kv_heads,
                                           **options)
-        return new, decode_attention.attend(q, layer, bias, length, **plain_options)
+        return new, decode_attention.attend(q, cache[1], bias, length, **plain_options)
 
-    expected_layer = layer.clone()
+    expected_cache = cache.clone()
     with monkeypatch.context() as patch:
         for name in ("attend_op", "attend_new_op"):
             patch.setattr(decode_attention, name, None)
-        expected = step(proj, expected_layer, q)
+        expected = step(proj, expected_cache, q)
     graphs = []
 
     def recording(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    for backend in (recording, "aot_eager"):
+    for backend in (recording, "aot_eager", "inductor"):
         torch._dynamo.reset()
-        got_layer = layer.clone()
-        got = torch.compile(step, fullgraph=True, backend=backend)(proj, got_layer, q)
+        got_cache = cache.clone()
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
+        got, code = run_and_get_code(compiled, proj, got_cache, q) if backend == "inductor" else (
+            compiled(proj, got_cache, q), None)
         for a, b in zip(got, expected):
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
-        assert torch.equal(got_layer, expected_layer) and not torch.equal(got_layer, layer)
+        assert torch.equal(got_cache, expected_cache) and not torch.equal(got_cache, cache)
     targets = {node.target for node in graphs[0].graph.nodes}
     assert {torch.ops.rlcore.attend_new.default, torch.ops.rlcore.attend.default} <= targets
+    code = "\n".join(code)
+    assert re.search(r"rlcore\.attend_new\.default\(\w+, reinterpret_tensor\(", code)  # in place, on the cache
+    assert "copy_" not in code and "clone" not in code
     assert int(options["counters"].abs().sum()) == 0  # the chunks' counters are left at zero
 
 
