@@ -573,3 +573,9 @@ def test_attention_ops_pass_opcheck(paged):
                            options["proj_bias"], options["subblocks"]))
     torch.library.opcheck(torch.ops.rlcore.attend.default,
                           (q, layer, bias, length, *tuning, *flat, options["subblocks"]))
+
+
+def test_no_queries_give_an_empty_result():
+    """No slot to decode: an empty ``[0, KVH·G·D]`` result, no launch (its width is not left to ``view``)."""
+    q, layer, bias, length = make_case(3, 16)
+    assert decode_attention.attend(q[:0], layer, bias[:0], length).shape == (0, 2 * 3 * 16)
