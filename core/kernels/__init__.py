@@ -11,4 +11,7 @@ in plain PyTorch that the tests compare against:
 * :mod:`rlcore.kernels.step_kernels` — the decode step's bookkeeping at each end of the step;
 * :mod:`rlcore.kernels.logprob` — token log-probabilities and entropy from hidden states without
   materialising fp32 logits (the trainer's fast path).
+
+Each kernel family is also a set of ``torch.library`` custom operators (``rlcore::*``) with fake
+implementations, so that code compiled with ``torch.compile`` calls them without a graph break.
 """

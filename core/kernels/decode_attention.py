@@ -385,9 +385,56 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             ``page_size`` a multiple of ``block_n``. Excludes ``shared`` (slots share pages instead).
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
+
+    The ``torch.library`` operator ``rlcore::attend`` (fake implementation: the result's shape) runs it
+    when the call is traced (:func:`_traced`), so compiled code calls it without a graph break.
     """
+    args = (q, layer, bias, length, splits, block_n, num_warps, num_stages, counters, *_flat(shared, pages),
+            subblocks)
+    return attend_op(*args) if _traced(q) else _attend(*args)
+
+
+def _flat(shared, pages) -> tuple:
+    """``(source, end, table, page_size)`` from ``shared`` and ``pages`` (the operators' flat arguments)."""
+    source, end = (None, None) if shared is None else shared
+    table, page_size = (None, 0) if pages is None else pages
+    return source, end, table, page_size
+
+
+def _pairs(source, end, table, page_size) -> tuple:
+    """``(shared, pages)`` back from :func:`_flat`'s arguments."""
+    return (None if source is None and end is None else (source, end),
+            None if table is None else (table, page_size))
+
+
+def _traced(tensor: torch.Tensor) -> bool:
+    """Whether a call is being traced: by ``torch.compile``, under a dispatch mode (fake tensors,
+    ``make_fx``) or on a tensor subclass. Traced calls go through the ``torch.library`` operators; the
+    others launch directly (an operator's dispatch costs tens of microseconds a call, a layer's kernel a
+    few: the decode step calls one per layer)."""
+    return (torch.compiler.is_compiling() or type(tensor) is not torch.Tensor
+            or torch._C._len_torch_dispatch_stack() > 0)
+
+
+def _attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, splits: int | None,
+            block_n: int | None, num_warps: int | None, num_stages: int | None, counters: torch.Tensor | None,
+            source: torch.Tensor | None, end: torch.Tensor | None, table: torch.Tensor | None, page_size: int,
+            subblocks: int) -> torch.Tensor:
+    shared, pages = _pairs(source, end, table, page_size)
     return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, counters,
                    shared=shared, subblocks=subblocks, pages=pages)
+
+
+#: :func:`attend` as a ``torch.library`` operator (flat arguments: ``shared`` and ``pages`` as
+#: ``source, end, table, page_size``); the kernel counts in ``counters`` (left at zero)
+attend_op = torch.library.custom_op("rlcore::attend", _attend, mutates_args=("counters",))
+
+
+@attend_op.register_fake
+def _(q, layer, bias, length, splits, block_n, num_warps, num_stages, counters, source, end, table, page_size,
+      subblocks):
+    n, kv_heads, group, dim = q.shape
+    return q.new_empty(n, kv_heads * group * dim)
 
 
 def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
@@ -419,7 +466,22 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             given without its bias.
     Returns:
         ``[n, heads·D]`` in ``proj``'s dtype.
+
+    The ``torch.library`` operator ``rlcore::attend_new`` (mutating ``layer``; fake implementation: the
+    result's shape) runs it when the call is traced (:func:`_traced`).
     """
+    args = (proj, layer, bias, length, cos, sin, positions, columns, heads, kv_heads, splits, block_n, num_warps,
+            num_stages, counters, *_flat(shared, pages), proj_bias, subblocks)
+    return attend_new_op(*args) if _traced(proj) else _attend_new(*args)
+
+
+def _attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor | None, columns: torch.Tensor, heads: int, kv_heads: int,
+                splits: int | None, block_n: int | None, num_warps: int | None, num_stages: int | None,
+                counters: torch.Tensor | None, source: torch.Tensor | None, end: torch.Tensor | None,
+                table: torch.Tensor | None, page_size: int, proj_bias: torch.Tensor | None,
+                subblocks: int) -> torch.Tensor:
+    shared, pages = _pairs(source, end, table, page_size)
     parts = proj if proj.dim() == 3 else proj[None]
     n, width = parts.shape[1], parts.shape[2]
     dim = layer.shape[-1]
@@ -436,6 +498,17 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
     summed = (parts.stride(0) if parts.shape[0] > 1 else 0, proj_bias, parts.shape[0])
     return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, counters,
                    rows=positions is None, shared=shared, summed=summed, subblocks=subblocks, pages=pages)
+
+
+#: :func:`attend_new` as a ``torch.library`` operator (flat arguments as :data:`attend_op`'s); writes
+#: the new keys/values into ``layer``
+attend_new_op = torch.library.custom_op("rlcore::attend_new", _attend_new, mutates_args=("layer", "counters"))
+
+
+@attend_new_op.register_fake
+def _(proj, layer, bias, length, cos, sin, positions, columns, heads, kv_heads, splits, block_n, num_warps,
+      num_stages, counters, source, end, table, page_size, proj_bias, subblocks):
+    return proj.new_empty(proj.shape[-2], heads * layer.shape[-1])
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -473,8 +546,9 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
         raise ValueError(f"decode attention: length {length} outside the cache's {columns} columns, "
                          f"or fewer cache/bias rows ({cache_rows}, {bias.shape[0]}) than queries ({n})")
     out = torch.empty(n, kv_heads, group, dim, dtype=q.dtype, device=device)
+    width = kv_heads * group * dim
     if n == 0:
-        return out.view(n, -1)
+        return out.view(n, width)
     block_n = block_n or default_block(dim)
     num_warps = num_warps or default_warps(dim)
     check_subblocks(subblocks, block_n, dim)
@@ -510,7 +584,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     if splits == 1:
         _attend_part[(n, kv_heads, 1)](*common, out, *out.stride(), out, 0, out, 0, 0, 0, 0, out, *sizes, *new_args,
                                        SPLIT=False, **constants, **options)
-        return out.view(n, -1)
+        return out.view(n, width)
     parts = torch.empty(n, kv_heads, splits, group, dim, dtype=torch.float32, device=device)
     stats = torch.empty(2, n, kv_heads, splits, group, dtype=torch.float32, device=device)
     plane = stats[0].numel()
@@ -522,7 +596,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     _attend_part[(n, kv_heads, splits)](*common, parts, *parts.stride()[:2], dim, 1, stats, plane,
                                         out, *out.stride(), counters, *sizes, *new_args,
                                         SPLIT=True, **constants, **options)
-    return out.view(n, -1)
+    return out.view(n, width)
 
 
 def gather_shared(layer: torch.Tensor, n: int, source: torch.Tensor, end: torch.Tensor) -> torch.Tensor:

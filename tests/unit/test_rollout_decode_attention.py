@@ -4,6 +4,7 @@ engine's ``attention="triton"`` option (run through Triton's interpreter on CPU 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -463,3 +464,118 @@ def test_engine_sharing_state_follows_refills_and_compaction(qwen2, monkeypatch)
     engine._prefill([0, 1, 2, 3], [[3], [5, 4], [6], [5, 4]], 0)
     engine._compact([1, 3])  # row 3 reads row 1: both live, the source moves to row 0
     assert st.share_source.tolist()[:2] == [0, 0] and st.share_end.tolist()[:2] == [0, 2]
+
+
+def op_case(paged: bool, seed: int = 6):
+    """``attend_new``'s arguments with every option of one cache layout: 2 partial products and a
+    projection bias, RoPE rows per slot, 2 chunks, own counters, 2 sub-blocks; shared prompt rows
+    (static cache) or a block table (paged). Returns ``(proj, layer, bias, length, cos, sin, positions,
+    columns, heads, kv_heads, options, q)``, ``q`` queries for ``attend`` over the same cache."""
+    gen = torch.Generator().manual_seed(seed)
+    n, kv_heads, group, dim, columns = 3, 2, 3, 16, 128
+    heads = kv_heads * group
+    layer = torch.randn(2, 4, kv_heads, columns, dim, generator=gen)
+    bias = torch.zeros(n, columns)
+    bias[:2, :5] = float("-inf")
+    options = dict(splits=2, subblocks=2, block_n=64, counters=torch.zeros(16, dtype=torch.int32, device=DEVICE),
+                   proj_bias=torch.randn((heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE))
+    if paged:
+        layer, table = decode_attention.paginate(layer, 64, gen)
+        options["pages"] = (table.to(DEVICE), 64)
+    else:
+        options["shared"] = (torch.tensor([0, 0, 2], dtype=torch.int32, device=DEVICE),
+                             torch.tensor([0, 40, 0], dtype=torch.int32, device=DEVICE))
+    proj = torch.randn(2, n, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos, sin = torch.randn(2, n, dim, generator=gen)
+    q = torch.randn(n, kv_heads, group, dim, generator=gen)
+    at = torch.tensor([100, 70, 41])
+    return (proj.to(DEVICE), layer.to(DEVICE), bias.to(DEVICE), 110, cos.to(DEVICE), sin.to(DEVICE), None,
+            at.to(DEVICE), heads, kv_heads, options, q.to(DEVICE))
+
+
+def test_attention_kernels_are_custom_ops_with_fake_implementations():
+    """``attend`` and ``attend_new`` under fake tensors (what the compiler traces with), with every
+    option, go through ``rlcore::attend`` / ``rlcore::attend_new``: shapes and dtypes of the results,
+    no kernel launched (a launch on fake tensors fails)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cases = [op_case(paged) for paged in (False, True)]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        for proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads, options, q in cases:
+            proj, layer, q = (mode.from_tensor(t.to(torch.bfloat16)) for t in (proj, layer, q))
+            new = decode_attention.attend_new(proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads,
+                                              **options)
+            options = {key: value for key, value in options.items() if key != "proj_bias"}
+            plain = decode_attention.attend(q, layer, bias, length, **options)
+            assert new.shape == (3, heads * 16) and new.dtype == torch.bfloat16
+            assert plain.shape == (3, heads * 16) and plain.dtype == torch.bfloat16
+            assert type(new) is not torch.Tensor  # a fake result: nothing ran
+    assert torch.ops.rlcore.attend_new.default._schema.arguments[1].alias_info.is_write  # the cache is written
+
+
+@needs_kernel
+@pytest.mark.parametrize("paged", [False, True])
+def test_attention_ops_compile_into_one_graph(paged, monkeypatch):
+    """A function calling ``attend_new`` and ``attend`` (every option) on one layer of a cache compiles
+    with ``fullgraph=True`` into one graph that holds both operators, and gives the eager results and
+    cache writes: eager graph, AOT autograd's functionalised graph, and Inductor, which calls the
+    operators on the cache itself (no copy of it). Called eagerly, they launch the kernels directly,
+    without the operators' dispatch."""
+    from torch._inductor.utils import run_and_get_code
+
+    proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads, options, q = op_case(paged)
+    plain_options = {key: value for key, value in options.items() if key != "proj_bias"}
+    cache = torch.stack((torch.zeros_like(layer), layer))  # [L, ...]: the engine passes cache[index]
+
+    def step(proj, cache, q):
+        new = decode_attention.attend_new(proj, cache[1], bias, length, cos, sin, positions, at, heads, kv_heads,
+                                          **options)
+        return new, decode_attention.attend(q, cache[1], bias, length, **plain_options)
+
+    expected_cache = cache.clone()
+    with monkeypatch.context() as patch:
+        for name in ("attend_op", "attend_new_op"):
+            patch.setattr(decode_attention, name, None)
+        expected = step(proj, expected_cache, q)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for backend in (recording, "aot_eager", "inductor"):
+        torch._dynamo.reset()
+        got_cache = cache.clone()
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
+        got, code = run_and_get_code(compiled, proj, got_cache, q) if backend == "inductor" else (
+            compiled(proj, got_cache, q), None)
+        for a, b in zip(got, expected):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got_cache, expected_cache) and not torch.equal(got_cache, cache)
+    targets = {node.target for node in graphs[0].graph.nodes}
+    assert {torch.ops.rlcore.attend_new.default, torch.ops.rlcore.attend.default} <= targets
+    code = "\n".join(code)
+    assert re.search(r"rlcore\.attend_new\.default\(\w+, reinterpret_tensor\(", code)  # in place, on the cache
+    assert "copy_" not in code and "clone" not in code
+    assert int(options["counters"].abs().sum()) == 0  # the chunks' counters are left at zero
+
+
+@needs_kernel
+@pytest.mark.parametrize("paged", [False, True])
+def test_attention_ops_pass_opcheck(paged):
+    """``torch.library.opcheck``: the declared mutations are the real ones (the cache written by
+    ``attend_new``), the fake implementations match the kernels' results, and AOT autograd traces both."""
+    proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads, options, q = op_case(paged)
+    flat = decode_attention._flat(options.get("shared"), options.get("pages"))
+    tuning = (options["splits"], options["block_n"], None, None, options["counters"])
+    torch.library.opcheck(torch.ops.rlcore.attend_new.default,
+                          (proj, layer, bias, length, cos, sin, positions, at, heads, kv_heads, *tuning, *flat,
+                           options["proj_bias"], options["subblocks"]))
+    torch.library.opcheck(torch.ops.rlcore.attend.default,
+                          (q, layer, bias, length, *tuning, *flat, options["subblocks"]))
+
+
+def test_no_queries_give_an_empty_result():
+    """No slot to decode: an empty ``[0, KVH·G·D]`` result, no launch (its width is not left to ``view``)."""
+    q, layer, bias, length = make_case(3, 16)
+    assert decode_attention.attend(q[:0], layer, bias[:0], length).shape == (0, 2 * 3 * 16)
