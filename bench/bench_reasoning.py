@@ -366,7 +366,8 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
               "rollout_backend": _backend_name(trainer), "engine_warmup_s": engine_warmup_s,
               "engine_settings": _engine_settings(trainer)}
     result["tokens_per_s"] = result["tokens_per_step"] / step_s
-    progress.update(phase="numerics")
+    # the measured step stands even if the numerics that follow run past the timeout
+    progress.update(phase="numerics", result=result)
     spec["_save_progress"]()
     try:
         result["numerics"] = rlcore_numerics(trainer, spec, setting)
@@ -667,6 +668,9 @@ def launch(kind: str, spec: dict[str, Any], timeout_s: float) -> tuple[dict[str,
         if os.path.exists(spec["progress_file"]):
             with open(spec["progress_file"]) as f:
                 result["progress"] = json.load(f)
+            if "result" in result["progress"]:  # the step finished; what timed out came after it
+                result = {**result["progress"].pop("result"), "numerics": {"error": result["error"]},
+                          "progress": result["progress"]}
             result["progress"]["elapsed_in_step_s"] = (time.time() - result["progress"]["step_started_at"]
                                                        if "step_started_at" in result["progress"] else None)
     result["wall_s"] = wall

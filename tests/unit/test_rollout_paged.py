@@ -165,7 +165,8 @@ def test_kernel_writes_the_new_key_into_its_page_and_shared_prompt_pages():
         got = decode_attention.attend_new(proj, got_pool, bias, 256, cos, sin, positions, at, heads, kv_heads,
                                           splits=splits, pages=(table, 64))
         assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
-        assert torch.equal(got_pool, expected_pool)
+        # close, not equal: on a GPU the kernel's RoPE contracts into fused multiply-adds (last bits)
+        assert torch.allclose(got_pool, expected_pool, atol=1e-5, rtol=1e-5)
         assert not torch.equal(got_pool, pool)  # the new keys were written
 
 

@@ -164,12 +164,12 @@ def _partials(x: torch.Tensor, weight: torch.Tensor, bias, splits: int) -> torch
 
 
 def _add(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``residual + out.sum(0)`` rounded once to the compute dtype; ``out`` ``[splits, n, H]``.
-
-    Written through float32 so that the compiler fuses the add into the next RMSNorm kernel
-    instead of folding it into the matrix product as ``addmm``, whose library kernel first copies
-    the residual into its output (two extra copies per layer)."""
-    return _sum(out, residual.float()).to(residual.dtype)
+    """``residual + out.sum(0)``; ``out`` ``[splits, n, H]``. The product is rounded to the compute
+    dtype before the add, as the Hugging Face model rounds its projection before its residual add
+    (rounding the sum once moved the rollout's log-probs away from the trainer's recomputation).
+    A pointwise add the compiler fuses into the next RMSNorm kernel (not an ``addmm``, whose
+    library kernel first copies the residual into its output)."""
+    return residual + _sum(out).to(residual.dtype)
 
 
 def _sum(parts: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:

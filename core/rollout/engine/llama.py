@@ -261,11 +261,13 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the half-split layout (three kernels).
+    """Rotary embedding in the half-split layout.
 
-    ``x [..., D]``; ``cos`` and ``sin_signed`` (see :func:`signed_sin`) broadcast to it.
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+    ``x [..., D]``; ``cos`` and ``sin_signed`` (see :func:`signed_sin`) broadcast to it. Each
+    product is rounded to the compute dtype before the sum, as the Hugging Face model rounds them
+    (``addcmul`` would round once: in bf16 that alone moved sampled log-probs away from the
+    trainer's recomputation by several times HF ``generate``'s gap)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def norm_heads(x: torch.Tensor, qk_norm: Sequence[torch.Tensor], heads: int, eps: float) -> torch.Tensor:
@@ -288,10 +290,9 @@ def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
 
 def residual_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """``residual + x @ weight.T (+ bias)``; the add rides in the GEMM epilogue. ``[..., in] -> [..., out]``."""
-    out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
-    out = out.view(residual.shape)
-    return out if bias is None else out + bias
+    """``residual + (x @ weight.T (+ bias))``, the product rounded to the compute dtype before the
+    add, as the Hugging Face model computes it (the trainer's recomputation). ``[..., in] -> [..., out]``."""
+    return residual + F.linear(x, weight, bias)
 
 
 def mlp_residual(x: torch.Tensor, h: torch.Tensor, gate_up: Sequence[torch.Tensor],
