@@ -487,7 +487,8 @@ class Trainer:
                 "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
                 "response/clip_frac": float(self.truncated(rollout).float().mean()),
                 # samples the engine's paged KV cache had to preempt (and sample again) for want of pages
-                **{key: float(rollout.stats[key]) for key in ("rollout/preemptions",) if key in rollout.stats}}
+                **{key: float(rollout.stats[key]) for key in ("rollout/preemptions", "rollout/kv_bytes_peak")
+                   if key in rollout.stats}}
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, float]:
