@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from rlcore.config.schema import AdvEstimator, LossAgg, PolicyLoss, Truncation
 from rlcore.errors import ConfigError
 
 SOURCES = ("verl", "trl")
@@ -215,8 +216,8 @@ VERL_MAP: dict[str, tuple[str, str]] = {
     "trainer.max_actor_ckpt_to_keep": ("trainer.save_total_limit", ""),
 }
 
-_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
-_LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
+_ESTIMATORS = AdvEstimator.values()
+_LOSS_AGG = LossAgg.values()
 _KL = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k3+")
 _OVERLONG = ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.",
              "reward.reward_kwargs.overlong_buffer_cfg.")
@@ -232,7 +233,37 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
     handled: set[str] = set()
     take, drop = conv.recorder(flat, handled)
 
-    # Algorithm
+    s = _Source(conv, flat, get, take, drop, handled, world, n)
+    _verl_algorithm(s)
+    _verl_kl(s)
+    _verl_batches(s)
+    _verl_sampling(s)
+    _verl_schedule(s)
+    _verl_offload(s)
+    _verl_lora(s)
+    _verl_dapo(s)
+    _verl_trainer(s)
+    _verl_plain(s)
+    return conv
+
+
+@dataclass
+class _Source:
+    """What the sections of :func:`convert_verl` share: the conversion, the flat source and its recorders."""
+
+    conv: "Conversion"
+    flat: dict[str, Any]
+    get: Callable[..., Any]
+    take: Callable[..., None]
+    drop: Callable[..., None]
+    handled: set[str]
+    world: int
+    n: int
+
+
+def _verl_algorithm(s: "_Source") -> None:
+    """Algorithm."""
+    flat, get, take, drop = s.flat, s.get, s.take, s.drop
     est = get("algorithm.adv_estimator")
     if est is not None:
         if est in _ESTIMATORS:
@@ -253,14 +284,17 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
         if "actor_rollout_ref.actor.clip_ratio_c" in flat:
             drop("actor_rollout_ref.actor.clip_ratio_c", "dual clip applies to the vanilla policy loss only")
     mode = get("actor_rollout_ref.actor.policy_loss.loss_mode")
-    if mode is not None and mode not in ("vanilla", "gspo", "cispo"):
+    if mode is not None and mode not in PolicyLoss.values():
         drop("actor_rollout_ref.actor.policy_loss.loss_mode", f"policy loss {mode!r} has no rlcore counterpart "
-                                                              "(vanilla, gspo, cispo)")
+                                                              f"({', '.join(PolicyLoss.values())})")
     agg = get("actor_rollout_ref.actor.loss_agg_mode")
     if agg is not None and agg not in _LOSS_AGG:
         drop("actor_rollout_ref.actor.loss_agg_mode", f"loss aggregation {agg!r} has no rlcore counterpart")
 
-    # KL: in the loss (actor.use_kl_loss) or in the reward (algorithm.use_kl_in_reward)
+
+def _verl_kl(s: "_Source") -> None:
+    """KL: in the loss (actor.use_kl_loss) or in the reward (algorithm.use_kl_in_reward)."""
+    conv, flat, get, take, drop, handled = s.conv, s.flat, s.get, s.take, s.drop, s.handled
     kl_loss = bool(get("actor_rollout_ref.actor.use_kl_loss"))
     kl_reward = bool(get("algorithm.use_kl_in_reward"))
     for k in ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward"):
@@ -293,7 +327,10 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
         if k in flat and k not in handled:
             drop(k, "its KL term is off in the source (use_kl_loss / use_kl_in_reward)")
 
-    # Batch sizes: verl counts prompts over all GPUs; rlcore counts prompts (rollout) and samples
+
+def _verl_batches(s: "_Source") -> None:
+    """Batch sizes: verl counts prompts over all GPUs; rlcore counts prompts (rollout) and samples."""
+    conv, flat, get, take, drop, handled, world, n = s.conv, s.flat, s.get, s.take, s.drop, s.handled, s.world, s.n
     # (mini-batch) per rank.
     tbs = get("data.train_batch_size")
     if tbs is not None:
@@ -315,7 +352,10 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
         handled.add("trainer.nnodes")
         conv.mapped["trainer.nnodes"] = "(one node: trainer.nproc_per_node)"
 
-    # Sampling
+
+def _verl_sampling(s: "_Source") -> None:
+    """Sampling."""
+    conv, flat, get, take, handled = s.conv, s.flat, s.get, s.take, s.handled
     top_k = get("actor_rollout_ref.rollout.top_k")
     if top_k is not None:
         take("actor_rollout_ref.rollout.top_k", "ppo.generation.top_k", max(0, int(top_k)))
@@ -330,7 +370,10 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
         if name not in ("hf",):
             conv.notes.append(f"rollout.name={name}: rlcore generates with its own engine (actor.rollout_backend=auto)")
 
-    # Optimizer schedule
+
+def _verl_schedule(s: "_Source") -> None:
+    """Optimizer schedule."""
+    conv, flat, get, take, drop, handled = s.conv, s.flat, s.get, s.take, s.drop, s.handled
     style = get("actor_rollout_ref.actor.optim.lr_scheduler_type") or get("actor_rollout_ref.actor.optim.warmup_style")
     for k in ("actor_rollout_ref.actor.optim.lr_scheduler_type", "actor_rollout_ref.actor.optim.warmup_style"):
         if k in flat and get(k) is not None:
@@ -360,7 +403,10 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
         if k in flat and get(k) is not None and clr in ("constant", "cosine", "linear"):
             take(k, "critic.lr_scheduler", clr)
 
-    # FSDP offload: rlcore offloads parameters, gradients and optimizer state together
+
+def _verl_offload(s: "_Source") -> None:
+    """FSDP offload: rlcore offloads parameters, gradients and optimizer state together."""
+    flat, get, take, drop = s.flat, s.get, s.take, s.drop
     p_off = get("actor_rollout_ref.actor.fsdp_config.param_offload")
     o_off = get("actor_rollout_ref.actor.fsdp_config.optimizer_offload")
     if p_off is not None or o_off is not None:
@@ -375,7 +421,10 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
                 if k in flat:
                     drop(k, "rlcore offloads parameters and optimizer state together (actor.fsdp.cpu_offload)")
 
-    # LoRA
+
+def _verl_lora(s: "_Source") -> None:
+    """LoRA."""
+    get, take = s.get, s.take
     rank = get("actor_rollout_ref.model.lora_rank")
     if rank is not None:
         take("actor_rollout_ref.model.lora_rank", "actor.lora.rank", int(rank))
@@ -388,7 +437,10 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
                 take("actor_rollout_ref.model.target_modules", "actor.lora.target_modules",
                      _ALL_LINEAR if tm == "all-linear" else list(tm) if isinstance(tm, list) else [tm])
 
-    # DAPO: dynamic sampling rounds and overlong shaping
+
+def _verl_dapo(s: "_Source") -> None:
+    """DAPO: dynamic sampling rounds and overlong shaping."""
+    conv, flat, get, take, drop, handled = s.conv, s.flat, s.get, s.take, s.drop, s.handled
     mng = get("algorithm.filter_groups.max_num_gen_batches")
     if mng is not None and get("algorithm.filter_groups.enable"):
         take("algorithm.filter_groups.max_num_gen_batches", "algorithm.dynamic_sampling.max_rounds",
@@ -415,7 +467,10 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
             for k in [k for k in flat if k.startswith(prefix)]:
                 drop(k, "overlong shaping is off in the source")
 
-    # Trainer
+
+def _verl_trainer(s: "_Source") -> None:
+    """Trainer."""
+    conv, get, take, drop, handled = s.conv, s.get, s.take, s.drop, s.handled
     for src, key in (("trainer.save_freq", "trainer.save_steps"), ("trainer.test_freq", "trainer.eval_steps")):
         if get(src) is not None:
             take(src, key, max(0, int(get(src))))
@@ -432,12 +487,15 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
                                      "(= epochs x prompts / data.train_batch_size)")
     truncation = get("data.truncation")
     if truncation is not None:
-        if truncation in ("error", "left", "right"):
+        if truncation in Truncation.values():
             take("data.truncation", "data.truncation", truncation)
         else:
             drop("data.truncation", f"truncation {truncation!r} has no rlcore counterpart (error, left, right)")
 
-    # The plain one-to-one keys
+
+def _verl_plain(s: "_Source") -> None:
+    """The plain one-to-one keys."""
+    conv, flat, get, take, drop, handled = s.conv, s.flat, s.get, s.take, s.drop, s.handled
     for src, (key, _) in VERL_MAP.items():
         if src in flat and src not in handled:
             value = get(src)
@@ -470,7 +528,6 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
     for src in flat:
         if src not in handled and src not in conv.mapped:
             conv.skip(src, flat[src], _verl_reason(src))
-    return conv
 
 
 def _unmap(conv: Conversion, flat: dict[str, Any], prefixes: tuple[str, ...], reason: str) -> None:

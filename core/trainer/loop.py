@@ -369,8 +369,10 @@ class Trainer:
     def _request(self, prompts: list[list[int]], extras: dict[str, list]) -> RolloutRequest:
         """The reward's view of the prompts: texts decoded from their tokens with
         ``skip_special_tokens=True``, as the responses are (see :class:`~rlcore.protocols.RewardInput`)."""
-        texts = self.c.tokenizer.batch_decode(prompts, skip_special_tokens=True)
-        return RolloutRequest(texts, prompts, dict(extras))
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))  # a group's n samples share one prompt
+        decoded = dict(zip(distinct, self.c.tokenizer.batch_decode([list(p) for p in distinct],
+                                                                    skip_special_tokens=True)))
+        return RolloutRequest([decoded[tuple(p)] for p in prompts], prompts, dict(extras))
 
     def streaming_scorer(self, prompts: list[list[int]], extras: dict[str, list]) -> Optional[StreamingScorer]:
         """A scorer that takes finished samples during the rollout, where ``reward.stream`` is on and
