@@ -66,6 +66,10 @@ class RolloutRequest:
     engine: Mapping[str, Any] = field(default_factory=dict)
     #: the model has DTensor weights (a tensor-parallel replica of the ``remesh`` plugin).
     tensor_parallel: bool = False
+    #: bytes of device memory the training step will still allocate after the rollout (gradients and
+    #: optimizer moments of the trainable weights not yet allocated): a backend that sizes a cache from
+    #: the free memory leaves them out.
+    memory_reserve_bytes: int = 0
 
 
 @runtime_checkable

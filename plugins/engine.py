@@ -28,5 +28,6 @@ def rlcore_rollout_backend(model, request):
         log.info("rollout backend auto -> engine for %s", type(model).__name__)
     if request.max_batch_size is None or request.max_seq_len is None:
         raise ValueError("rollout backend 'engine' needs max_batch_size and max_seq_len")
-    return RolloutEngine(model, **{**dict(request.engine), "max_batch_size": request.max_batch_size,
-                                   "max_seq_len": request.max_seq_len})
+    settings = {**dict(request.engine), "max_batch_size": request.max_batch_size, "max_seq_len": request.max_seq_len}
+    settings.setdefault("kv_reserve_bytes", int(request.memory_reserve_bytes))
+    return RolloutEngine(model, **settings)

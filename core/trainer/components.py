@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -216,7 +216,10 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     return Components(
         tokenizer=tokenizer, policy=actor_module, actor=Trained(actor, actor_opt, actor_sched),
         critic=Trained(critic, critic_opt, critic_sched) if critic is not None else None, ref=ref, kl_ctrl=kl_ctrl,
-        prompts=prompts, generation=_generation(pm, actor, actor_module, reshard, actor_cfg, data_cfg, ppo, dist),
+        prompts=prompts, generation=_generation(pm, actor, actor_module, reshard, actor_cfg, data_cfg, ppo, dist,
+                                                trained=[(actor, actor_opt)] + ([(critic, critic_opt)] if critic is not None
+                                                                                 and placement.device_for("critic") == device
+                                                                                 else [])),
         reward=reward, checkpoint=checkpoint, reshard=reshard, placement=placement, rng=RNGState(),
         train_device=device, micro_batch=Batching.from_config(n, ppo, tcfg.gradient_accumulation_steps).micro,
         eos_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -302,18 +305,39 @@ def _enable_checkpointing(model: torch.nn.Module, setting: Any) -> bool:
 
 
 def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, reshard: ReshardPolicy,
-                actor_cfg: Any, data_cfg: Any, ppo: Any, dist: DistInfo) -> ActorGeneration:
-    """The actor's rollout: backends of its generation layouts from ``rlcore_rollout_backend``, built on first use."""
+                actor_cfg: Any, data_cfg: Any, ppo: Any, dist: DistInfo,
+                trained: Sequence[tuple[torch.nn.Module, Any]] = ()) -> ActorGeneration:
+    """The actor's rollout: backends of its generation layouts from ``rlcore_rollout_backend``, built on first use.
+    ``trained``: the (model, optimizer) pairs updated on the rollout's device, whose gradients and optimizer
+    moments not yet allocated when a backend is built are its ``memory_reserve_bytes``."""
     request = rollout_request(actor_cfg, data_cfg, ppo)
 
     def build(module: torch.nn.Module, tensor_parallel: bool) -> RolloutBackend:
-        return pm.build("rlcore_rollout_backend", model=module,
-                        request=dataclasses.replace(request, tensor_parallel=tensor_parallel), dist=dist)
+        reserve = sum(update_reserve_bytes(model, optimizer) for model, optimizer in trained)
+        return pm.build("rlcore_rollout_backend", model=module, dist=dist,
+                        request=dataclasses.replace(request, tensor_parallel=tensor_parallel,
+                                                    memory_reserve_bytes=reserve))
 
     prebuilt = {}
     if not dist.distributed:  # single process: the backend reads the training module directly
         prebuilt[id(actor)] = build(actor_module, False)
     return ActorGeneration(actor, reshard, build, int(ppo.generation.batch_size), prebuilt=prebuilt)
+
+
+def update_reserve_bytes(model: torch.nn.Module, optimizer: Any = None, moments: int = 2) -> int:
+    """Bytes this process's update will still allocate for ``model``: the gradient of each trainable
+    weight that has none yet, and ``moments`` optimizer states of its size (AdamW's two) for each weight
+    ``optimizer`` holds no state of yet (it creates them at its first step; a resumed optimizer has them).
+    Counted on the local shard of a sharded (DTensor) weight."""
+    state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+    total = 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        local = param.to_local() if hasattr(param, "to_local") else param
+        size = local.numel() * local.element_size()
+        total += size * ((param.grad is None) + (0 if state.get(param) else moments))
+    return total
 
 
 def rollout_request(actor_cfg: Any, data_cfg: Any, ppo: Any) -> RolloutRequest:

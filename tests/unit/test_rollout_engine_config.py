@@ -46,6 +46,43 @@ def test_settings_reach_the_engine_the_trainer_builds():
     assert engine.paged and (engine.page_size, engine.pool.pages) == (16, 5)
 
 
+def test_the_engine_keeps_the_updates_future_memory_out_of_its_kv_pool():
+    """The gradients and AdamW moments the first update will allocate are left out of the free memory
+    the page pool is sized from; a resumed optimizer's moments (already allocated) are not counted again."""
+    import torch
+
+    from rlcore.plugin_manager import build_plugin_manager
+    from rlcore.config.schema import FSDPConfig
+    from rlcore.distributed.reshard import FSDPReshardPolicy
+    from rlcore.rollout.engine import pages
+
+    cfg = load_config([], ["actor.rollout_backend=engine", "ppo.generation.batch_size=2",
+                           "ppo.generation.max_new_tokens=8", "data.max_prompt_length=8"])
+    model = tiny_causal_lm("qwen2")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def engine():
+        generation = components._generation(build_plugin_manager([]), model, model,
+                                            FSDPReshardPolicy(FSDPConfig(), DistInfo()), components.obj(cfg.actor),
+                                            components.obj(cfg.data), components.obj(cfg.ppo), DistInfo(),
+                                            trained=[(model, optimizer)])
+        return generation.backend(model)
+
+    assert engine().kv_reserve_bytes == 3 * weights  # gradients + two moments, none allocated yet
+    model(torch.tensor([[1, 2, 3]])).logits.float().sum().backward()
+    optimizer.step()
+    assert engine().kv_reserve_bytes == 0  # both already allocated: the free memory shows them
+    # the pool takes its share of the free memory less the reserve
+    per_page = pages.page_bytes(28, 4, 64, 128, torch.bfloat16)
+    cuda = torch.device("cuda")
+    sized = dict(slots=256, max_seq_len=8704, page_size=64, bytes_per_page=per_page, device=cuda, kv_pages=None,
+                 fraction=0.5, free_bytes=100 * 2**30)
+    assert pages.pool_pages(**sized, reserve_bytes=40 * 2**30) == int(30 * 2**30) // per_page
+    with pytest.raises(ValueError, match="less 99.90 GiB kept for the update"):
+        pages.pool_pages(**sized, reserve_bytes=int(99.9 * 2**30))
+
+
 def test_default_engine_settings_are_the_engines_defaults():
     engine = _engine(load_config([], ["actor.rollout_backend=engine"]))
     assert engine.eos_check_interval == 8 and engine.attention_tuning == {}

@@ -224,8 +224,11 @@ class RolloutEngine:
         page_size: columns per page (a power of two >= 16, a multiple of the Triton kernel's block).
         kv_pages: pages in the pool (the null page included); default: every slot at ``max_seq_len``,
             capped on CUDA by ``kv_memory_fraction``.
-        kv_memory_fraction: share of the device's free memory (when the engine is built) the page
-            pool may take (default 0.5).
+        kv_memory_fraction: share of the device's free memory (when the engine is built), less
+            ``kv_reserve_bytes``, the page pool may take (default 0.5).
+        kv_reserve_bytes: memory that work after the rollout will still allocate (the trainer passes
+            the gradients and optimizer moments of the trainable weights not yet allocated), kept out
+            of the free memory before ``kv_memory_fraction`` applies (default 0).
     """
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
@@ -237,7 +240,8 @@ class RolloutEngine:
                  rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto",
                  attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True,
                  mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
-                 kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION):
+                 kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION,
+                 kv_reserve_bytes: int = 0):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -295,7 +299,9 @@ class RolloutEngine:
                                             split_k=self.split_k, mlp_transposed=mlp_transposed)
         self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k,
                                            mlp_transposed) if self.compile else self._plain)
-        self._allocate(kv_pages, float(kv_memory_fraction))
+        #: memory kept out of the free memory before the page pool is sized
+        self.kv_reserve_bytes = int(kv_reserve_bytes)
+        self._allocate(kv_pages, float(kv_memory_fraction), self.kv_reserve_bytes)
         if self.compile:
             self._mark_static()
         self._graphs = _Graphs(self) if self.use_cuda_graphs else None
@@ -413,14 +419,14 @@ class RolloutEngine:
         log.warning("rollout engine: attention 'triton' unavailable (%s); using 'sdpa'", reason)
         return "sdpa"
 
-    def _allocate(self, kv_pages: int | None, fraction: float) -> None:
+    def _allocate(self, kv_pages: int | None, fraction: float, reserve: int = 0) -> None:
         spec, b, s = self.spec, self.max_batch_size, self.max_seq_len
         dev = self.device
         if self.paged:
             size = self.page_size
             per_page = pages.page_bytes(spec.num_layers, spec.num_kv_heads, size, spec.head_dim, self.dtype)
             count = pages.pool_pages(slots=b, max_seq_len=s, page_size=size, bytes_per_page=per_page, device=dev,
-                                     kv_pages=kv_pages, fraction=fraction)
+                                     kv_pages=kv_pages, fraction=fraction, reserve_bytes=reserve)
             self.pool = pages.PagePool(count)
             self.cache = torch.zeros(spec.num_layers, 2, count, spec.num_kv_heads, size, spec.head_dim,
                                      dtype=self.dtype, device=dev)

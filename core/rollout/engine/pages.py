@@ -79,13 +79,14 @@ def page_bytes(num_layers: int, kv_heads: int, page_size: int, head_dim: int, dt
 
 
 def pool_pages(*, slots: int, max_seq_len: int, page_size: int, bytes_per_page: int, device: torch.device,
-               kv_pages: int | None, fraction: float, free_bytes: int | None = None) -> int:
+               kv_pages: int | None, fraction: float, free_bytes: int | None = None, reserve_bytes: int = 0) -> int:
     """Pages in the pool (the null page included).
 
     ``kv_pages`` when given; otherwise enough for every slot at ``max_seq_len`` (plus one page a slot
     of slack, so admission never waits for pages at this size), capped on CUDA at ``fraction`` of the
-    device's free memory (``free_bytes``, default read from the device). Raises ``ValueError`` when
-    the pool would not hold one sequence of ``max_seq_len`` columns."""
+    device's free memory (``free_bytes``, default read from the device) less ``reserve_bytes`` (memory
+    that work after the rollout will still take, such as gradients and optimizer moments not yet
+    allocated). Raises ``ValueError`` when the pool would not hold one sequence of ``max_seq_len`` columns."""
     per_slot = -(-max_seq_len // page_size)
     worst = slots * (per_slot + 1) + 1
     least = per_slot + 2
@@ -99,15 +100,18 @@ def pool_pages(*, slots: int, max_seq_len: int, page_size: int, bytes_per_page: 
         return worst
     if free_bytes is None:
         free_bytes, _total = torch.cuda.mem_get_info(device)
-    budget = int(free_bytes * fraction) // bytes_per_page
+    available = max(int(free_bytes) - max(int(reserve_bytes), 0), 0)
+    budget = int(available * fraction) // bytes_per_page
     pages = min(worst, budget)
     if pages < least:
-        raise ValueError(f"RolloutEngine: kv_memory_fraction {fraction} of the free {free_bytes / 2**30:.2f} GiB "
+        raised = f" less {reserve_bytes / 2**30:.2f} GiB kept for the update" if reserve_bytes > 0 else ""
+        raise ValueError(f"RolloutEngine: kv_memory_fraction {fraction} of the free {free_bytes / 2**30:.2f} GiB{raised} "
                          f"holds {budget} KV pages of {bytes_per_page / 2**20:.1f} MiB, fewer than one sequence "
                          f"of max_seq_len {max_seq_len} needs ({least}); raise kv_memory_fraction or lower "
                          f"max_seq_len")
     if pages < worst:
-        log.info("rollout engine: KV page pool of %d pages (%.2f GiB, %.0f%% of %.2f GiB free) for %d slots x %d "
-                 "columns (%d pages at worst): admission follows free pages", pages, pages * bytes_per_page / 2**30,
-                 100 * fraction, free_bytes / 2**30, slots, max_seq_len, worst)
+        log.info("rollout engine: KV page pool of %d pages (%.2f GiB, %.0f%% of %.2f GiB free less %.2f GiB kept for "
+                 "the update) for %d slots x %d columns (%d pages at worst): admission follows free pages", pages,
+                 pages * bytes_per_page / 2**30, 100 * fraction, free_bytes / 2**30, max(reserve_bytes, 0) / 2**30,
+                 slots, max_seq_len, worst)
     return pages
