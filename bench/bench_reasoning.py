@@ -88,10 +88,10 @@ SMOKE_SHAPES = ("tiny-qwen3",)
 #: TRL's micro-batch (its generation batch is sized from memory, see :func:`trl_generation_batch`)
 SHAPE_SETTINGS = {
     "qwen2.5-1.5b": dict(slots=256, micro=4, tokens=32768, trl_micro=4),
-    "qwen3-1.7b": dict(slots=64, micro=4, tokens=32768, trl_micro=4),
-    "qwen2.5-7b": dict(slots=64, micro=2, tokens=16384, trl_micro=2),
-    "qwen3-8b": dict(slots=32, micro=2, tokens=16384, trl_micro=2),
-    "llama3-8b": dict(slots=64, micro=2, tokens=16384, trl_micro=2),
+    "qwen3-1.7b": dict(slots=256, micro=4, tokens=32768, trl_micro=4),
+    "qwen2.5-7b": dict(slots=256, micro=2, tokens=16384, trl_micro=2),
+    "qwen3-8b": dict(slots=256, micro=2, tokens=16384, trl_micro=2),
+    "llama3-8b": dict(slots=256, micro=2, tokens=16384, trl_micro=2),
 }
 TINY_SETTINGS = dict(slots=16, micro=4, tokens=256, trl_micro=4)
 OOM_EXIT = 3
