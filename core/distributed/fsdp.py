@@ -172,6 +172,22 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
+def shape_stable_options() -> dict[str, object]:
+    """Inductor options that keep one compiled layer valid for every micro-batch length.
+
+    With dynamic shapes, Inductor's fusion of the norms' mixed-order reductions (backward) tests the
+    token count against size thresholds and guards on the answer, so a micro-batch on the other side
+    of a threshold recompiles every layer (tens of seconds in the middle of an update). Its
+    non-strict mode fuses without those tests (where this torch has it)."""
+    try:
+        from torch._inductor import config as inductor_config
+    except Exception:  # noqa: BLE001 - no Inductor: nothing to set
+        return {}
+    if hasattr(getattr(inductor_config, "triton", None), "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
+
+
 def compile_layers(model: nn.Module, role: str = "model", fallback: bool = False) -> nn.Module:
     """Compile each decoder layer in place with ``torch.compile`` (dynamic shapes: micro-batches
     vary in length), before FSDP wraps the layers, as regional compilation composes with FSDP2
@@ -194,8 +210,9 @@ def compile_layers(model: nn.Module, role: str = "model", fallback: bool = False
         import torch._dynamo
 
         torch._dynamo.config.suppress_errors = True
+    options = shape_stable_options()
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options=options or None)
     log.info("%s: %d decoder layers compiled with torch.compile (the first steps include compiling; "
              "%s.compile=false turns it off)", role, len(layers), role)
     return model

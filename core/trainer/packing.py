@@ -12,7 +12,10 @@ mask is given:
   ``cu_seq_lens_q/k`` and ``max_length_q/k`` ourselves (no guessing from the positions).
 
 Only the logits that predict a response token are computed (``logits_to_keep`` given as the
-positions), so the packed forward also skips the prompt positions' vocabulary projection.
+positions), so the packed forward also skips the prompt positions' vocabulary projection. The
+packed row is filled up to a multiple of :data:`PACK_MULTIPLE` tokens with a sequence of its own
+(token 0, positions from 0, no logits), so that compiled layers see one alignment of the row's
+length and do not recompile for another.
 :func:`packing_isolates` checks on the real model that packed sequences do not see each other;
 ``ppo.pack_sequences=auto`` packs only where it passes and the attention is variable-length
 (flash or flex): with ``sdpa``/``eager`` the packed row's mask is dense, so a packed forward costs
@@ -31,6 +34,10 @@ from typing import Optional, Sequence
 import torch
 
 log = logging.getLogger(__name__)
+
+#: packed rows are filled up to a multiple of this many tokens (compiled kernels specialise on a
+#: length's alignment: one alignment, one compilation)
+PACK_MULTIPLE = 8
 
 
 @dataclass
@@ -72,8 +79,13 @@ def attention_implementation(model: torch.nn.Module) -> str:
     return str(getattr(config, "_attn_implementation", "") or "")
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> PackedRows:
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+         multiple_of: int = PACK_MULTIPLE) -> PackedRows:
     """Pack ``B`` padded sequences ``[B, T]`` whose last ``R`` columns are the response (``response_mask [B, R]``).
+
+    When the real tokens do not fill a multiple of ``multiple_of``, a filler sequence (token 0,
+    positions from 0) ends the row: its own entry in ``cu_seqlens``, no logits, so it changes
+    nothing the real sequences compute.
 
     A row's real tokens (``attention_mask``) must be contiguous (left-padded prompt, then the
     response, then right padding); every response token must follow at least one token of its
@@ -91,9 +103,15 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: t
     index = flat[:, prompt_cols:][rows, cols] - 1
     labels = input_ids[:, prompt_cols:][rows, cols]
     used = lengths[lengths > 0]
+    ids, pos = input_ids[keep], positions[keep]
+    fill = -ids.numel() % max(1, int(multiple_of))
+    if fill:
+        ids = torch.cat([ids, ids.new_zeros(fill)])
+        pos = torch.cat([pos, torch.arange(fill, dtype=pos.dtype, device=pos.device)])
+        used = torch.cat([used, used.new_full((1,), fill)])
     cu = torch.zeros(len(used) + 1, dtype=torch.int32, device=input_ids.device)
     cu[1:] = used.cumsum(0)
-    return PackedRows(input_ids=input_ids[keep][None], position_ids=positions[keep][None], index=index,
+    return PackedRows(input_ids=ids[None], position_ids=pos[None], index=index,
                       labels=labels, rows=rows, cols=cols, cu_seqlens=cu,
                       max_len=int(used.max()) if len(used) else 0, shape=(batch, response_len))
 

@@ -55,3 +55,18 @@ def test_by_default_compiled_on_cuda_only_and_without_layers_left_as_is(tmp_path
     trainer, _ = steps(tmp_path, n=1)  # the demo on CPU, actor.compile unset
     assert trainer.cfg.actor.compile is None
     assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in decoder_layers(trainer.c.policy))
+
+
+def test_compiled_layers_take_options_inductor_knows():
+    """The options that keep a layer's compilation valid across micro-batch lengths are real Inductor
+    settings of this torch (a misspelt key would fail at the first compiled forward)."""
+    from torch._inductor import config as inductor_config
+
+    from rlcore.distributed.fsdp import shape_stable_options
+
+    options = shape_stable_options()
+    with inductor_config.patch(options):
+        for key, value in options.items():
+            section, _, name = key.rpartition(".")
+            holder = getattr(inductor_config, section) if section else inductor_config
+            assert getattr(holder, name) == value

@@ -50,6 +50,32 @@ def test_pack_layout():
     assert rows.forward_kwargs(flash)["cu_seq_lens_q"] is rows.cu_seqlens
 
 
+def test_a_packed_row_is_filled_to_an_aligned_length_without_changing_the_real_tokens():
+    """Compiled layers specialise on the row length's alignment: the row is filled up to a multiple of
+    PACK_MULTIPLE by a sequence of its own, and the log-probs of the real tokens stay the same."""
+    ids = torch.tensor([[0, 5, 6, 7, 8, 0], [9, 10, 11, 0, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    resp = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    rows = packing.pack(ids, mask, resp)
+    assert rows.input_ids.shape[1] % packing.PACK_MULTIPLE == 0
+    assert rows.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 0]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
+    assert rows.cu_seqlens.tolist() == [0, 4, 7, 8] and rows.index.tolist() == [1, 2]
+    assert packing.pack(ids, mask, resp, multiple_of=1).input_ids.shape[1] == 7
+    model = tiny_causal_lm("qwen2")
+    ids = torch.randint(1, 60, (3, 13))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[1, 11:] = 0
+    resp_mask = mask[:, 5:]
+    lp_aligned, _ = response_logprobs(model, ids, mask, 8, response_mask=resp_mask, packed=True)
+    rows = packing.pack(ids, mask, resp_mask, multiple_of=1)
+    assert rows.input_ids.shape[1] % 8 != 0  # the check below compares a filled row with an unfilled one
+    out = model(**rows.forward_kwargs(model), use_cache=False, logits_to_keep=rows.index)
+    plain = rows.unpack(torch.log_softmax(out.logits[0].float(), -1).gather(-1, rows.labels[:, None].long())[:, 0])
+    torch.testing.assert_close(lp_aligned, plain, rtol=1e-5, atol=1e-5)
+
+
 def test_isolation_check_catches_a_model_that_mixes_packed_sequences(monkeypatch):
     """Without the packed-sequence mask (an attention that ignores restarting positions) the check says no."""
     import transformers.masking_utils as masking
