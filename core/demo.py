@@ -113,11 +113,11 @@ def build_model_dir(save_dir: str, *, hidden_size: int = 64, layers: int = 2, se
                     arch: str = "qwen2", extra_words: Sequence[str] = ()) -> str:
     """Write a tiny randomly initialised causal LM plus its tokenizer to ``save_dir``; return the path."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     os.makedirs(save_dir, exist_ok=True)
     tok = build_tokenizer(save_dir, extra_words)
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}[arch]
+    config_cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "mistral": MistralConfig}[arch]
     config = config_cls(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from rlcore.demo import LETTERS, build_tool_model_dir
+from rlcore.demo import LETTERS, TOOL_WORDS, build_model_dir, build_tool_model_dir
 from rlcore.envs import Step
 from rlcore.envs.runner import EpisodePrompt, EpisodeRunner, Environments, EpisodeLimits, episode_metrics
 from rlcore.rollout.base import SamplingParams
@@ -93,6 +93,18 @@ def test_engine_episodes_match_turn_by_turn_generate(model, tok):
     metrics = episode_metrics(eps)
     assert metrics["env/turns_mean"] == sum(e.turns for e in eps) / 5
     assert metrics["env/observation_tokens_mean"] > 0
+
+
+def test_qwen3_observation_tokens_get_the_per_head_q_k_norms(tmp_path):
+    """An observation appended to a Qwen3 slot is run through the q/k norms like the prompt was:
+    the model tokens after it have the log-probs of the turn-by-turn HF path."""
+    qwen3_dir = build_model_dir(str(tmp_path / "qwen3"), arch="qwen3", extra_words=TOOL_WORDS)
+    qwen3, qtok = load_causal_lm(qwen3_dir).eval(), load_tokenizer(qwen3_dir)
+    got, eps = play(RolloutEngine(qwen3, max_batch_size=2, max_seq_len=64, kv_cache="static"), qtok)
+    ref, _ = play(HFGenerateBackend(qwen3), qtok)
+    assert max(e.turns for e in eps) > 1, "the test needs episodes of several turns"
+    assert torch.equal(got.response_ids, ref.response_ids)
+    torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["engine", "hf"])

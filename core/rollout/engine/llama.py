@@ -392,8 +392,11 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slot
     x = F.embedding(ids[None], weights.embed)
     for index, lw in enumerate(weights.layers):
         q, key, value = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
-        q = rotate(q.view(1, k, heads, dim), cos, sin).transpose(1, 2)
-        key = rotate(key.view(1, k, kv_heads, dim), cos, sin).transpose(1, 2)
+        q, key = q.view(1, k, heads, dim), key.view(1, k, kv_heads, dim)
+        if lw.qk_norm:
+            q, key = rms_norm(q, lw.qk_norm[0], spec.rms_eps), rms_norm(key, lw.qk_norm[1], spec.rms_eps)
+        q = rotate(q, cos, sin).transpose(1, 2)
+        key = rotate(key, cos, sin).transpose(1, 2)
         cache[index, 0, slot, :, column:end] = key[0]
         cache[index, 1, slot, :, column:end] = value.view(k, kv_heads, dim).transpose(0, 1)
         keys, values = cache[index, 0, slot, :, :end][None], cache[index, 1, slot, :, :end][None]
