@@ -172,20 +172,27 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def shape_stable_options() -> dict[str, object]:
-    """Inductor options that keep one compiled layer valid for every micro-batch length.
+def layer_compile_options() -> dict[str, object]:
+    """Inductor options of the compiled decoder layers (those this torch build knows):
 
-    With dynamic shapes, Inductor's fusion of the norms' mixed-order reductions (backward) tests the
-    token count against size thresholds and guards on the answer, so a micro-batch on the other side
-    of a threshold recompiles every layer (tens of seconds in the middle of an update). Its
-    non-strict mode fuses without those tests (where this torch has it)."""
+    * ``triton.mix_order_reduction_non_strict_mode``: keeps one compiled layer valid for every
+      micro-batch length. With dynamic shapes, Inductor's fusion of the norms' mixed-order
+      reductions (backward) tests the token count against size thresholds and guards on the
+      answer, so a micro-batch on the other side of a threshold recompiled every layer (tens of
+      seconds in the middle of an update); the non-strict mode fuses without those tests.
+    * ``emulate_precision_casts``: fused kernels still round to the compute dtype where the model's
+      eager code does (RMSNorm before its weight, the residual adds), so the compiled layers give
+      the uncompiled model's values, which the rollout engine rounds alike."""
     try:
         from torch._inductor import config as inductor_config
     except Exception:  # noqa: BLE001 - no Inductor: nothing to set
         return {}
+    options: dict[str, object] = {}
     if hasattr(getattr(inductor_config, "triton", None), "mix_order_reduction_non_strict_mode"):
-        return {"triton.mix_order_reduction_non_strict_mode": True}
-    return {}
+        options["triton.mix_order_reduction_non_strict_mode"] = True
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        options["emulate_precision_casts"] = True
+    return options
 
 
 def compile_layers(model: nn.Module, role: str = "model", fallback: bool = False) -> nn.Module:
@@ -210,7 +217,7 @@ def compile_layers(model: nn.Module, role: str = "model", fallback: bool = False
         import torch._dynamo
 
         torch._dynamo.config.suppress_errors = True
-    options = shape_stable_options()
+    options = layer_compile_options()
     for layer in layers:
         layer.compile(dynamic=True, options=options or None)
     log.info("%s: %d decoder layers compiled with torch.compile (the first steps include compiling; "

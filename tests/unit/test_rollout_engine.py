@@ -144,6 +144,47 @@ def test_qwen3_norms_enter_before_rope():
     assert torch.allclose(engine.cache[1, 0, 0, :, :len(prompt[0])], keys, atol=1e-5)
 
 
+def test_rms_norm_rounds_as_the_hf_module_in_bf16():
+    """The engine's RMSNorm gives the HF module's bf16 values bit for bit with weights that are not
+    all ones (a single rounding after the weight, as ``F.rms_norm`` fuses it, differs in about a
+    quarter of them)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from rlcore.rollout.engine.llama import rms_norm
+
+    torch.manual_seed(0)
+    norm = Qwen3RMSNorm(128, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.mul_((1 + 0.5 * (2 * torch.rand(128) - 1)).to(torch.bfloat16))
+        x = torch.randn(64, 8, 128).to(torch.bfloat16)
+        expected = norm(x)
+        assert not torch.equal(torch.nn.functional.rms_norm(x, (128,), norm.weight, 1e-6), expected)
+        assert torch.equal(rms_norm(x, norm.weight, 1e-6), expected)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_rounds_as_the_eager_step_in_bf16():
+    """The compiled decode step (Inductor) keeps the eager step's bf16 roundings: same tokens, same
+    log-probs, for a Qwen3 model whose norms are not all ones."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm("qwen3").to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.mul_((1 + 0.5 * (2 * torch.rand(param.shape, generator=gen) - 1)).to(param.dtype))
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
+    eager = RolloutEngine(model, max_batch_size=8, max_seq_len=40, compile=False).generate(PROMPTS, params)
+    compiled = RolloutEngine(model, max_batch_size=8, max_seq_len=40, compile=True)
+    got = compiled.generate(PROMPTS, params)
+    assert compiled.compile, "the compiled step fell back to eager"
+    assert torch.equal(got.response_ids, eager.response_ids)
+    # float32 reductions may still be ordered differently (a rare last-bit change); without the
+    # kept roundings an eighth of the tokens differ and the log-probs are 0.26 apart on average
+    gap = (got.logprobs - eager.logprobs).abs()
+    assert gap.mean() < 1e-3 and gap.max() < 2e-2
+
+
 def test_unsupported_qk_norms_are_refused():
     model = tiny_causal_lm("qwen3")
     for layer in model.model.layers:  # a norm over all key heads together, not per head

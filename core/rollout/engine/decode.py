@@ -301,10 +301,25 @@ def step_functions(spec: DecoderSpec, compile_mode: str | None = None, rope_in_a
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"rollout engine: compile_mode {compile_mode!r} is not one of {COMPILE_MODES}")
     _raise_recompile_limit(64)
-    options = dict(fullgraph=True, mode=None if compile_mode == "default" else compile_mode)
+    options = dict(fullgraph=True, options=compile_options(compile_mode))
     return StepFunctions(torch.compile(first, **options), torch.compile(middle, **options),
                          torch.compile(last, **options), compiled=True, spec=spec,
                          rope_in_attention=rope_in_attention, qkv_parts=parts)
+
+
+def compile_options(compile_mode: str) -> dict:
+    """Inductor options of the compiled step: those of ``compile_mode`` plus
+    ``emulate_precision_casts``, so a fused kernel still rounds to the compute dtype wherever the
+    eager code does (the residual adds, RoPE's products, RMSNorm before its weight). Without it
+    Inductor keeps such intermediates in float32, a last-bit difference from the Hugging Face
+    model that the trainer recomputes the log-probs with."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
+
+    options = dict(list_mode_options(compile_mode))
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        options["emulate_precision_casts"] = True
+    return options
 
 
 def _raise_recompile_limit(at_least: int) -> None:

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from rlcore.rollout.adapters import effective_weight, unwrap
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_FUSED_RMS_NORM = hasattr(F, "rms_norm")
 #: RoPE variants whose cos/sin depend on the position alone (a table can be precomputed).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -245,10 +244,13 @@ def _layer_weights(layer, dtype, device, share: bool) -> LayerWeights:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as Llama defines it: normalise in float32, cast back, then scale. ``[..., H]``.
 
-    On CUDA the fused ATen kernel is used (one launch instead of eight; the weight is applied
-    before the final rounding, a last-bit difference in half precision)."""
-    if x.is_cuda and _FUSED_RMS_NORM:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    Rounded as the Hugging Face model rounds it (the trainer's recomputation): the normalised
+    value goes to the compute dtype before the weight multiplies it. ``F.rms_norm``'s fused kernel
+    applies the weight before its single rounding, which in bf16 changes a quarter of the values by
+    one unit in the last place once the weight is not all ones (a trained model's norms; Qwen3's
+    per-head q/k norms), and moved the rollout's log-probs away from the trainer's. The compiled
+    decode step keeps the two roundings too (``emulate_precision_casts``, see
+    :func:`rlcore.rollout.engine.decode.step_functions`) and fuses them into one kernel."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
