@@ -107,6 +107,52 @@ def test_qwen3_observation_tokens_get_the_per_head_q_k_norms(tmp_path):
     torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-4, rtol=0)
 
 
+class Recorder:
+    """Records every turn it is shown; answers after a short delay, so slots ride along paused."""
+
+    observation_role = "user"
+
+    def __init__(self, config):
+        self.turns = []
+
+    def start(self, row):
+        return None
+
+    def step(self, turn):
+        time.sleep(0.02)
+        self.turns.append(list(turn.token_ids))
+        return Step(observation="a b c")
+
+
+@pytest.mark.parametrize("backend", ["engine", "hf"])
+def test_the_tokens_trained_are_the_tokens_the_environment_saw(model, tok, backend):
+    """Sampled episodes that end on the token budget: the model tokens of each row are exactly
+    the turns its environment was shown (a slot left riding along after its budget was spent
+    used to overwrite its last token)."""
+    envs = Environments({"rec": (Recorder, "test")}, {}, defaults=EpisodeLimits(max_turns=4, timeout_s=30))
+    runner = EpisodeRunner(envs, tok, stop=())
+    n = 12
+    episodes = runner.start(["rec"] * n, [{}] * n)
+    prompts = [EpisodePrompt(tok.convert_tokens_to_ids(list(LETTERS[i % 8:i % 8 + 3])), e)
+               for i, e in enumerate(episodes)]
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=1, eos_token_ids=(tok.eos_token_id,),
+                            pad_token_id=tok.pad_token_id)
+    gen = RolloutEngine(model, max_batch_size=16, max_seq_len=48, kv_cache="static") if backend == "engine" \
+        else HFGenerateBackend(model)
+    try:
+        batch = gen.generate(prompts, params)
+    finally:
+        runner.close()
+    at_budget = 0
+    for row, episode in enumerate(episodes):
+        seen = [t for turn in episode.env.turns for t in turn]
+        mask = batch.response_mask[row].tolist()
+        trained = [t for t, m in zip(batch.response_ids[row].tolist(), mask) if m]
+        assert trained == seen, f"row {row}"
+        at_budget += int(batch.response_attention[row].sum()) == params.max_new_tokens
+    assert at_budget > 0, "the test needs episodes that end on the budget"
+
+
 @pytest.mark.parametrize("backend", ["engine", "hf"])
 def test_teacher_forced_logprobs_line_up_on_model_tokens(model, tok, backend):
     gen = RolloutEngine(model, max_batch_size=4, max_seq_len=64, kv_cache="static") if backend == "engine" \

@@ -13,8 +13,9 @@ in the same slot.
   the turn's last token with :meth:`RolloutEngine._extend` (a prefill of the new tokens only, the
   slot's KV cache kept), the next token is sampled from its logits, and the slot decodes again;
 * an episode ends when the environment says so, at its turn limit, or when the response (model
-  and observation tokens) would pass ``max_new_tokens``. A prompt without an episode ends at
-  its first turn end.
+  and observation tokens) would pass ``max_new_tokens``; a slot whose turn used up the budget
+  finishes at once, while its environment still sees that last turn (awaited before the result).
+  A prompt without an episode ends at its first turn end.
 
 The result marks model tokens in ``response_mask`` and every token of the sequence (observations
 too) in ``response_attention``.
@@ -61,6 +62,7 @@ class TurnScheduler(Scheduler):
         self.length = [0] * len(prompts)  # response tokens of each finished request
         self.spans: list[list[tuple[int, int]]] = [[] for _ in prompts]  # observation columns [start, end)
         self.env_waits = 0
+        self.closing: list[concurrent.futures.Future] = []  # last turns of finished episodes, still with their environment
 
     # -- admission and compaction keep the per-slot lists
     def _admit(self) -> None:
@@ -136,10 +138,12 @@ class TurnScheduler(Scheduler):
             req = self.slot_req[s]
             episode = self.episodes[req]
             if episode is None or end + 1 >= limit:
-                if episode is not None:  # the budget is spent: the environment sees the last turn
-                    self.paused[s] = (episode.turn_ended(row[self.turn_start[s]:end + 1], end + 1, limit,
-                                                         truncated=True), end)
-                    continue
+                if episode is not None:
+                    # the budget is spent: the environment sees the last turn (for its reward) while
+                    # the slot finishes now. Paused, it would ride along in decode steps whose
+                    # sampled tokens land in the last response column, over the turn's last token.
+                    self.closing.append(episode.turn_ended(row[self.turn_start[s]:end + 1], end + 1, limit,
+                                                           truncated=True))
                 self.length[req] = end + 1
                 over.append(s)
                 continue
@@ -202,6 +206,8 @@ class TurnScheduler(Scheduler):
         self._relive()
 
     def result(self) -> RolloutBatch:
+        for future in self.closing:  # every episode's last step is done (an environment error propagates)
+            future.result()
         eng = self.eng
         prompt_ids, prompt_mask = left_pad(self.prompts, self.params.pad_token_id, eng.device)
         width = max(max(self.length, default=1), 1)
