@@ -63,27 +63,35 @@ if triton is not None:
     def _rotate_new(q_rows, q_cols, sq_d, row_ok, row_new, new_cols, k_off, v_off, cos_ptr, sin_ptr, rope_at,
                     feats, feat_ok, part_stride, pbias_ptr, out_dtype: tl.constexpr, dim: tl.constexpr,
                     PARTS: tl.constexpr, PBIAS: tl.constexpr):
-        """RoPE (half-split layout: ``x * cos + roll(x, D/2) * signed sin``, in float32) of the query
-        rows (pointers ``q_rows``, projection columns ``q_cols``) and of the new key in the projection
-        row ``row_new`` (its head's columns start at ``new_cols``); returns ``(rotated q in
-        ``out_dtype``, rotated key float32, value float32)``. The projection values are read through
-        :func:`_proj`."""
+        """RoPE (half-split layout: ``x * cos + roll(x, D/2) * signed sin``) of the query rows
+        (pointers ``q_rows``, projection columns ``q_cols``) and of the new key in the projection row
+        ``row_new`` (its head's columns start at ``new_cols``); returns ``(rotated q in ``out_dtype``,
+        rotated key float32, value float32)``. The projection values are read through :func:`_proj`.
+
+        Rounded to ``out_dtype`` where the Hugging Face model rounds (its values are what the
+        trainer recomputes): the projection, the cos/sin rows, each of the two products and their
+        sum (:func:`_round` is a no-op in float32)."""
         turned = (feats + dim // 2) % dim
-        cos = tl.load(cos_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32)
+        cos = _round(tl.load(cos_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32), out_dtype)
+        sin = _round(tl.load(sin_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32), out_dtype)
         q_ok = row_ok[:, None] & feat_ok[None, :]
-        q = _proj(q_rows + feats[None, :] * sq_d, pbias_ptr + q_cols + feats[None, :], q_ok, part_stride,
-                  PARTS, PBIAS)
-        q_turned = _proj(q_rows + turned[None, :] * sq_d, pbias_ptr + q_cols + turned[None, :], q_ok, part_stride,
-                         PARTS, PBIAS)
-        q = (q * cos[None, :] + q_turned * sin[None, :]).to(out_dtype)
-        key = _proj(row_new + k_off + feats, pbias_ptr + new_cols + k_off + feats, feat_ok, part_stride,
-                    PARTS, PBIAS)
-        key_turned = _proj(row_new + k_off + turned, pbias_ptr + new_cols + k_off + turned, feat_ok, part_stride,
-                           PARTS, PBIAS)
+        q = _round(_proj(q_rows + feats[None, :] * sq_d, pbias_ptr + q_cols + feats[None, :], q_ok, part_stride,
+                         PARTS, PBIAS), out_dtype)
+        q_turned = _round(_proj(q_rows + turned[None, :] * sq_d, pbias_ptr + q_cols + turned[None, :], q_ok,
+                                part_stride, PARTS, PBIAS), out_dtype)
+        q = (_round(q * cos[None, :], out_dtype) + _round(q_turned * sin[None, :], out_dtype)).to(out_dtype)
+        key = _round(_proj(row_new + k_off + feats, pbias_ptr + new_cols + k_off + feats, feat_ok, part_stride,
+                           PARTS, PBIAS), out_dtype)
+        key_turned = _round(_proj(row_new + k_off + turned, pbias_ptr + new_cols + k_off + turned, feat_ok,
+                                  part_stride, PARTS, PBIAS), out_dtype)
         value = _proj(row_new + v_off + feats, pbias_ptr + new_cols + v_off + feats, feat_ok, part_stride,
                       PARTS, PBIAS)
-        return q, key * cos + key_turned * sin, value
+        return q, _round(key * cos, out_dtype) + _round(key_turned * sin, out_dtype), value
+
+    @triton.jit
+    def _round(x, dtype: tl.constexpr):
+        """``x`` (float32) rounded to ``dtype`` and back."""
+        return x.to(dtype).to(tl.float32)
 
     @triton.jit
     def _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE: tl.constexpr, SUB: tl.constexpr):
@@ -653,15 +661,15 @@ def reference_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, l
                   sin: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, heads: int,
                   kv_heads: int, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                   pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """:func:`attend_new` in PyTorch: rotates in float32, writes the new key/value into ``layer``
+    """:func:`attend_new` in PyTorch: rotates as the model does, writes the new key/value into ``layer``
     (in place) and returns :func:`reference` over it with the columns after each slot's new one
     masked, ``[n, heads·D]`` float32."""
     n, dim = proj.shape[0], layer.shape[-1]
     after = torch.arange(bias.shape[1], device=bias.device)[None, :] > columns[:, None]
     bias = bias[:n].masked_fill(after, float("-inf"))
-    c, s = cos[positions].float()[:, None], sin[positions].float()[:, None]
-    qk = proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float()
-    qk = (qk * c + qk.roll(dim // 2, dims=-1) * s).to(proj.dtype)
+    c, s = cos[positions].to(proj.dtype)[:, None], sin[positions].to(proj.dtype)[:, None]
+    qk = proj[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
+    qk = qk * c + qk.roll(dim // 2, dims=-1) * s  # each product rounded, as the model rounds them
     rows = torch.arange(n, device=proj.device)
     at = columns
     if pages is not None:  # the page each new column falls in, and the row in it

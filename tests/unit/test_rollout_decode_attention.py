@@ -245,6 +245,38 @@ def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits, rope_
     assert torch.equal(cols.cpu(), at[rows].cpu())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or decode_attention.triton is None,
+                    reason="needs CUDA (Triton's interpreter truncates when it casts to bf16)")
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_kernel_rounds_rope_as_the_model_does_in_bf16(parts):
+    """The new key the kernel writes is, bit for bit, the model's: the projection (partial products
+    summed with the bias) rounded to bf16, then each RoPE product rounded before their sum
+    (rotating in float32 and rounding once changes about a quarter of the values)."""
+    from rlcore.rollout.engine.llama import rotate
+
+    gen = torch.Generator().manual_seed(5)
+    n, heads, kv_heads, dim, columns, length = 3, 4, 2, 32, 40, 24
+    width = (heads + 2 * kv_heads) * dim
+    pieces = torch.randn(parts, n, width, generator=gen).to(torch.bfloat16)
+    proj_bias = torch.randn(width, generator=gen).to(torch.bfloat16) if parts > 1 else None
+    cos, sin = torch.randn(2, columns, dim, generator=gen)
+    positions, at = torch.tensor([3, 11, 20]), torch.tensor([length - 1, 9, 15])
+    layer = torch.zeros(2, n, kv_heads, columns, dim, dtype=torch.bfloat16, device=DEVICE)
+    bias = torch.zeros(n, columns, dtype=torch.bfloat16, device=DEVICE)
+    proj = pieces.to(DEVICE) if parts > 1 else pieces[0].to(DEVICE)
+    decode_attention.attend_new(proj, layer, bias, length, cos.to(DEVICE), sin.to(DEVICE), positions.to(DEVICE),
+                                at.to(DEVICE), heads, kv_heads,
+                                proj_bias=None if proj_bias is None else proj_bias.to(DEVICE))
+    summed = pieces.float().sum(0) + (0 if proj_bias is None else proj_bias.float())
+    keys = summed.to(torch.bfloat16)[:, heads * dim:(heads + kv_heads) * dim].view(n, kv_heads, dim)
+    c, s = cos[positions].to(torch.bfloat16)[:, None], sin[positions].to(torch.bfloat16)[:, None]
+    expected = rotate(keys, c, s)
+    got = layer[0, torch.arange(n), :, at.to(DEVICE)].cpu()
+    assert torch.equal(got, expected)
+    once = (keys.float() * c.float() + keys.float().roll(dim // 2, dims=-1) * s.float()).to(torch.bfloat16)
+    assert not torch.equal(once, expected)  # the test tells the two roundings apart
+
+
 @needs_kernel
 def test_projection_slices_and_bias_are_added_before_rope():
     """``attend_new`` given the q/k/v projection as 2 partial products and the bias equals
