@@ -261,6 +261,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
             weights = group_weights(exp.response_mask, groups, ppo.loss_agg)
             token_weights = weights if ppo.loss_agg == "token-mean" else group_weights(exp.response_mask, groups,
                                                                                          "token-mean")
+            micro: dict[str, list[float]] = defaultdict(list)  # this optimizer step's values, one per micro-batch
             for k, (group, weight) in enumerate(zip(groups, weights)):
                 # Sharded gradients are reduced across ranks once per optimizer step, in the last
                 # micro-batch's backward; the earlier ones accumulate locally.
@@ -275,13 +276,13 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                 tokens = int(mb.attention_mask.sum()) if packed else mb.attention_mask.numel()
                 t0 = time.perf_counter()
                 with _recomputing(recompute.get("actor"), tokens):
-                    old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
+                    old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, micro, packed)
                 if own_old is not None:
                     own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
                 t1 = time.perf_counter()
                 if critic is not None:
                     with _recomputing(recompute.get("critic"), tokens):
-                        critic_micro_loss(critic, mb, ppo, token_weights[k], stats, packed)
+                        critic_micro_loss(critic, mb, ppo, token_weights[k], micro, packed)
                 spent["actor"] += t1 - t0
                 spent["critic"] += time.perf_counter() - t1
             t0 = time.perf_counter()
@@ -290,8 +291,11 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
             if critic is not None:
                 norms["critic"] = _grad_norm(critic, critic_grad_clip)
             t2 = time.perf_counter()
-            losses = stats["loss/policy"][-len(weights):] + stats["loss/value"][-len(weights):]
+            losses = micro.get("loss/policy", []) + micro.get("loss/value", [])
             finite = all(math.isfinite(v) for v in norms.values()) and _losses_finite(losses)
+            for name, values in micro.items():
+                if values:
+                    stats[name].append(_step_value(name, values, weights, token_weights))
             where = ", ".join(f"{k} grad norm {v:.4g}" for k, v in norms.items())
             apply = finite if guard is None else guard.allow(finite, where)
             if not apply:
@@ -315,6 +319,16 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     if critic is not None:
         out["time/update_critic_s"] = spent["critic"]
     return out
+
+
+def _step_value(name: str, values: list[float], weights: list[float], token_weights: list[float]) -> float:
+    """An optimizer step's value of a per-micro-batch metric, whatever the cut: the policy loss
+    summed with the weights its gradient was accumulated with (``ppo.loss_agg``), the token means
+    (value loss, entropy, clip fractions, KL, importance weights) with each micro-batch's token share."""
+    shares = weights if name == "loss/policy" else token_weights
+    if len(values) != len(shares):  # not recorded for every micro-batch: a plain mean
+        return sum(values) / len(values)
+    return sum(v * w for v, w in zip(values, shares))
 
 
 def _recomputing(policy, tokens: int):

@@ -172,10 +172,16 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(loss_agg, pack
     model = tiny_causal_lm("qwen2")
     critic = ValueModel.from_causal_lm(tiny_causal_lm("qwen2", seed=1))
     exp = _experience(model, critic, seed=5, packed=False)
-    whole_m, whole, _ = _step(model, critic, exp, packed=False, micro_batch_size=8, loss_agg=loss_agg)
-    cut_m, cut, _ = _step(model, critic, exp, packed=packed, max_tokens_per_micro_batch=24, loss_agg=loss_agg)
+    whole_m, whole, _ = _step(model, critic, exp, packed=False, micro_batch_size=8, loss_agg=loss_agg,
+                              rollout_is="token")
+    cut_m, cut, _ = _step(model, critic, exp, packed=packed, max_tokens_per_micro_batch=24, loss_agg=loss_agg,
+                          rollout_is="token")
     assert cut_m["actor/micro_batches"] >= 3 and whole_m["actor/micro_batches"] == 1
     _close(cut, whole)
+    # the step's metrics do not depend on the cut either (each micro-batch weighs its share)
+    for key in ("loss/policy", "loss/value", "entropy/mean", "actor/approx_kl", "actor/clipfrac",
+                "critic/clipfrac", "rollout_is/weight_mean"):
+        assert cut_m[key] == pytest.approx(whole_m[key], rel=1e-4, abs=1e-6), key
 
 
 def test_budgeted_no_grad_passes_equal_the_plain_ones():
