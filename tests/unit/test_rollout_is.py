@@ -122,3 +122,11 @@ def test_update_logs_the_mismatch_on_and_off_policy():
         assert out["rollout/logprob_abs_diff_mean"] == pytest.approx(0.25, abs=1e-4)
         assert out["rollout/logprob_abs_diff_max"] == pytest.approx(0.25, abs=1e-4)
         assert out["rollout/logprob_kl"] == pytest.approx(math.exp(-0.25) - 1 + 0.25, abs=1e-4)
+
+
+def test_mismatch_kl_of_tiny_gaps_is_not_cancelled_to_zero():
+    """A gap of 1e-4 a token has k3 ~ 5e-9, below float32's resolution of r - 1 - log r near 1."""
+    rollout = torch.full((2, 8), -2.0)
+    trainer = rollout + 1e-4
+    m = rlmath.logprob_mismatch(rollout, trainer, torch.ones(2, 8))
+    assert float(m["kl"]) == pytest.approx(0.5e-8, rel=1e-2)
