@@ -318,6 +318,7 @@ def lr_scheduler_problem(name: str, kwargs: dict) -> str | None:
 
 def _engine_problems(engine: DictConfig) -> list[str]:
     """Values of ``actor.rollout_engine`` its types allow but the engine cannot use, each naming its key."""
+    from rlcore.kernels import decode_attention
     from rlcore.rollout.engine import decode
     from rlcore.rollout.engine.core import check_page_size
 
@@ -341,6 +342,12 @@ def _engine_problems(engine: DictConfig) -> list[str]:
         check_page_size(engine.page_size)
     except ValueError as error:
         bad("page_size", str(error).removeprefix("RolloutEngine: "))
+    else:
+        block = engine.attention_tuning.block_n or max(decode_attention.BLOCK_N, decode_attention.BLOCK_N_WIDE)
+        if str(engine.kv_cache) == "paged" and str(engine.attention) != "sdpa" and engine.page_size % block:
+            bad("page_size", f"{engine.page_size} is not a multiple of the Triton attention kernel's block of {block} "
+                             f"columns (attention={engine.attention}; attention_tuning.block_n sets the block); "
+                             "smaller pages need attention=sdpa")
     if not engine.graph_batch_buckets or any(b < 1 for b in engine.graph_batch_buckets):
         bad("graph_batch_buckets", f"must be batch sizes >= 1, got {list(engine.graph_batch_buckets)}")
     for key, check in (("split_k", decode.split_k_tuple), ("attention_tuning", decode.check_attention_tuning)):

@@ -84,7 +84,8 @@ class CustomClsConfig:
 
 @dataclass
 class DataConfig:
-    #: Training prompts: a parquet/jsonl file, a list of files, or a glob. Empty = built-in demo task.
+    #: Training prompts: a parquet/jsonl file, a list of files, or a glob. Empty, with no ``data.custom_cls`` and no
+    #: selected plugin implementing ``rlcore_dataset_provider``, = the built-in demo task.
     train_files: list[str] = field(default_factory=list)
     #: Held-out prompts for evaluation every ``trainer.eval_steps``.
     val_files: list[str] = field(default_factory=list)
@@ -276,7 +277,8 @@ class RolloutEngineConfig:
     #: KV cache: paged (a pool of pages taken as samples grow, prompts shared by reference) or static (one row of
     #: max_seq_len per slot).
     kv_cache: KVCacheKind = KVCacheKind.paged
-    #: Columns per page of the paged cache (a power of two >= 16).
+    #: Columns per page of the paged cache (a power of two >= 16; with the Triton attention, auto or triton, a multiple
+    #: of its column block: 64, or attention_tuning.block_n).
     page_size: int = 64
     #: Pages in the pool, the null page included (null: enough for every slot at the longest sequence, capped on CUDA
     #: at kv_memory_fraction of the free memory).

@@ -114,6 +114,7 @@ def test_default_engine_settings_are_the_engines_defaults():
     ("actor.rollout_engine.admit_fraction=1.5", "actor.rollout_engine.admit_fraction", "must be in (0, 1]"),
     ("actor.rollout_engine.kv_cache=dynamic", "actor.rollout_engine.kv_cache", "'dynamic' is not one of paged, static"),
     ("actor.rollout_engine.page_size=48", "actor.rollout_engine.page_size", "a power of two >= 16"),
+    ("actor.rollout_engine.page_size=32", "actor.rollout_engine.page_size", "block of 64 columns"),
     ("actor.rollout_engine.kv_pages=1", "actor.rollout_engine.kv_pages", "must be >= 2 or null"),
     ("actor.rollout_engine.kv_memory_fraction=0", "actor.rollout_engine.kv_memory_fraction", "must be in (0, 1]"),
 ])
@@ -121,6 +122,13 @@ def test_bad_settings_fail_when_the_config_loads_naming_the_key(override, key, w
     with pytest.raises(ConfigError) as caught:
         load_config([], [override])
     assert f"'{key}'" in str(caught.value) and words in str(caught.value)
+
+
+def test_small_pages_go_with_sdpa_or_a_smaller_kernel_block():
+    for extra in (["actor.rollout_engine.attention=sdpa"], ["actor.rollout_engine.attention_tuning.block_n=32"],
+                  ["actor.rollout_engine.kv_cache=static"]):
+        cfg = load_config([], ["actor.rollout_engine.page_size=32", *extra])
+        assert cfg.actor.rollout_engine.page_size == 32
 
 
 def test_every_setting_is_an_engine_argument():
