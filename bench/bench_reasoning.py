@@ -822,7 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         return worker(*argv[1:4])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_reasoning.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT") or tempfile.gettempdir(),
+                                                      "bench_reasoning.json"))
     parser.add_argument("--shapes", default=None, help=f"comma list (default {','.join(DEFAULT_SHAPES)}; "
                                                        f"--smoke: {','.join(SMOKE_SHAPES)})")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {SYSTEMS}")
