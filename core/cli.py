@@ -83,10 +83,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from rlcore.envs.runner import collect_environments
 
     envs = collect_environments(pm)
+
+    def usable(plugin: str) -> str:  # default plugins are always loaded; the others only when selected
+        return "built in, always available" if plugin in pm.default_names else f"needs --plugins {plugin}"
+
     print("\nenvironments (data.env_key; settings under plugin_config.<name>):")
     for name, (_, plugin) in sorted(envs.factories.items()):
-        print(f"  {name.ljust(16)}  from plugin {plugin}")
-    print("tool-call parsers (env.tool_parser): " + ", ".join(sorted(envs.parsers)))
+        print(f"  {name.ljust(16)}  from plugin {plugin} ({usable(plugin)})")
+    print("tool-call parsers (env.tool_parser): " + ", ".join(
+        name + ("" if envs.parser_plugins.get(name, "defaults") in pm.default_names
+                else f" ({usable(envs.parser_plugins[name])})") for name in sorted(envs.parsers)))
     return 0
 
 

@@ -124,6 +124,7 @@ class RLCorePluginManager(pluggy.PluginManager):
         self.selected_names: list[str] = []
         self._infos: dict[str, PluginInfo] = {}
         self._settings: dict[str, Any] = {}
+        self._warned_unused: set[str] = set()
         self._undo_trace = None
         if _truthy(os.environ.get(ENV_TRACE)):
             self.enable_trace(sys.stderr)
@@ -205,8 +206,9 @@ class RLCorePluginManager(pluggy.PluginManager):
     # -- settings -------------------------------------------------------------------------
     def configure(self, plugin_config: Optional[Mapping[str, Any]]) -> None:
         """Check ``plugin_config.<name>`` of every registered plugin against the schema it declares;
-        hooks receive the result as ``settings``. A section of a plugin that is not registered is
-        logged: it has no effect.
+        hooks receive the result as ``settings``. A section that names neither a registered plugin
+        nor an environment one registers (``rlcore_environment``: the section is that environment's
+        settings) has no effect: it is logged, once per manager.
 
         :raises ConfigError: every unknown key and wrong value, each named ``plugin_config.<name>.<key>``.
         """
@@ -219,10 +221,26 @@ class RLCorePluginManager(pluggy.PluginManager):
                 self._settings[name] = parse_settings(name, schema_of(self.get_plugin(name)), given.get(name))
             except ConfigError as e:
                 problems.extend(e.problems)
-        for name in sorted(set(given) - set(self.default_names + self.selected_names)):
-            log.warning("plugin_config.%s has no effect: no plugin named '%s' is selected", name, name)
+        unused = set(given) - set(self.default_names + self.selected_names)
+        if unused:
+            unused -= self._environment_names()  # an environment's settings (rlcore.envs)
+        for name in sorted(unused - self._warned_unused):  # once per manager: configure runs again in train
+            self._warned_unused.add(name)
+            log.warning("plugin_config.%s has no effect: no selected plugin is named '%s' or registers an "
+                        "environment of that name", name, name)
         if problems:
             raise ConfigError(problems)
+
+    def _environment_names(self) -> set[str]:
+        """The environment names the registered plugins register (``rlcore_environment``); a plugin
+        whose registration fails adds none here (building the environments reports it)."""
+        names: set[str] = set()
+        for impl in self.hook.rlcore_environment.get_hookimpls():
+            try:
+                impl.function(register=lambda name, _fn: names.add(str(name)))
+            except Exception:  # noqa: BLE001 - reported where the environments are built
+                continue
+        return names
 
     def settings_of(self, name: str) -> Any:
         """The settings plugin ``name`` receives (its schema's defaults before :meth:`configure`)."""

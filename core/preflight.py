@@ -1,7 +1,8 @@
 """Every check that can run before a model loads (``rlcore validate``, and ``rlcore train`` before it
 starts): plugins and their settings, data files, model and reward-model paths, role devices, the
-output directory, the checkpoint to resume from, the reward function, each plugin's own checks, rank
-groups, and two plugins answering one factory hook."""
+output directory, the checkpoint to resume from, the reward function, each plugin's own checks, the
+environments the data names (``data.env_key``), rank groups, and two plugins answering one factory
+hook."""
 
 from __future__ import annotations
 
@@ -108,13 +109,15 @@ def _tokenizer(cfg):
 
 
 def _check_environments(cfg, pm) -> None:
-    """With ``data.env_key``: the tool-call parser exists, and every environment configured under
-    ``plugin_config`` builds from its settings (a bad key fails here, naming it)."""
+    """With ``data.env_key``: the tool-call parser exists, every environment configured under
+    ``plugin_config`` builds from its settings (a bad key fails here, naming it), and every
+    environment the data files name in that column is registered (local parquet and jsonl files;
+    only that column is read)."""
     if not cfg.data.env_key:
         return
     from omegaconf import OmegaConf
 
-    from rlcore.envs.runner import collect_environments
+    from rlcore.envs.runner import check_data_environments, collect_environments
     from rlcore.errors import EnvError
 
     envs = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True), cfg.env.tool_parser)
@@ -123,10 +126,31 @@ def _check_environments(cfg, pm) -> None:
                        f"{', '.join(sorted(envs.parsers))}")
     for name in cfg.plugin_config:
         if name in envs.factories:
+            envs.limits(name)
             try:
                 envs.make(name)
             except ValueError as error:
                 raise EnvError(f"environment '{name}': {error}") from error
+    check_data_environments(envs, _data_files(cfg), str(cfg.data.env_key), pm.default_names + pm.selected_names)
+
+
+def _data_files(cfg) -> list[tuple[str, str]]:
+    """``(config key, path)`` of the local parquet and jsonl training and held-out files the default
+    dataset provider reads (none with ``data.custom_cls``; files that are missing are reported by
+    the data check)."""
+    from rlcore.data.files import file_format, is_remote, resolve_files
+    from rlcore.errors import DataError
+
+    if cfg.data.custom_cls.path:
+        return []
+    out = []
+    for key in ("train_files", "val_files"):
+        try:
+            paths = resolve_files(cfg.data[key], f"data.{key}")
+        except DataError:
+            continue
+        out += [(f"data.{key}", p) for p in paths if not is_remote(p) and file_format(p)]
+    return out
 
 
 def _check_devices(cfg) -> None:

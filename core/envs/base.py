@@ -6,6 +6,9 @@ environment answers with an observation, a reward or none, and whether the episo
 observation is rendered with the tokenizer's chat template and appended to the sequence as
 context (masked out of the loss); generation continues after it.
 
+An environment may also have ``close()``: called once when its episode ends (the environment said
+done, a limit was reached, or it took longer than ``env.timeout_s``), to stop what it still runs.
+
 Each method may be a plain function or a coroutine (``async def``): coroutines run concurrently on
 the rollout's event loop, plain functions in its worker threads, so a slow tool never stalls the
 decoding of the other sequences.
@@ -34,7 +37,8 @@ class Turn:
     text: str
     token_ids: tuple[int, ...]
     index: int
-    #: The turn ended on the token limit of the episode rather than on EOS or a stop string.
+    #: The turn reached the episode's token limit (``env.max_tokens``): the backend stopped it there,
+    #: on EOS, a stop string or not; the episode ends after this turn.
     truncated: bool = False
 
 

@@ -49,6 +49,15 @@ class Episode:
         self.model_tokens = 0
         self.observation_tokens = 0
         self.metrics: dict[str, float] = {}
+        self.closed = False
+
+    def token_limit(self, max_new_tokens: int) -> int:
+        """The response tokens (model and observation tokens together) this episode may hold:
+        ``max_tokens`` of its limits (``env.max_tokens``, or ``plugin_config.<name>.max_tokens``),
+        at most ``max_new_tokens``. A backend ends the episode's turn there: the turn the model is
+        writing after ``used`` tokens may take ``token_limit(max_new_tokens) - used`` more."""
+        cap = int(max_new_tokens)
+        return cap if self.limits.max_tokens is None else max(0, min(cap, int(self.limits.max_tokens)))
 
     def turn_ended(self, token_ids: Sequence[int], used: int, budget: int,
                    truncated: bool = False) -> "concurrent.futures.Future":
@@ -66,6 +75,8 @@ class Environments:
     parsers: dict[str, Callable[[str], Any]] = field(default_factory=dict)
     tool_parser: str = "hermes"
     defaults: EpisodeLimits = EpisodeLimits()
+    #: the plugin that registered each parser
+    parser_plugins: dict[str, str] = field(default_factory=dict)
 
     def check_names(self, names: Sequence[Any], where: str) -> None:
         """Raise naming the first unknown environment in ``names`` (``None``/empty means no environment)."""
@@ -80,10 +91,21 @@ class Environments:
                            + f"; registered environments: {', '.join(sorted(self.factories)) or 'none'}")
 
     def limits(self, name: str) -> EpisodeLimits:
+        """The limits of ``name``'s episodes: the ``env`` section's, with ``plugin_config.<name>``'s
+        ``max_turns`` and ``max_tokens`` over them.
+
+        :raises EnvError: a value that is not a positive whole number, naming its key."""
         cfg = dict(self.plugin_config.get(name) or {})
         base = self.defaults
-        return EpisodeLimits(max_turns=int(cfg.get("max_turns", base.max_turns)),
-                             max_tokens=cfg.get("max_tokens", base.max_tokens), timeout_s=base.timeout_s)
+        values = {}
+        for key in LIMIT_KEYS:
+            value = cfg.get(key, getattr(base, key))
+            if value is not None and key in cfg:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise EnvError(f"plugin_config.{name}.{key}: {value!r} is not a positive whole number")
+            values[key] = value
+        return EpisodeLimits(max_turns=int(values["max_turns"]), max_tokens=values["max_tokens"],
+                             timeout_s=base.timeout_s)
 
     def make(self, name: str) -> Any:
         """A fresh environment ``name`` for one episode, configured by ``plugin_config.<name>``."""
@@ -124,7 +146,121 @@ def collect_environments(pm: Any, plugin_config: Optional[dict] = None, tool_par
                 _table[name] = (fn, _plugin)
             impl.function(register=register)
     return Environments(factories, dict(plugin_config or {}), {k: v[0] for k, v in parsers.items()}, tool_parser,
-                        defaults)
+                        defaults, {k: v[1] for k, v in parsers.items()})
+
+
+def installed_providers(loaded: Sequence[str]) -> dict[str, str]:
+    """Environment name -> the installed plugin, not among ``loaded``, that registers it. Every such
+    plugin is imported (one that fails to import or to register is skipped): call it to explain a
+    name no loaded plugin has, not on every run."""
+    from rlcore.plugin_manager import RLCorePluginManager, available_names
+
+    pm = RLCorePluginManager()
+    out: dict[str, str] = {}
+    for plugin in available_names():
+        if plugin in loaded:
+            continue
+        try:
+            pm.load([plugin])
+        except Exception:  # noqa: BLE001 - `rlcore plugins` shows why a plugin does not load
+            continue
+        for impl in pm.hook.rlcore_environment.get_hookimpls():
+            if impl.plugin_name == plugin:
+                try:
+                    impl.function(register=lambda name, _fn, _p=plugin: out.setdefault(str(name), _p))
+                except Exception:  # noqa: BLE001 - as above
+                    continue
+    return out
+
+
+def environments_in_file(path: str, column: str) -> dict[str, str]:
+    """The distinct environment names in ``column`` of a local parquet or jsonl file, each with where
+    it first appears (``"row 3"``, 0-based like the data pipeline's rows; jsonl adds the line);
+    empty values (no environment) are left out. Parquet: only that column is read, a batch at a
+    time; jsonl: one streaming pass. A file without the column names none.
+
+    :raises DataError: a parquet file that cannot be read, naming it."""
+    import json
+
+    from rlcore.errors import DataError
+
+    found: dict[str, str] = {}
+    if path.lower().endswith((".parquet", ".pq")):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+            if column not in pf.schema_arrow.names:
+                return found
+            offset = 0
+            for batch in pf.iter_batches(columns=[column], batch_size=1 << 16):
+                values = batch.column(0)
+                try:
+                    distinct = pc.unique(values).to_pylist()
+                except pa.ArrowNotImplementedError:  # a nested column: compared as Python values
+                    distinct = values.to_pylist()
+                for value in distinct:
+                    if value in (None, "") or str(value) in found:
+                        continue
+                    try:
+                        first = int(pc.index(values, value).as_py())
+                    except (pa.ArrowException, TypeError):
+                        first = values.to_pylist().index(value)
+                    found[str(value)] = f"row {offset + first}"
+                offset += batch.num_rows
+        except (OSError, pa.ArrowException) as err:
+            raise DataError(f"{path}: cannot read column '{column}' (data.env_key): {type(err).__name__}: "
+                            f"{err}") from err
+        return found
+    row = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:  # the data check reports it
+                record = None
+            value = record.get(column) if isinstance(record, dict) else None
+            if value not in (None, "") and str(value) not in found:
+                found[str(value)] = f"row {row} (line {lineno})"
+            row += 1
+    return found
+
+
+def check_data_environments(environments: Environments, files: Sequence[tuple[str, str]], column: str,
+                            loaded: Sequence[str]) -> None:
+    """Every environment named in ``column`` (``data.env_key``) of ``files`` (``(config key, path)``
+    pairs of local parquet/jsonl files) is registered.
+
+    :raises EnvError: one line per unknown name, with the file and the first row naming it, and the
+        installed plugin to select with ``--plugins`` when one registers it (else near names)."""
+    import difflib
+
+    unknown: dict[str, tuple[str, str, str]] = {}
+    for key, path in files:
+        for name, where in environments_in_file(path, column).items():
+            if name not in environments.factories and name not in unknown:
+                unknown[name] = (key, path, where)
+    if not unknown:
+        return
+    providers = installed_providers(loaded)
+    registered = sorted(environments.factories)
+    lines = []
+    for name, (key, path, where) in unknown.items():
+        line = f"{key}: {path} {where} names environment '{name}' (column '{column}', data.env_key), which no " \
+               "selected plugin registers"
+        if name in providers:
+            line += f"; the installed plugin '{providers[name]}' registers it: select it with " \
+                    f"--plugins {providers[name]}"
+        else:
+            near = difflib.get_close_matches(name, registered, n=1)
+            line += (f" (did you mean '{near[0]}'?)" if near else "") \
+                + f"; registered environments: {', '.join(registered) or 'none'}"
+        lines.append(line)
+    raise EnvError("\n".join(lines))
 
 
 # ------------------------------------------------------------------------------------ rendering
@@ -309,8 +445,11 @@ class EpisodeRunner:
                     truncated: bool) -> Optional[list[int]]:
         ep.turns += 1
         ep.model_tokens += len(token_ids)
+        max_tokens = ep.token_limit(budget)
+        # the turn ended on the episode's token limit (the backend cut it, or it filled the budget)
+        cut = bool(truncated) or used >= max_tokens
         text = self.tok.decode(token_ids, skip_special_tokens=True)
-        turn = Turn(text=text, token_ids=tuple(token_ids), index=ep.turns - 1, truncated=truncated)
+        turn = Turn(text=text, token_ids=tuple(token_ids), index=ep.turns - 1, truncated=cut)
         begin = time.perf_counter()
         try:
             step = await asyncio.wait_for(self._call(ep.env.step, turn), timeout=ep.limits.timeout_s)
@@ -319,33 +458,61 @@ class EpisodeRunner:
             ep.env_seconds += time.perf_counter() - begin
             log.warning("environment '%s' took over %.1f s (env.timeout_s) to answer a turn; episode ended",
                         ep.name, ep.limits.timeout_s)
+            await self._close(ep)
             return None
         except Exception as error:
+            await self._close(ep, quiet=True)
             raise EnvError(f"environment '{ep.name}' failed on turn {turn.index}: {type(error).__name__}: "
                            f"{error}") from error
         ep.env_seconds += time.perf_counter() - begin
         if not isinstance(step, Step):
+            await self._close(ep, quiet=True)
             raise EnvError(f"environment '{ep.name}' returned {type(step).__name__} from step(); expected "
                            "rlcore.envs.Step")
         for key, value in step.metrics.items():
             ep.metrics[key] = ep.metrics.get(key, 0.0) + float(value)
         if step.reward is not None:
             ep.reward = (ep.reward or 0.0) + float(step.reward)
-        max_tokens = min(budget, int(ep.limits.max_tokens or budget))
-        if step.done or truncated:
+        ids: Optional[list[int]] = None
+        if cut or (not step.done and ep.turns >= ep.limits.max_turns):
+            ep.truncated = True  # ended on a limit: the token budget or max_turns
+        elif not step.done:
+            role = getattr(ep.env, "observation_role", "user")
+            eos_end = bool(token_ids) and token_ids[-1] in self.renderer.eos_ids
+            ids = self.renderer.ids(step.observation, role, eos_end)
+            if used + len(ids) + 1 > max_tokens:  # no room for the observation and one more model token
+                ep.truncated, ids = True, None
+        if ids is None:
             ep.done = True
-            return None
-        if ep.turns >= ep.limits.max_turns:
-            ep.truncated = ep.done = True
-            return None
-        role = getattr(ep.env, "observation_role", "user")
-        eos_end = bool(token_ids) and token_ids[-1] in self.renderer.eos_ids
-        ids = self.renderer.ids(step.observation, role, eos_end)
-        if used + len(ids) + 1 > max_tokens:  # no room for the observation and one more model token
-            ep.truncated = ep.done = True
+            await self._close(ep)
             return None
         ep.observation_tokens += len(ids)
         return ids
+
+    async def _close(self, ep: Episode, quiet: bool = False) -> None:
+        """End the episode's environment: its ``close()`` (plain or ``async``), if it has one, runs
+        once when the episode ends (done, a limit, or ``env.timeout_s``), so that what it still
+        runs (a tool's subprocess) stops. ``quiet``: a failure is logged, not raised (the episode
+        already fails with another error)."""
+        if ep.closed:
+            return
+        ep.closed = True
+        close = getattr(ep.env, "close", None)
+        if not callable(close):
+            return
+        try:
+            if inspect.iscoroutinefunction(close):
+                await close()
+            else:
+                out = await asyncio.get_running_loop().run_in_executor(None, close)
+                if inspect.isawaitable(out):
+                    await out
+        except Exception as error:
+            if quiet:
+                log.warning("environment '%s' failed to close: %s: %s", ep.name, type(error).__name__, error)
+                return
+            raise EnvError(f"environment '{ep.name}' failed to close an episode: {type(error).__name__}: "
+                           f"{error}") from error
 
 
 def episode_metrics(episodes: Sequence[Optional[Episode]]) -> dict[str, float]:

@@ -14,8 +14,10 @@ into an error observation and a ``tool_errors`` metric.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -101,8 +103,13 @@ class ToolEnvironment:
     implement :meth:`score` (the reward of the final answer). A turn's calls run in order; each
     result becomes one message of role ``tool`` (the chat template wraps it, e.g. in
     ``<tool_response>``).
-    Unknown tools, malformed calls and tools that raise become error text in the observation and
+    Unknown tools, malformed calls, arguments the tool does not take (checked against its
+    signature before it is called) and tools that raise become error text in the observation and
     count as ``tool_errors``; the episode goes on.
+
+    When the episode ends (the environment is done, a limit, or ``env.timeout_s``) the rollout
+    calls :meth:`close`, which sets :attr:`closed`: a tool that runs in a thread (a subprocess, a
+    request) should stop when it is set; a tool coroutine still running is cancelled.
 
     Args:
         parser: a parser (``text -> ParsedTurn``); the rollout sets the one named by
@@ -115,6 +122,8 @@ class ToolEnvironment:
         self.parser = parser or parse_hermes
         self.row: dict[str, Any] = {}
         self.tools: dict[str, Callable[..., Any]] = {}
+        #: Set when the episode ends: tools running in threads stop on it.
+        self.closed = threading.Event()
 
     def start(self, row: dict[str, Any]) -> Optional[list]:
         self.row = row
@@ -124,9 +133,12 @@ class ToolEnvironment:
         """The reward of the final answer (a turn without tool calls)."""
         raise NotImplementedError
 
+    async def close(self) -> None:
+        """The episode is over: set :attr:`closed` (a tool's thread or subprocess stops on it)."""
+        self.closed.set()
+
     async def step(self, turn: Turn) -> Step:
         import asyncio
-        import inspect
 
         parsed = self.parser(turn.text)
         if not parsed.calls:
@@ -145,14 +157,15 @@ class ToolEnvironment:
                 metrics["tool_errors"] += 1
                 results.append(f"error: unknown tool {call.name!r}; tools: {', '.join(sorted(self.tools))}")
                 continue
+            problem = bad_arguments(fn, call.arguments)
+            if problem is not None:
+                metrics["tool_errors"] += 1
+                results.append(f"error: bad arguments for {call.name}: {problem}")
+                continue
             try:
                 out = fn(**call.arguments)
                 if inspect.isawaitable(out):
                     out = await out
-            except TypeError as error:
-                metrics["tool_errors"] += 1
-                results.append(f"error: bad arguments for {call.name}: {error}")
-                continue
             except Exception as error:  # noqa: BLE001 - a tool failure is the model's observation
                 metrics["tool_errors"] += 1
                 results.append(f"error: {call.name} failed: {type(error).__name__}: {error}")
@@ -164,6 +177,20 @@ class ToolEnvironment:
             results.append(str(out))
         await asyncio.sleep(0)
         return Step(observation=[{"role": "tool", "content": r} for r in results], metrics=metrics)
+
+
+def bad_arguments(fn: Callable[..., Any], arguments: dict[str, Any]) -> Optional[str]:
+    """Why ``fn(**arguments)`` cannot be called (a missing, unknown or repeated argument), or
+    ``None`` when the arguments bind to its signature (or it has none that can be read)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins: the call itself will tell
+        return None
+    try:
+        signature.bind(**arguments)
+    except TypeError as error:
+        return str(error)
+    return None
 
 
 @dataclass(frozen=True)

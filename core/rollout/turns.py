@@ -58,8 +58,10 @@ def generate_turn_by_turn(generate: Callable[[Sequence[Sequence[int]], SamplingP
                           device: torch.device | str = "cpu") -> RolloutBatch:
     """Play ``prompts`` (an episode each, or ``None`` for a single turn) with ``generate``, one turn
     per round; the result marks model tokens in ``response_mask`` and every token in
-    ``response_attention``."""
-    limit = params.max_new_tokens
+    ``response_attention``. An episode's response holds at most its
+    :meth:`~rlcore.envs.runner.Episode.token_limit` tokens (``env.max_tokens``), a single turn at
+    most ``max_new_tokens``."""
+    limits = [params.max_new_tokens if ep is None else ep.token_limit(params.max_new_tokens) for ep in episodes]
     stop_ids, stop_texts = runner.stops()
     end_ids = set(params.eos_token_ids) | stop_ids
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -68,7 +70,7 @@ def generate_turn_by_turn(generate: Callable[[Sequence[Sequence[int]], SamplingP
     active = list(range(len(prompts)))
     rounds, seconds = 0, 0.0
     while active:
-        budget = max(limit - len(tokens[i]) for i in active)
+        budget = max(1, max(limits[i] - len(tokens[i]) for i in active))
         seed = None if params.seed is None else params.seed + 7919 * rounds
         turn_params = dataclasses.replace(params, max_new_tokens=budget, eos_token_ids=tuple(sorted(end_ids)),
                                           seed=seed)
@@ -77,6 +79,7 @@ def generate_turn_by_turn(generate: Callable[[Sequence[Sequence[int]], SamplingP
         ids, mask, lps = batch.response_ids.tolist(), batch.response_mask.tolist(), batch.logprobs.tolist()
         pending: dict[int, concurrent.futures.Future] = {}
         for row, i in enumerate(active):
+            limit = limits[i]
             room = limit - len(tokens[i])
             new = [t for t, m in zip(ids[row], mask[row]) if m][:room]
             end = find_turn_end(new, 0, len(new), end_ids, stop_texts, runner.decode)
@@ -92,7 +95,7 @@ def generate_turn_by_turn(generate: Callable[[Sequence[Sequence[int]], SamplingP
         active = []
         for i, future in pending.items():
             obs = future.result()
-            if obs is None or len(tokens[i]) + len(obs) + 1 > limit:
+            if obs is None or len(tokens[i]) + len(obs) + 1 > limits[i]:
                 continue
             tokens[i] += list(obs)
             model[i] += [0] * len(obs)

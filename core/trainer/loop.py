@@ -488,8 +488,10 @@ class Trainer:
                 "reward/min": float(scores.min()), "reward/max": float(scores.max()),
                 "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
                 "response/clip_frac": float(self.truncated(rollout).float().mean()),
-                # samples the engine's paged KV cache had to preempt (and sample again) for want of pages
-                **{key: float(rollout.stats[key]) for key in ("rollout/preemptions", "rollout/kv_bytes_peak")
+                # samples the engine's paged KV cache had to preempt (and sample again) for want of pages;
+                # multi-turn rollouts: observation tokens, waits of the engine for an environment's answer
+                **{key: float(rollout.stats[key]) for key in ("rollout/preemptions", "rollout/kv_bytes_peak",
+                                                              "rollout/observation_tokens", "rollout/env_waits")
                    if key in rollout.stats}}
 
     @torch.no_grad()
