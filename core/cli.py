@@ -133,6 +133,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if trainer.status == "interrupted":
             print(f"run interrupted at step {trainer.state.step} of {cfg.trainer.max_steps}: a checkpoint was saved; "
                   f"the same command with trainer.resume=auto continues it (exit code {EXIT_INTERRUPTED})")
+    # Every rank leaves the process group together: a rank that exits with its group alive can be
+    # aborted in the communication library's teardown (a failed exit code after a finished run).
+    from rlcore.distributed.init import barrier, destroy
+
+    barrier()
+    destroy()
     # A graceful stop (SIGINT/SIGTERM, checkpoint saved) is not a success: ``rlcore train && deploy`` must not go on.
     return EXIT_INTERRUPTED if trainer.status == "interrupted" else EXIT_OK
 
