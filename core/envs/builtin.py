@@ -69,7 +69,8 @@ class PythonToolEnv(ToolEnvironment):
         self.tools = {"python": self.python}
 
     async def python(self, code: str) -> ToolResult:
-        result = await asyncio.to_thread(run_python, str(code), self.limits)
+        # an episode that ends (env.timeout_s, a limit) sets ``closed``: the run is stopped then
+        result = await asyncio.to_thread(run_python, str(code), self.limits, cancel=self.closed)
         return ToolResult(result.describe() or "(no output)", error=not result.ok, timed_out=result.timed_out)
 
     def score(self, answer: str) -> float:

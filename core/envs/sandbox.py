@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -544,6 +545,7 @@ class SandboxLimits:
 class SandboxResult:
     """What a run printed (stdout and stderr interleaved, truncated) and how it ended.
 
+    ``cancelled``: killed because the caller's ``cancel`` event was set (``timed_out`` is set too).
     ``timed_out`` is set by the wall-clock timeout (``exit_code`` is then ``None``) and by the CPU
     limit (``cpu_exceeded``; ``exit_code`` is the signal that ended it, negated). ``guards`` names the
     guards that held: ``audit``, ``seccomp``, ``network_namespace``, ``user_namespace``,
@@ -556,6 +558,7 @@ class SandboxResult:
     seconds: float = 0.0
     cpu_exceeded: bool = False
     guards: tuple[str, ...] = ()
+    cancelled: bool = False
 
     @property
     def ok(self) -> bool:
@@ -566,7 +569,9 @@ class SandboxResult:
         text = self.output
         if self.truncated:
             text += "\n[output truncated]"
-        if self.timed_out:
+        if self.cancelled:
+            text += "\n[stopped: the episode ended]"
+        elif self.timed_out:
             text += "\n[timed out: CPU time limit]" if self.cpu_exceeded else "\n[timed out]"
         elif self.exit_code and self.exit_code < 0:
             name = signal.Signals(-self.exit_code).name if -self.exit_code in signal.valid_signals() else "signal"
@@ -628,9 +633,11 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _supervise(proc: subprocess.Popen, timeout_s: float, out: _Output) -> tuple[int, Optional[object], bool]:
-    """Collect the output until the process exits (or the timeout kills it) and its output ends (or
-    ``_GRACE_S`` passes: something still holds the pipe). Returns (wait status, rusage, timed out)."""
+def _supervise(proc: subprocess.Popen, timeout_s: float, out: _Output,
+               cancel: Optional[threading.Event] = None) -> tuple[int, Optional[object], bool]:
+    """Collect the output until the process exits (or the timeout, or ``cancel`` being set, kills
+    it) and its output ends (or ``_GRACE_S`` passes: something still holds the pipe). Returns (wait
+    status, rusage, killed before it exited)."""
     fd = proc.stdout.fileno()
     os.set_blocking(fd, False)
     try:
@@ -647,7 +654,7 @@ def _supervise(proc: subprocess.Popen, timeout_s: float, out: _Output) -> tuple[
                     exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
                 except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): nothing to report
                     exited = True
-                if exited or now >= deadline:
+                if exited or now >= deadline or (cancel is not None and cancel.is_set()):
                     wall = not exited
                     _kill_group(proc.pid)  # the unreaped leader keeps the group's id from being reused
                     try:
@@ -663,6 +670,8 @@ def _supervise(proc: subprocess.Popen, timeout_s: float, out: _Output) -> tuple[
             if status is None and exit_fd >= 0:
                 watch.append(exit_fd)
             else:
+                wait = min(wait, _POLL_S)
+            if status is None and cancel is not None:  # look at the event every poll interval
                 wait = min(wait, _POLL_S)
             if not watch:
                 time.sleep(wait)
@@ -681,10 +690,12 @@ def _supervise(proc: subprocess.Popen, timeout_s: float, out: _Output) -> tuple[
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, python: Optional[str] = None,
-               layers: Iterable[str] = LAYERS) -> SandboxResult:
+               layers: Iterable[str] = LAYERS, cancel: Optional[threading.Event] = None) -> SandboxResult:
     """Run ``code`` in a fresh sandboxed interpreter (see the module docstring) in a temporary
     directory removed afterwards; never raises for anything the code does. ``layers``: the guards to
-    use (a subset of :data:`LAYERS`; fewer only to test that each holds on its own)."""
+    use (a subset of :data:`LAYERS`; fewer only to test that each holds on its own). ``cancel``: once
+    set, the run is killed as at its timeout (``cancelled`` in the result), e.g. when the episode
+    that asked for it has ended."""
     layers = tuple(layers)
     unknown = set(layers) - set(LAYERS)
     if unknown:
@@ -707,7 +718,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, python: Op
         os.close(report_w)
         report_w = -1
         out = _Output(limits.max_output_bytes)
-        status, usage, wall = _supervise(proc, limits.timeout_s, out)
+        status, usage, wall = _supervise(proc, limits.timeout_s, out, cancel)
+        cancelled = wall and cancel is not None and cancel.is_set()
         os.set_blocking(report_r, False)
         try:
             guards = tuple(name for name in os.read(report_r, 4096).decode().split(",") if name)
@@ -721,7 +733,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, python: Op
         output = out.text().replace(f'File "{wrapper}"', 'File "<sandbox>"')
         return SandboxResult(output=output, exit_code=None if wall else exit_code, timed_out=wall or cpu_exceeded,
                              truncated=out.truncated, seconds=time.perf_counter() - start,
-                             cpu_exceeded=cpu_exceeded, guards=guards)
+                             cpu_exceeded=cpu_exceeded, guards=guards, cancelled=cancelled)
     finally:
         for fd in (report_r, report_w):
             if fd >= 0:

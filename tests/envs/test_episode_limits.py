@@ -89,11 +89,7 @@ def tool_model(tmp_path_factory):
     return load_causal_lm(path).eval(), load_tokenizer(path)
 
 
-ENGINE_PENDING = pytest.mark.xfail(strict=True, reason="the engine's TurnScheduler ends turns at max_new_tokens only; "
-                                   "it must ask Episode.token_limit for each request's limit")
-
-
-@pytest.mark.parametrize("backend", ["hf", pytest.param("engine", marks=ENGINE_PENDING)])
+@pytest.mark.parametrize("backend", ["hf", "engine"])
 @pytest.mark.parametrize("source", ["env", "plugin_config"])
 def test_backends_stop_model_tokens_at_the_episode_budget(tool_model, source, backend):
     from rlcore.rollout.engine import RolloutEngine

@@ -83,3 +83,18 @@ def test_output_is_truncated():
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="timeout_s"):
         SandboxLimits(timeout_s=0)
+
+
+def test_a_cancelled_run_is_stopped_long_before_its_timeout():
+    """The episode that asked for the run ended: the sandbox is killed then, not at its own timeout."""
+    import threading
+    import time
+
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    start = time.perf_counter()
+    result = run_python("print('started', flush=True)\nwhile True:\n    pass\n",
+                        SandboxLimits(timeout_s=30, cpu_s=30), cancel=cancel)
+    assert time.perf_counter() - start < 10
+    assert result.cancelled and result.timed_out and not result.ok
+    assert "started" in result.output and "episode ended" in result.describe()

@@ -13,7 +13,8 @@ in the same slot.
   the turn's last token with :meth:`RolloutEngine._extend` (a prefill of the new tokens only, the
   slot's KV cache kept), the next token is sampled from its logits, and the slot decodes again;
 * an episode ends when the environment says so, at its turn limit, or when the response (model
-  and observation tokens) would pass ``max_new_tokens``; a slot whose turn used up the budget
+  and observation tokens) would pass its token budget (``Episode.token_limit``: the episode's
+  ``max_tokens``, at most ``max_new_tokens``); a slot whose turn used up the budget
   finishes at once, while its environment still sees that last turn (awaited before the result).
   A prompt without an episode ends at its first turn end.
 
@@ -48,6 +49,9 @@ class TurnScheduler(Scheduler):
 
     def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams,
                  episodes: Sequence[Optional["Episode"]], stop_ids: set[int], stop_texts: Sequence[str], decode):
+        # each request's response budget: its episode's token limit (env.max_tokens), at most max_new_tokens
+        self.limit = [int(params.max_new_tokens) if ep is None else ep.token_limit(params.max_new_tokens)
+                      for ep in episodes]
         super().__init__(engine, prompts, params)
         self.episodes = list(episodes)
         self.end_ids = set(params.eos_token_ids) | set(stop_ids)
@@ -88,6 +92,8 @@ class TurnScheduler(Scheduler):
 
     def _relive(self) -> None:
         super()._relive()
+        if hasattr(self, "limit"):  # the first step at which a live slot reaches its own budget
+            self.due = min((self.born[s] + self.limit[self.slot_req[s]] - 1 for s in self.live), default=0)
         self._pin()
 
     def _pin(self) -> None:
@@ -109,6 +115,9 @@ class TurnScheduler(Scheduler):
     # -- turn ends
     def _finished(self, n: int) -> list[int]:
         finished = super()._finished(n)
+        if self.steps >= self.due:
+            finished += [s for s in self.live if s not in self.paused
+                         and self._count(s) >= self.limit[self.slot_req[s]]]
         if self.stop_texts and self.steps % self.eng.eos_check_interval == 0:
             candidates = [s for s in self.live if s not in self.paused and s not in finished]
             if candidates:
@@ -124,10 +133,10 @@ class TurnScheduler(Scheduler):
         slots = [s for s in slots if s not in self.paused]
         if not slots:
             return
-        limit = self.params.max_new_tokens
         rows = self.out_tokens[slots].tolist()
         over = []
         for s, row in zip(slots, rows):
+            limit = self.limit[self.slot_req[s]]
             count = min(self._count(s), limit)
             end = find_turn_end(row, self.turn_start[s], count, self.end_ids, self.stop_texts, self.decode_text)
             truncated = end is None
@@ -173,12 +182,12 @@ class TurnScheduler(Scheduler):
 
     def _resume(self, slots: list[int]) -> None:
         eng, st = self.eng, self.eng.state
-        limit = self.params.max_new_tokens
         over = []
         for s in slots:
             future, end = self.paused.pop(s)
             obs = future.result()  # an environment error propagates here
             req = self.slot_req[s]
+            limit = self.limit[req]
             if obs is None or end + 1 + len(obs) + 1 > limit:
                 self.length[req] = end + 1
                 over.append(s)
