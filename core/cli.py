@@ -65,15 +65,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     """Every installed plugin, one row each; one that cannot be imported or registered is a row with
     its error (the command still succeeds: it is how a broken plugin is diagnosed)."""
     from rlcore.errors import PluginError
-    from rlcore.plugin_manager import available_names, build_plugin_manager
+    from rlcore.plugin_manager import _distribution_of, available_entry_points, available_names, build_plugin_manager
 
     pm = build_plugin_manager([])
+    eps = available_entry_points()
     rows = []
     for name in [n for n in available_names() if not pm.has_plugin(n)]:
         try:
             pm.load([name])
-        except PluginError as e:
-            rows.append((name, "", "", "", f"ERROR: {e}"))
+        except PluginError as e:  # the distribution is known from the entry point's metadata alone
+            rows.append((name, *_distribution_of(eps.get(name)), "", f"ERROR: {e}"))
     rows = [(i.name, i.distribution, i.version, "yes" if i.default else "", ", ".join(
         h.replace("rlcore_", "") for h in i.hooks)) for i in pm.infos()] + rows
     head = ("name", "distribution", "version", "default", "hooks")

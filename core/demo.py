@@ -92,7 +92,10 @@ TOOL_WORDS = (TOOL_CALL, "<tool_response>", "</tool_response>")
 
 def build_tokenizer(save_dir: str, extra_words: Sequence[str] = ()):
     """Train a word-level tokenizer over the demo alphabet (plus ``extra_words``) and save it as a HF
-    tokenizer directory."""
+    tokenizer directory whose ``tokenizer_config.json`` names the generic ``PreTrainedTokenizerFast``
+    class (loaded by :func:`rlcore.trainer.models.load_tokenizer` as saved, words joined by spaces)."""
+    import json
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -106,6 +109,14 @@ def build_tokenizer(save_dir: str, extra_words: Sequence[str] = ()):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>", padding_side="left")
     fast.save_pretrained(save_dir)
+    # The generic class by the name both transformers 4 and 5 know: the directory loads back as saved
+    # (rlcore.trainer.models.load_tokenizer), not as the model type's own tokenizer class.
+    config_path = os.path.join(save_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
     return fast
 
 

@@ -1,11 +1,14 @@
 """Start-up checks of the selected plugins that need no model: their settings, the rollout backend
-name, and two selected plugins answering the same factory hook.
+name, and the answers of the factory hooks the trainer builds before a model loads (two selected
+plugins answering one hook, an answer lacking a method of its protocol).
 
 The checks ask the plugins; none names a plugin of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 from typing import Any, Callable, Optional
 
@@ -26,39 +29,178 @@ def check_settings(pm: Any, cfg: DictConfig) -> None:
 
 
 def check_rollout_backend(pm: Any, cfg: DictConfig) -> None:
-    """A rollout backend name that no built-in plugin answers needs a selected plugin implementing
-    ``rlcore_rollout_backend``."""
+    """``actor.rollout_backend`` names a backend some plugin answers, before any model loads: a
+    built-in name, the name of a selected plugin implementing ``rlcore_rollout_backend`` (a backend
+    plugin answers for its own name), or a name such a plugin answers when asked with a tiny model
+    built in memory (nothing is loaded or written).
+
+    :raises PluginError: naming the value, the known backends and the closest of them.
+    """
     name = str(cfg.actor.rollout_backend)
     if name in BUILTIN_ROLLOUT_BACKENDS:
         return
     providers = [n for n in pm.selected_names if _implements(pm, n, "rlcore_rollout_backend")]
-    if not providers:
-        raise PluginError(f"actor.rollout_backend={name!r}: no selected plugin builds rollout backends "
-                          f"(rlcore_rollout_backend); the built-in ones are {', '.join(BUILTIN_ROLLOUT_BACKENDS)}, "
-                          "or select the plugin that provides it with --plugins")
+    if name in providers or (providers and _answers_backend(pm, cfg, name, providers)):
+        return
+    known = list(BUILTIN_ROLLOUT_BACKENDS) + providers
+    close = difflib.get_close_matches(name, known, n=1)
+    why = (f"no selected plugin answers it (asked {', '.join(repr(p) for p in providers)})" if providers else
+           "no selected plugin builds rollout backends (rlcore_rollout_backend)")
+    raise PluginError(f"actor.rollout_backend={name!r}: {why}; the known backends are {', '.join(known)}"
+                      + (f" (did you mean {close[0]!r}?)" if close else "")
+                      + ("" if providers else "; or select the plugin that provides it with --plugins"))
+
+
+def _answers_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) -> bool:
+    """Whether one of ``providers`` answers ``rlcore_rollout_backend`` for ``name``, asked with a tiny
+    random model; a plugin that raises while building is taken to answer (the trainer reports it)."""
+    from rlcore.protocols import DistInfo
+    from rlcore.rollout.tiny import tiny_causal_lm
+    from rlcore.trainer.components import rollout_request
+
+    request = dataclasses.replace(rollout_request(_obj(cfg.actor), _obj(cfg.data), _obj(cfg.ppo)), backend=name)
+    model = tiny_causal_lm("qwen2")
+    for provider in providers:
+        try:
+            answer = _call_alone(pm, provider, "rlcore_rollout_backend",
+                                 dict(model=model, request=request, dist=DistInfo()))
+        except Exception:  # noqa: BLE001 - it tried to build one: the name is its
+            return True
+        if answer is not None:
+            _close(answer)
+            return True
+    return False
 
 
 def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
                     tokenizer: Optional[Callable[[], Any]] = None) -> None:
-    """Build, as ``rlcore train`` would, every factory hook that two or more selected plugins
-    implement and that the trainer calls before a model loads; two answers are the
-    :class:`PluginError` that ``train`` would raise. Hooks with at most one selected implementation
-    cost nothing. The rollout backend needs the model: two plugins answering it are found when the
-    model has loaded.
+    """Build, as ``rlcore train`` would, every factory hook that a selected plugin implements and
+    that the trainer calls before a model loads, each selected plugin asked on its own, and check
+    the answers as ``train`` does: two selected plugins answering one hook, and an answer lacking a
+    method of its protocol (:func:`rlcore.plugin_manager.check_answer`), are each a
+    :class:`PluginError`, and all are reported together (a :class:`~rlcore.errors.PreflightError`
+    when more than one). An error a factory raises itself is reported too when the world size is
+    known before start (``WORLD_SIZE``, ``trainer.nproc_per_node`` > 1); otherwise it is left to
+    ``train``, whose answer may depend on the world size it has. The answers are discarded (closed
+    where they have ``close()``). Hooks only the built-in defaults answer are not built; a reward
+    backend is not built while ``reward_model.enable`` is set (it would load the reward model). The
+    rollout backend needs the model: its answer is checked when the model has loaded.
 
-    :param tokenizer: loads the actor's tokenizer (the dataset and reward hooks receive it).
+    :param tokenizer: loads the actor's tokenizer (the dataset and reward hooks receive it) where
+        ``actor.model_path`` is set; without it the demo's tokenizer is built in a temporary
+        directory, so nothing is written to ``trainer.output_dir``.
     """
+    from rlcore.distributed.init import known_world_size
+    from rlcore.errors import PreflightError, RLCoreError
+    from rlcore.plugin_manager import check_answer
     from rlcore.protocols import DistInfo
 
     dist = DistInfo(world_size=max(1, world_size))
-    contested = [h for h in FACTORY_HOOKS if h != "rlcore_rollout_backend"
-                 and sum(_implements(pm, n, h) for n in pm.selected_names) > 1]
-    if not contested:
+    hooks = [h for h in FACTORY_HOOKS if h != "rlcore_rollout_backend"
+             and any(_implements(pm, n, h) for n in pm.selected_names)]
+    if cfg.reward_model.enable and "rlcore_reward_backend" in hooks:
+        hooks.remove("rlcore_reward_backend")
+    if not hooks:
         return
-    args = _factory_args(pm, cfg, dist, tokenizer)
-    for hook in contested:
-        for kwargs in args[hook]():
-            pm.selected_answers(hook, **kwargs)
+    world_known = known_world_size(cfg.trainer.nproc_per_node) is not None
+    args = _factory_args(pm, cfg, dist, _tokenizer_loader(cfg, tokenizer))
+    problems: list[RLCoreError] = []
+
+    def report(error: RLCoreError) -> None:  # once: the dataset hook is asked per split, placement twice
+        if str(error) not in {str(p) for p in problems}:
+            problems.append(error)
+
+    def failed(plugin: Optional[str], hook: str, error: Exception) -> None:
+        if not world_known:
+            log.debug("building %s for a check failed (left to train): %s", hook, error)
+        elif isinstance(error, RLCoreError):
+            report(error)
+        else:
+            report(PluginError(f"plugin '{plugin}': {hook} failed: {type(error).__name__}: {error}"))
+
+    for hook in hooks:
+        try:
+            calls = args[hook]()
+        except Exception as error:  # noqa: BLE001 - building the arguments (the reward's placement)
+            failed(None, hook, error)
+            continue
+        for kwargs in calls:
+            answers = []
+            for name in [n for n in pm.selected_names if _implements(pm, n, hook)]:
+                try:
+                    answer = _call_alone(pm, name, hook, kwargs)
+                except Exception as error:  # noqa: BLE001 - reported (or left to train) above
+                    failed(name, hook, error)
+                    continue
+                if answer is not None:
+                    answers.append((name, answer))
+            if len(answers) > 1:
+                report(PluginError(f"plugins '{answers[0][0]}' and '{answers[1][0]}' both answer {hook}; "
+                                   "select only one of them"))
+            for name, answer in answers:
+                try:
+                    check_answer(hook, name, answer)
+                except PluginError as error:
+                    report(error)
+                finally:
+                    _close(answer)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise PreflightError(problems)
+
+
+def _call_alone(pm: Any, name: str, hook: str, kwargs: dict) -> Any:
+    """Plugin ``name``'s answer to factory hook ``hook`` (None: it passes), through pluggy as the
+    trainer calls it."""
+    plugin = pm.get_plugin(name)
+    result = pm.subset_hook_caller(hook, remove_plugins=[p for p in pm.get_plugins() if p is not plugin])(**kwargs)
+    return result[0] if result else None
+
+
+def _tokenizer_loader(cfg: DictConfig, given: Optional[Callable[[], Any]]) -> Callable[[], Any]:
+    """The tokenizer the factory hooks receive, loaded once on first use: ``given`` (the actor's)
+    where ``actor.model_path`` is set, else the demo's, built in a temporary directory."""
+    loaded: list[Any] = []
+
+    def load() -> Any:
+        if not loaded:
+            if cfg.actor.model_path:
+                from rlcore.trainer.models import load_tokenizer
+
+                loaded.append(given() if given is not None else load_tokenizer(cfg.actor.model_path))
+            else:
+                loaded.append(demo_tokenizer())
+        return loaded[0]
+
+    return load
+
+
+def demo_tokenizer() -> Any:
+    """The demo model's tokenizer, built in a temporary directory (removed again) and loaded as the
+    trainer loads it."""
+    import tempfile
+
+    from rlcore.demo import build_tokenizer
+    from rlcore.trainer.models import load_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="rlcore-demo-tokenizer-") as tmp:
+        build_tokenizer(tmp)
+        return load_tokenizer(tmp)
+
+
+def _close(answer: Any) -> None:
+    """Release what a factory answer built only for a check holds (a reward backend's worker pool)."""
+    close = getattr(answer, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - a check's leftovers must not fail the check
+            log.debug("closing a %s built for a check failed", type(answer).__name__, exc_info=True)
+
+
+def _obj(node: Any) -> Any:
+    return OmegaConf.to_object(node)
 
 
 def provides_data(pm: Any) -> bool:
@@ -95,12 +237,22 @@ def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Calla
         splits = ["train"] + (["val"] if data.val_files or not data.train_files else [])  # as train asks
         return [dict(config=data, tokenizer=tok(), split=split, dist=dist) for split in splits]
 
+    def placement() -> Any:
+        try:
+            return pm.build("rlcore_placement_policy", **placement_args()[0])
+        except PluginError:  # reported under its own hook; the reward's factory gets a selected answer to go on
+            for name in [n for n in pm.selected_names if _implements(pm, n, "rlcore_placement_policy")]:
+                answer = _call_alone(pm, name, "rlcore_placement_policy", placement_args()[0])
+                if answer is not None:
+                    return answer
+            raise
+
     def reward_args() -> list[dict]:
-        placement = pm.build("rlcore_placement_policy", **placement_args()[0])
+        placement_policy = placement()
         rewards: dict[str, Any] = {}
         pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
         return [dict(reward_model=obj(cfg.reward_model), reward_function=obj(cfg.custom_reward_function),
-                     reward=obj(cfg.reward), placement=placement, tokenizer=tok(), rewards=rewards,
+                     reward=obj(cfg.reward), placement=placement_policy, tokenizer=tok(), rewards=rewards,
                      run_dir=cfg.trainer.output_dir)]
 
     return {

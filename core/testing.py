@@ -3,10 +3,13 @@
 Fixtures:
 
 * ``rlcore_pm`` — a fresh plugin manager with the built-in defaults registered.
-* ``rlcore_register`` — ``rlcore_register(plugin, name=None)`` registers a plugin for one test only.
+* ``rlcore_register`` — ``rlcore_register(plugin, name=None)`` registers a plugin for one test only,
+  as an entry point would: a class is instantiated (one instance, which it returns), a module or an
+  instance is registered as it is.
 * ``tiny_model_dir`` — a tiny causal LM and its tokenizer, built on the spot (no download), saved as a
   Hugging Face directory; shared by the whole test session.
-* ``tiny_tokenizer`` — the tokenizer of ``tiny_model_dir`` loaded through ``from_pretrained``.
+* ``tiny_tokenizer`` — the tokenizer of ``tiny_model_dir`` loaded as the trainer loads it
+  (:func:`rlcore.trainer.models.load_tokenizer`, through ``from_pretrained``).
 
 Helpers usable outside pytest: :func:`make_tiny_model_dir`, :func:`run_cli`,
 :func:`teacher_forced_logprobs`, and :func:`check_rollout_backend`, the conformance suite any
@@ -25,7 +28,9 @@ import pytest
 
 def make_tiny_model_dir(path: str, *, arch: str = "qwen2", hidden_size: int = 64, layers: int = 2,
                         seed: int = 0) -> str:
-    """Build a tiny ``arch`` (qwen2 | llama | mistral) model plus tokenizer in ``path``; return ``path``."""
+    """Build a tiny ``arch`` (qwen2 | qwen3 | llama | mistral) model plus tokenizer in ``path``; return ``path``.
+    The tokenizer loads back as saved through :func:`rlcore.trainer.models.load_tokenizer`
+    (``decode(encode("c k a f")) == "c k a f"`` for every ``arch``)."""
     from rlcore.demo import build_model_dir
 
     return build_model_dir(path, hidden_size=hidden_size, layers=layers, seed=seed, arch=arch)
@@ -170,6 +175,8 @@ def rlcore_register(rlcore_pm) -> Iterator[Callable[..., Any]]:
 
     def register(plugin: Any, name: str | None = None) -> Any:
         name = name or getattr(plugin, "__name__", None) or f"test-plugin-{len(registered)}"
+        if isinstance(plugin, type):  # a plugin class, as an entry point names it: one instance
+            plugin = plugin()
         rlcore_pm.register_plugin(plugin, name)
         registered.append(name)
         return plugin
@@ -186,9 +193,9 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
+    from rlcore.trainer.models import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+    return load_tokenizer(tiny_model_dir)
 
 
 def teacher_forced_logprobs(model, batch, temperature: float):

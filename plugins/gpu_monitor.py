@@ -34,7 +34,7 @@ class GPUMonitorPlugin:
     @hookimpl
     def rlcore_step_start(self, step: int) -> None:
         if self.monitor is not None:
-            self.monitor.start()  # once: a started monitor ignores the call
+            self.monitor.start()  # once: a started monitor, or one that found no GPU, ignores the call
 
     @hookimpl
     def rlcore_step_end(self, step: int, metrics: dict[str, float]) -> None:

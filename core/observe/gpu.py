@@ -153,13 +153,17 @@ class GPUMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        #: no reader could be opened: later :meth:`start` calls neither retry nor log again
+        self._gave_up = False
 
     @property
     def available(self) -> bool:
         return self._reader is not None
 
     def start(self) -> None:
-        if self.interval_s <= 0 or self._thread is not None:
+        """Start sampling. Called again while running, or after no reader could be opened (logged once,
+        with the reason, in :attr:`reason`), it does nothing."""
+        if self.interval_s <= 0 or self._thread is not None or self._gave_up:
             return
         if self._factory is not None:
             self._reader = self._factory()
@@ -168,6 +172,7 @@ class GPUMonitor:
             devices = [index] if index is not None else self.devices
             self._reader, self.reason = open_reader(devices)
         if self._reader is None:
+            self._gave_up = True
             log.info("GPU monitor off: %s", self.reason)
             return
         self._stop.clear()

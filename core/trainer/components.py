@@ -15,6 +15,7 @@ from rlcore import rlmath
 from rlcore.config.schema import resolve_fsdp, trains_critic
 from rlcore.data.collate import BatchFiller
 from rlcore.data.loader import PromptLoader
+from rlcore.plugin_checks import provides_data
 from rlcore.protocols import CheckpointPolicy, DistInfo, PlacementPolicy, PlacementRequest, ReshardPolicy
 from rlcore.protocols import RewardBackend, RolloutBackend, RolloutRequest, Stateful
 from rlcore.trainer import models
@@ -171,7 +172,8 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
                                 uses_critic=trains_critic(algo.adv_estimator))
     device = placement.device_for("actor")
     model_path = actor_cfg.model_path or demo_model(tcfg.output_dir, dist)
-    if not actor_cfg.model_path and (data_cfg.train_files or data_cfg.custom_cls.path) and dist.is_main:
+    if not actor_cfg.model_path and dist.is_main and (data_cfg.train_files or data_cfg.custom_cls.path
+                                                      or provides_data(pm)):
         log.warning("actor.model_path is not set: the policy is the demo's tiny model (%s, a word tokenizer of "
                     "the demo's 12 letters) trained on your data; set actor.model_path to a Hugging Face model "
                     "directory to train your own", model_path)
@@ -308,8 +310,9 @@ def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, 
                 actor_cfg: Any, data_cfg: Any, ppo: Any, dist: DistInfo,
                 trained: Sequence[tuple[torch.nn.Module, Any]] = ()) -> ActorGeneration:
     """The actor's rollout: backends of its generation layouts from ``rlcore_rollout_backend``, built on first use.
-    ``trained``: the (model, optimizer) pairs updated on the rollout's device, whose gradients and optimizer
-    moments not yet allocated when a backend is built are its ``memory_reserve_bytes``."""
+    ``trained``: the (model, optimizer) pairs updated on the rollout's device, the actor's first, whose
+    gradients and optimizer moments not yet allocated when a backend is built are its
+    ``memory_reserve_bytes``; the backends are refreshed after each step of the actor's optimizer."""
     request = rollout_request(actor_cfg, data_cfg, ppo)
 
     def build(module: torch.nn.Module, tensor_parallel: bool) -> RolloutBackend:
@@ -321,7 +324,10 @@ def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, 
     prebuilt = {}
     if not dist.distributed:  # single process: the backend reads the training module directly
         prebuilt[id(actor)] = build(actor_module, False)
-    return ActorGeneration(actor, reshard, build, int(ppo.generation.batch_size), prebuilt=prebuilt)
+    generation = ActorGeneration(actor, reshard, build, int(ppo.generation.batch_size), prebuilt=prebuilt)
+    if trained:  # the actor's optimizer: each of its steps changes the weights the backends read
+        generation.follow(trained[0][1])
+    return generation
 
 
 def update_reserve_bytes(model: torch.nn.Module, optimizer: Any = None, moments: int = 2) -> int:

@@ -2,9 +2,10 @@
 
 Inside one call it switches the actor to the reshard policy's generation layout, asks the policy
 which prompts this rank generates (:meth:`~rlcore.protocols.ReshardPolicy.generation_share`), takes
-the rollout backend of the generation module (built there on first use, refreshed with
-``sync_weights`` afterwards) and runs it in micro-batches of ``ppo.generation.batch_size`` prompts,
-halving the micro-batch on out-of-memory and retrying the failed chunk so no sample is lost.
+the rollout backend of the generation module (built there on first use; before a later rollout
+refreshed with ``sync_weights`` only when the weights changed since its last refresh) and runs it
+in micro-batches of ``ppo.generation.batch_size`` prompts, halving the micro-batch on
+out-of-memory and retrying the failed chunk so no sample is lost.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ BackendFactory = Callable[[torch.nn.Module, bool], RolloutBackend]
 def has_dtensor_params(module: torch.nn.Module) -> bool:
     """True when some parameter of ``module`` is a DTensor (a sharded or tensor-parallel layout)."""
     return any(type(p).__name__ == "DTensor" or hasattr(p, "device_mesh") for p in module.parameters())
+
+
+def weights_signature(module: torch.nn.Module) -> Optional[tuple]:
+    """Which tensors ``module``'s parameters are, where their data lie, and their in-place write
+    counters; None where that cannot be read (the caller then assumes a change)."""
+    try:
+        out = []
+        for p in module.parameters():
+            local = getattr(p, "_local_tensor", p)  # a DTensor's shard on this rank
+            out.append((id(p), local.data_ptr(), local._version))
+        return tuple(out)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
 
 
 def _shifted(on_finished: FinishedCallback, offset: int) -> FinishedCallback:
@@ -59,19 +73,35 @@ class ActorGeneration:
         self.micro_batch, self.minimum, self.retries = int(micro_batch), int(minimum), 0
         #: the backends built so far, by ``id`` of their generation module
         self.backends: dict[int, RolloutBackend] = dict(prebuilt or {})
-        self._fresh: set[int] = set(self.backends)
+        #: counts the changes of the actor's weights announced by :meth:`weights_changed`
+        self.version = 0
+        #: per backend, what its weights were read from: (:attr:`version`, :func:`weights_signature`)
+        self._synced: dict[int, tuple[int, Optional[tuple]]] = {key: (0, weights_signature(actor))
+                                                                  for key in self.backends}
+
+    def weights_changed(self) -> None:
+        """Say that the actor's weights changed (an optimizer step, a checkpoint loaded): every
+        backend is refreshed before its next rollout."""
+        self.version += 1
+
+    def follow(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count every step of ``optimizer`` (the actor's) as a change of the weights."""
+        optimizer.register_step_post_hook(lambda *_: self.weights_changed())
 
     def backend(self, module: torch.nn.Module) -> RolloutBackend:
         """The backend of ``module`` (call inside ``generation()``): built on first use, so an engine
-        copies or references the gathered weights, never the shards; refreshed with ``sync_weights``
-        on every later use."""
+        copies or references the gathered weights, never the shards. On a later use it is refreshed
+        with ``sync_weights`` only when the weights changed since it last read them: a change
+        announced by :meth:`weights_changed` (an optimizer step :meth:`follow` counts, a resume), or
+        parameters of ``module`` that are other tensors, moved, or were written in place (a gathered
+        layout that was released and gathered again)."""
         key = id(module)
+        current = (self.version, weights_signature(module))
         if key not in self.backends:
             self.backends[key] = self.make_backend(module, has_dtensor_params(module))
-        elif key in self._fresh:
-            self._fresh.discard(key)
-        else:
+        elif current[1] is None or self._synced.get(key) != current:
             self.backends[key].sync_weights()
+        self._synced[key] = current
         return self.backends[key]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,

@@ -79,6 +79,8 @@ class Trainer:
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
         self._last_save_s: float | None = None
+        #: the step whose state the checkpoint policy last saved (or resumed from): never saved again
+        self._saved_step: int | None = None
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
         self.guard = NonFiniteGuard(int(self.tcfg.max_nonfinite_steps))
@@ -98,6 +100,9 @@ class Trainer:
             archive_previous_run(self.tcfg.output_dir)  # a fresh run neither overwrites nor prunes an earlier one
         start = c.checkpoint.resume(self.stateful())
         self.state.step = start
+        if start:
+            self._saved_step = start
+            c.generation.weights_changed()  # the loaded weights reach the rollout backends before they generate
         if start and self.dist.is_main:
             self.report_ignored_settings()
         self.hook.rlcore_train_start(run_dir=self.tcfg.output_dir, dist=self.dist,
@@ -121,7 +126,8 @@ class Trainer:
             raise
         finally:
             if status != "failed":
-                if c.checkpoint.should_save(self.state.step, final=True) and self.may_save(self.state.step):
+                if c.checkpoint.should_save(self.state.step, final=True) and self.state.step != self._saved_step \
+                        and self.may_save(self.state.step):
                     with self.timer("checkpoint"):
                         c.checkpoint.save(self.state.step, self.stateful())
                 c.checkpoint.wait()  # an asynchronous save must land before exit
@@ -192,7 +198,7 @@ class Trainer:
             if self.may_save(step):
                 t = time.perf_counter()
                 c.checkpoint.save(step, self.stateful())
-                self._last_save_s = time.perf_counter() - t
+                self._last_save_s, self._saved_step = time.perf_counter() - t, step
             elif self.guard.streak == 0:
                 raise TrainingError(f"the weights are not finite after step {step}: no checkpoint was written; "
                                     "the last checkpoint holds the last finite state")

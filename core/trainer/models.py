@@ -26,10 +26,37 @@ def check_model_path(path: str, key: str) -> None:
         raise ConfigError([f"'{key}' = {path!r}: not a Hugging Face model directory (no config.json)"])
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+#: ``tokenizer_class`` values that mean "the ``tokenizer.json`` pipeline as saved" (transformers 4 | 5)
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
-    tok = AutoTokenizer.from_pretrained(path)
+
+def declared_tokenizer_class(path: str) -> Optional[str]:
+    """The ``tokenizer_class`` a local tokenizer directory's ``tokenizer_config.json`` names, or None."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of ``path`` through ``from_pretrained``, padded on the left (pad = EOS where it has none).
+
+    A directory whose ``tokenizer_config.json`` names the generic fast class (``PreTrainedTokenizerFast``,
+    ``TokenizersBackend`` in transformers 5) loads with that class, i.e. as its ``tokenizer.json`` was
+    saved: ``AutoTokenizer`` of transformers 5 replaces it with the model type's own class for some
+    model types (Qwen2's byte-level tokenizer for a Qwen2 config), which rebuilds the pre-tokenizer
+    and decoder (the demo's word tokenizer would decode ``"c k a f"`` as ``"ckaf"``)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (declared_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES
+            and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

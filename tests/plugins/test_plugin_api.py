@@ -179,3 +179,157 @@ def test_score_leaves_the_callers_extras_alone(tiny_tokenizer):
                          torch.ones(1, 1, dtype=torch.long), torch.zeros(1, 1))
     trainer.score(batch, extras)
     assert extras == {"ground_truth": ["x"]} and seen[0].extras == extras and seen[0].extras is not extras
+
+
+# ---------------------------------------------------------------------------------------------
+# The boundary as a second third-party package met it (a checkpoint policy saving every N steps,
+# a dataset plugin without a model, validate against train, the test kit).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saving_run(tmp_path_factory):
+    """Two steps with the fixture plugin, its policy saving every second step; the warnings logged."""
+    import logging
+
+    from rlcore.trainer.loop import Trainer
+
+    tmp_path = tmp_path_factory.mktemp("saving-run")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(FIXTURES)
+        mp.setitem(BUILTIN_MODULES, "everything", "rlcore_everything:EverythingPlugin")
+        cfg = _config(tmp_path, "plugin_config.everything.save_every=2")
+        pm = build_plugin_manager(list(cfg.plugins))
+        logging.getLogger("rlcore").addHandler(handler)
+        try:
+            trainer = Trainer(cfg, pm, DistInfo())
+            trainer.train()
+        finally:
+            logging.getLogger("rlcore").removeHandler(handler)
+            sys.modules.pop("rlcore_everything", None)
+    return trainer, pm.get_plugin("everything").built, [r.getMessage() for r in records]
+
+
+def test_a_policy_is_never_asked_to_save_a_step_it_saved(saving_run):
+    trainer, built, _ = saving_run
+    asked = built["checkpoint"].asked
+    assert trainer.status == "completed" and trainer.state.step == 2
+    # step 2 saved as a periodic save; the end of the run asks (final=True) but does not save it again
+    assert [a for a in asked if a[0] == "save"] == [("save", 2)]
+    assert asked[-2:] == [("should_save", 2, True), ("wait",)]
+
+
+def test_the_backend_syncs_only_before_rollouts_that_follow_an_update(saving_run):
+    _, built, _ = saving_run
+    # rollouts: evaluation before (the weights it was built for), step 1 (no update yet), step 2
+    # (after step 1's update: sync), evaluation after (after step 2's update: sync)
+    assert built["rollout"].calls >= 4 and built["rollout"].syncs == 2
+
+
+def test_a_resumed_run_refreshes_the_backend_before_its_first_rollout(installed, tmp_path):
+    from rlcore.trainer.loop import Trainer
+
+    def run(max_steps, resume):
+        cfg = _config(tmp_path, "plugin_config.everything.checkpoint=false", "trainer.save_steps=1",
+                      f"trainer.max_steps={max_steps}", f"trainer.resume={resume}")
+        pm = build_plugin_manager(list(cfg.plugins))
+        trainer = Trainer(cfg, pm, DistInfo())
+        trainer.train()
+        return trainer, pm.get_plugin("everything").built["rollout"]
+
+    run(1, "disable")
+    trainer, backend = run(2, "auto")
+    # the backend was built before the checkpoint of step 1 loaded: step 2's rollout reads the loaded
+    # weights (a sync), the evaluation after it the updated ones (a sync)
+    assert trainer.state.step == 2 and backend.syncs == 2
+
+
+def test_a_dataset_plugin_without_a_model_is_warned_of_the_demo_model(saving_run):
+    _, _, warnings = saving_run
+    assert any("actor.model_path is not set: the policy is the demo's tiny model" in w for w in warnings), warnings
+
+
+def test_the_reward_gets_the_prompt_text_with_its_spaces(saving_run):
+    _, built, _ = saving_run
+    batch = built["reward"].batches[-1]
+    assert batch.prompts == batch.extras["prompt"]  # "c d e" decodes as "c d e", not "cde"
+    assert all(" " in p for p in batch.prompts)
+
+
+@pytest.mark.parametrize("drop, missing", [("checkpoint.wait", "rlcore_checkpoint_policy with a NoFiles, which "
+                                                                  "lacks wait()"),
+                                           ("placement.offload", "rlcore_placement_policy with a CPUPlacement, "
+                                                                 "which lacks offload()"),
+                                           ("reshard.stats", "rlcore_reshard_policy with a SameLayout, which "
+                                                             "lacks stats()"),
+                                           ("reward.score", "rlcore_reward_backend with a NextLetterReward, "
+                                                            "which lacks score()")])
+def test_validate_rejects_a_factory_answer_train_would_reject(installed, tmp_path, monkeypatch, drop, missing):
+    from rlcore.trainer import models
+
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
+    code, out, err = run_cli(["validate", "--plugins", "everything", "actor.rollout_backend=everything",
+                              f"trainer.output_dir={tmp_path}", f"plugin_config.everything.drop={drop}"])
+    assert code == 2 and f"plugin 'everything' answered {missing}" in err, (out, err)
+    assert not (tmp_path / "_demo").exists()  # nothing built in the run directory
+
+
+def test_validate_reports_every_conflict_together_and_writes_no_demo_model(installed, tmp_path):
+    code, out, err = run_cli(["validate", "--plugins", "everything,everything-too", "actor.rollout_backend=everything",
+                              f"trainer.output_dir={tmp_path}"])
+    hooks = ("placement_policy", "dataset_provider", "reshard_policy", "reward_backend", "checkpoint_policy")
+    assert code == 2 and "5 problems found" in err, err
+    for hook in hooks:
+        assert f"'everything' and 'everything-too' both answer rlcore_{hook}" in err, hook
+    assert not (tmp_path / "_demo").exists()
+    code, out, err = run_cli(["validate", "--plugins", "everything", "actor.rollout_backend=everything",
+                              f"trainer.output_dir={tmp_path}"])
+    assert code == 0 and not (tmp_path / "_demo").exists(), err
+
+
+def test_validate_names_a_misspelt_rollout_backend_before_any_model_loads(installed, tmp_path, monkeypatch):
+    from rlcore.trainer import models
+
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
+    base = ["validate", "--plugins", "everything", f"trainer.output_dir={tmp_path}"]
+    code, out, err = run_cli(base + ["actor.rollout_backend=everythign"])
+    assert code == 2 and "actor.rollout_backend='everythign'" in err, err
+    assert "known backends are auto, engine, hf, everything" in err and "did you mean 'everything'" in err
+    # a name a plugin answers besides its own is found by asking it
+    code, out, err = run_cli(base + ["actor.rollout_backend=mine", "plugin_config.everything.backend_name=mine"])
+    assert code == 0, err
+
+
+def test_plugins_names_the_distribution_of_a_broken_plugin(tmp_path, monkeypatch):
+    info = tmp_path / "rlcore_broken_example-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlcore-broken-example\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text("[rlcore.plugins]\nbroken-example = rlcore_broken_example_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run_cli(["plugins"])
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if line.startswith("broken-example "))
+    assert row.split()[1:3] == ["rlcore-broken-example", "1.2.3"] and "ERROR" in row
+
+
+def test_rlcore_register_instantiates_a_plugin_class_as_an_entry_point_does(installed, rlcore_pm, rlcore_register,
+                                                                          tmp_path):
+    from rlcore.config.schema import TrainerConfig
+    from rlcore_everything import EverythingPlugin, NoFiles
+
+    plugin = rlcore_register(EverythingPlugin, name="everything")
+    assert isinstance(plugin, EverythingPlugin) and rlcore_pm.get_plugin("everything") is plugin
+    policy = rlcore_pm.build("rlcore_checkpoint_policy", trainer=TrainerConfig(output_dir=str(tmp_path)),
+                             dist=DistInfo())
+    assert isinstance(policy, NoFiles) and plugin.built["checkpoint"] is policy
+
+
+def test_the_config_page_says_a_dataset_plugin_turns_the_demo_off():
+    page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "config.md")).read()
+    when = next(p for p in page.split("\n\n") if "apply the built-in demo's settings" in p)
+    assert "rlcore_dataset_provider" in when, when
+    row = next(line for line in page.splitlines() if line.startswith("| `data.train_files` | `list[str]` |"))
+    assert "rlcore_dataset_provider" in row, row

@@ -74,6 +74,23 @@ def test_disabled_or_without_nvml_is_empty(monkeypatch):
     assert not mon.available and mon.reason == "no NVML here" and mon.summary() == {}
 
 
+def test_without_nvml_the_plugin_says_so_once_and_does_not_retry_each_step(monkeypatch, caplog):
+    from rlcore.plugins.gpu_monitor import GPUMonitorPlugin
+
+    opened = []
+    monkeypatch.setattr(gpu, "open_reader", lambda devices=None: opened.append(devices) or (None, "no NVML here"))
+    plugin = GPUMonitorPlugin()
+    plugin.rlcore_train_start(config={"trainer": {"max_steps": 6, "log_steps": 2}})
+    with caplog.at_level("INFO", logger="rlcore.observe.gpu"):
+        for step in range(1, 7):
+            plugin.rlcore_step_start(step=step)
+            plugin.rlcore_step_end(step=step, metrics={})
+        summary: dict = {}
+        plugin.rlcore_train_end(summary=summary)
+    assert len(opened) == 1 and summary == {}
+    assert [r.getMessage() for r in caplog.records] == ["GPU monitor off: no NVML here"]
+
+
 def test_run_monitor_prints_samples_and_a_verdict(monkeypatch):
     lines = []
     assert run_monitor(0.001, 3, lines.append, reader=FakeReader([92.0, 88.0, 90.0])) == 0

@@ -135,17 +135,30 @@ class FakeBackend:
         self.syncs += 1
 
 
-def test_generation_backends_build_inside_the_layout_then_refresh(tiny):
+def test_generation_backends_build_inside_the_layout_then_refresh_only_after_a_change():
     from rlcore.trainer.generation import ActorGeneration, has_dtensor_params
 
-    assert not has_dtensor_params(tiny)
+    model = tiny_causal_lm("qwen2")  # its own: this test changes the weights
+    assert not has_dtensor_params(model)
     made = []
     policy = FSDPReshardPolicy(FSDPConfig(), DistInfo())
-    gen = ActorGeneration(tiny, policy, lambda m, tp: made.append(FakeBackend(m, tp)) or made[-1], 4)
-    first = gen.backend(tiny)
+    gen = ActorGeneration(model, policy, lambda m, tp: made.append(FakeBackend(m, tp)) or made[-1], 4)
+    first = gen.backend(model)
     assert made == [first] and first.kind is False and first.syncs == 0
-    assert gen.backend(tiny) is first and first.syncs == 1
-    prebuilt = FakeBackend(tiny, False)
-    gen = ActorGeneration(tiny, policy, lambda m, tp: pytest.fail("must not build"), 4, prebuilt={id(tiny): prebuilt})
-    assert gen.backend(tiny) is prebuilt and prebuilt.syncs == 0  # built for the current weights already
-    assert gen.backend(tiny) is prebuilt and prebuilt.syncs == 1
+    assert gen.backend(model) is first and first.syncs == 0  # nothing changed since it read the weights
+    gen.weights_changed()  # e.g. a checkpoint loaded
+    assert gen.backend(model) is first and first.syncs == 1
+    assert gen.backend(model) is first and first.syncs == 1
+    with torch.no_grad():  # written in place without a word: the parameters' write counters tell
+        next(model.parameters()).add_(1.0)
+    assert gen.backend(model) is first and first.syncs == 2
+    prebuilt = FakeBackend(model, False)
+    gen = ActorGeneration(model, policy, lambda m, tp: pytest.fail("must not build"), 4, prebuilt={id(model): prebuilt})
+    assert gen.backend(model) is prebuilt and prebuilt.syncs == 0  # built for the current weights already
+    assert gen.backend(model) is prebuilt and prebuilt.syncs == 0
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # a fused step bumps no write counter
+    gen.follow(optim)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optim.step()
+    assert gen.backend(model) is prebuilt and prebuilt.syncs == 1
+    assert gen.backend(model) is prebuilt and prebuilt.syncs == 1
