@@ -140,3 +140,16 @@ def test_reward_model_and_function_are_summed(rm_dir, tok):
     torch.testing.assert_close(out.scores, 0.5 * rm_scores + 2.0 * torch.tensor([1.0, 0.0, 1.0, 0.0]))
     assert out.metrics["reward/rm"] == pytest.approx(float(rm_scores.mean()), abs=1e-5)
     assert out.metrics["reward/exact_match"] == 0.5
+
+
+def test_a_reward_model_directory_with_the_word_tokenizer_loads_it_as_saved(tmp_path):
+    """The reward model's tokenizer loads as the policy's does: a directory that declares the generic
+    fast class keeps its word tokenizer (spaces kept), so both sides count as one tokenizer."""
+    from rlcore.demo import build_model_dir
+    from rlcore.rewards.reward_model import _load_tokenizer, same_tokenizer
+    from rlcore.trainer.models import load_tokenizer
+
+    path = build_model_dir(str(tmp_path / "rm"))
+    rm_tok, policy_tok = _load_tokenizer(path), load_tokenizer(path)
+    assert rm_tok.decode(rm_tok("c k a f")["input_ids"], skip_special_tokens=True) == "c k a f"
+    assert same_tokenizer(policy_tok, rm_tok)
