@@ -160,9 +160,14 @@ def _check_devices(cfg) -> None:
     from rlcore.config.schema import trains_critic
     from rlcore.distributed.placement import DEVICE_KEYS, parse_device, requested_devices
 
+    from rlcore.trainer.models import check_attn_implementation
+
     devices = requested_devices(cfg.actor, cfg.critic, cfg.reward_model, trains_critic(cfg.algorithm.adv_estimator))
+    local = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     for role, spec in devices.items():
-        parse_device(str(spec), torch.device("cpu"), DEVICE_KEYS[role])
+        device = parse_device(str(spec), local, DEVICE_KEYS[role])
+        if role in ("actor", "critic") and (role == "actor" or trains_critic(cfg.algorithm.adv_estimator)):
+            check_attn_implementation(cfg[role].attn_implementation, device, f"{role}.attn_implementation")
 
 
 def _check_rank_groups(cfg) -> None:

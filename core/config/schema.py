@@ -63,6 +63,10 @@ AttentionKind = choice("AttentionKind", "auto", "sdpa", "triton")
 CompileMode = choice("CompileMode", "default", "max-autotune-no-cudagraphs")
 KVCacheKind = choice("KVCacheKind", "paged", "static")
 RolloutIS = choice("RolloutIS", "none", "token", "sequence")
+#: Hugging Face ``attn_implementation`` values of the training forwards; the variable-length ones
+#: (:data:`rlcore.trainer.packing.VARLEN_ATTENTION`) let ``ppo.pack_sequences=auto`` pack
+AttnImplementation = choice("AttnImplementation", "sdpa", "eager", "flex_attention", "flash_attention_2",
+                            "flash_attention_3")
 
 
 def torch_dtype(name: str):
@@ -202,6 +206,10 @@ class ModelRoleConfig:
     compile: Optional[bool] = None
     #: Training dtype of the weights.
     dtype: TrainDtype = TrainDtype.fp32
+    #: Attention of this role's training forwards (the model's ``attn_implementation``). null: the model's own
+    #: choice (sdpa). flash_attention_2 / flash_attention_3 (the flash-attn package, CUDA) and flex_attention (CUDA:
+    #: no backward on CPU) run packed sequences as variable-length attention, so ppo.pack_sequences=auto packs.
+    attn_implementation: Optional[AttnImplementation] = None
     #: Per-role FSDP settings (unset keys inherit the top-level ``fsdp``).
     fsdp: RoleFSDPConfig = field(default_factory=RoleFSDPConfig)
 

@@ -264,7 +264,7 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     lora = actor_cfg.lora if actor_cfg.lora.rank > 0 else None
 
     def load_actor() -> torch.nn.Module:
-        model = models.load_causal_lm(model_path, actor_cfg.dtype, device)
+        model = models.load_causal_lm(model_path, actor_cfg.dtype, device, actor_cfg.attn_implementation)
         if lora is None:
             return model
         from rlcore.trainer.lora import add_adapters
@@ -282,7 +282,8 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     if trains_critic(algo.adv_estimator):
         critic_path = critic_cfg.model_path or model_path
         base = load_model_for_role(
-            lambda: models.load_causal_lm(critic_path, critic_cfg.dtype, placement.device_for("critic")),
+            lambda: models.load_causal_lm(critic_path, critic_cfg.dtype, placement.device_for("critic"),
+                                          critic_cfg.attn_implementation),
             resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
         _enable_checkpointing(critic.backbone, critic_cfg.gradient_checkpointing)

@@ -63,13 +63,36 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_causal_lm(path: str, dtype: str = "fp32", device: torch.device | str = "cpu") -> nn.Module:
+def load_causal_lm(path: str, dtype: str = "fp32", device: torch.device | str = "cpu",
+                   attn_implementation: Optional[str] = None) -> nn.Module:
+    """The causal LM at ``path`` in ``dtype`` on ``device``; ``attn_implementation``: the attention of its
+    forwards (None: the model's default)."""
     from transformers import AutoModelForCausalLM
 
     from rlcore.config.schema import torch_dtype
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    extra = {} if attn_implementation is None else {"attn_implementation": str(attn_implementation)}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **extra)
     return model.to(device)
+
+
+def check_attn_implementation(value: Optional[str], device: torch.device, key: str) -> None:
+    """Raise :class:`~rlcore.errors.ConfigError` naming ``key`` when the attention ``value`` cannot run a
+    training forward and backward on ``device`` (flash kernels need their package and CUDA; flex
+    attention has no backward on CPU)."""
+    import importlib.util
+
+    from rlcore.errors import ConfigError
+
+    if value is None or str(value) in ("sdpa", "eager"):
+        return
+    value = str(value)
+    if device.type != "cuda":
+        raise ConfigError([f"'{key}': {value} trains on CUDA only, this role's device is {device} (use sdpa)"])
+    package = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(value)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ConfigError([f"'{key}': {value} needs the '{package}' package, which is not installed "
+                           "(install it, or use sdpa or flex_attention)"])
 
 
 class ValueModel(nn.Module):
