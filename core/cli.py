@@ -180,7 +180,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
 
 EXIT_CODES_HELP = f"""exit codes:
   {EXIT_OK}    the run completed (and exported final/ when trainer.export_final)
-  {EXIT_INTERRUPTED}   stopped early by SIGTERM/SIGINT after saving a checkpoint; the same command resumes it
+  {EXIT_INTERRUPTED}   stopped early by SIGTERM/SIGINT after saving a checkpoint;
+       the same command with trainer.resume=auto continues it
   {EXIT_ERROR}    an error was reported (config, data, checkpoint, reward, training diverged)
   1    an unexpected failure (a traceback is printed)
   {EXIT_KEYBOARD}  stopped at once by a second Ctrl-C, without a checkpoint of the current step"""

@@ -41,6 +41,7 @@ BUILTIN_MODULES = {
     "remesh": "rlcore.plugins.remesh",
     "rm-offload": "rlcore.plugins.rm_offload",
     "sparse-logging": "rlcore.plugins.sparse_logging:SparseLoggingPlugin",
+    "async": "rlcore.plugins.async_rl",
 }
 ENV_DISABLE_AUTOLOAD = "RLCORE_DISABLE_PLUGIN_AUTOLOAD"
 ENV_TRACE = "RLCORE_TRACE_PLUGINS"

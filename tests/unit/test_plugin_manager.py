@@ -150,6 +150,13 @@ def test_disable_autoload_keeps_builtins_only(monkeypatch):
     monkeypatch.setenv(ENV_DISABLE_AUTOLOAD, "1")
     names = available_names()
     assert "streaming" in names
+    # every plugin this package ships stays selectable: the built-in list covers its entry points
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    shipped = project["project"]["entry-points"]["rlcore.plugins"]
+    assert set(shipped) <= set(names), sorted(set(shipped) - set(names))
     from importlib import metadata
 
     third = metadata.EntryPoint(name="thirdparty", value="x", group="rlcore.plugins")
