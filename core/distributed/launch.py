@@ -67,8 +67,18 @@ def maybe_launch(nproc_per_node: int, argv: Sequence[str]) -> Optional[int]:
         if e.failures and all(f.exitcode == EXIT_INTERRUPTED for f in e.failures.values()):
             return EXIT_INTERRUPTED  # a worker was signalled: every rank stopped at the same step and saved
         rank, failure = e.get_first_failure()
-        detail = failure.message if failure.message and "enable traceback" not in failure.message else ""
+        detail = failure_detail(failure.message)
         raise RLCoreError(f"distributed training failed: rank {rank} exited with code {failure.exitcode}"
                           f"{': ' + detail if detail else ' (its error is printed above)'}; "
                           "the other ranks were stopped") from e
     return EXIT_OK
+
+
+def failure_detail(message) -> str:
+    """The text of a failed worker's record (torchrun's ``ProcessFailure.message``): a string, or the
+    error file's ``{"message": ..., "extraInfo": ...}`` mapping; ``""`` when it only says how to get a
+    traceback."""
+    if isinstance(message, dict):
+        message = message.get("message") or ""
+    message = str(message or "")
+    return "" if "enable traceback" in message else message
