@@ -160,7 +160,10 @@ def _check_devices(cfg) -> None:
     from rlcore.config.schema import trains_critic
     from rlcore.distributed.placement import DEVICE_KEYS, parse_device, requested_devices
 
+    from rlcore.distributed.init import check_device_pref
     from rlcore.trainer.models import check_attn_implementation
+
+    check_device_pref(str(cfg.trainer.device))
 
     devices = requested_devices(cfg.actor, cfg.critic, cfg.reward_model, trains_critic(cfg.algorithm.adv_estimator))
     local = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

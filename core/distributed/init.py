@@ -69,14 +69,21 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _pick_device(device_pref: str, local_rank: int, distributed: bool) -> torch.device:
+def check_device_pref(device_pref: str) -> str:
+    """``trainer.device``'s kind (``auto``, ``cpu`` or ``cuda``), checked against this machine:
+    a :class:`PlacementError` names the key for an unknown kind or CUDA without a GPU."""
     pref = (device_pref or "auto").split(":")[0]
     if pref not in DEVICE_PREFS:
         raise PlacementError(f"trainer.device = {device_pref!r}: use one of {', '.join(DEVICE_PREFS)}")
+    if pref == "cuda" and not torch.cuda.is_available():
+        raise PlacementError(f"trainer.device = {device_pref!r} but no CUDA GPU is available")
+    return pref
+
+
+def _pick_device(device_pref: str, local_rank: int, distributed: bool) -> torch.device:
+    pref = check_device_pref(device_pref)
     if pref == "cpu" or (pref == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise PlacementError(f"trainer.device = {device_pref!r} but no CUDA GPU is available")
     if not distributed:
         index = int(device_pref.split(":")[1]) if ":" in device_pref else torch.cuda.current_device()
         return torch.device("cuda", index)

@@ -157,6 +157,11 @@ def test_a_device_the_machine_lacks_is_named_before_anything_loads(tmp_path):
     assert code != 0 and "critic.device='cuda:64' asks for" in err
 
 
+def test_an_unknown_trainer_device_is_found_by_validate_as_by_train(tmp_path):
+    code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", "trainer.device=tpu"])
+    assert code != 0 and "trainer.device = 'tpu': use one of auto, cpu, cuda" in err
+
+
 def test_every_preflight_problem_is_reported_together(tmp_path):
     code, out, err = run_cli(["validate", f"trainer.output_dir={tmp_path}/run", f"data.train_files=[{tmp_path}/no.parquet]",
                               "trainer.resume=disabled", f"custom_reward_function.path={tmp_path}/r.py",
