@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         return worker(*argv[1:4])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_grpo_step.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), "bench_grpo_step.json"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
     parser.add_argument("--rlcore-override", action="append", default=[], metavar="KEY=VALUE",

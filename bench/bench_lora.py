@@ -62,7 +62,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_lora.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), "bench_lora.json"))
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny shapes")
     parser.add_argument("--rank", type=int, default=64, help="LoRA rank of the 7B run")
     parser.add_argument("--micro", type=int, default=None, help="sequences per forward/backward micro-batch")

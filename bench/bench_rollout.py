@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import tempfile
 import sys
 import time
 from typing import Any
@@ -388,7 +389,7 @@ def gpu_checks(device: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_rollout.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), "bench_rollout.json"))
     parser.add_argument("--models", default="qwen2-0.5b,qwen2-1.5b")
     parser.add_argument("--batches", default="256,64")
     parser.add_argument("--samples", type=int, default=8)

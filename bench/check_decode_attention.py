@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import sys
 from typing import Any, Callable
 
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth-gbs", type=float, default=None,
                         help="memory bandwidth (GB/s) for the floor; default: measured copy bandwidth")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"kernel variants, from {', '.join(VARIANTS)}")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_decode_attention.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT") or tempfile.gettempdir(),
+                                                      "check_decode_attention.json"))
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     unknown += [v for v in args.variants.split(",") if v not in VARIANTS]

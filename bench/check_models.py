@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import sys
 import time
 import traceback
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="start no further shape after this many seconds (0: no limit)")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_models.json"))
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), "check_models.json"))
     args = parser.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     for variant in args.variants:
