@@ -540,7 +540,7 @@ class TrainerConfig:
     max_steps: int = 100
     #: Save a checkpoint every N steps (0 = only at the end).
     save_steps: int = 0
-    #: Checkpoints kept.
+    #: Checkpoints kept, the newest (0: every one).
     save_total_limit: int = 2
     #: Optimizer steps in a row whose loss or gradient norm is NaN/inf that are skipped before the run stops with an
     #: error (0 = stop at the first).

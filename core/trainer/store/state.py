@@ -29,10 +29,10 @@ from rlcore.trainer.store import files
 log = logging.getLogger(__name__)
 
 OPTIM_SUFFIXES = ("_optim", "_optimizer", "_opt")
-RESHARD_NOTE = ("per-rank data positions and RNG streams cannot be split across a different number of "
-                "processes: ranks the saved run did not have start from rank 0's data position and fresh "
-                "seeds, so training continues correctly but does not repeat the uninterrupted run sample "
-                "for sample")
+RESHARD_NOTE = ("the ranks deal out the rest of the epoch's prompts between them (none taken twice, none "
+                "skipped), but per-rank random streams cannot be split across a different number of "
+                "processes: ranks the saved run did not have start from fresh seeds, so training continues "
+                "correctly but does not repeat the uninterrupted run sample for sample")
 
 
 # --------------------------------------------------------------------------------------------
