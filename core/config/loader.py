@@ -418,14 +418,14 @@ def _check_recipes(cfg: DictConfig, errors: list[str]) -> None:
     """Policy-loss, DAPO and LoRA settings (docs/recipes.md)."""
     ppo, algo, lora = cfg.ppo, cfg.algorithm, cfg.actor.lora
     if ppo.dual_clip is not None and ppo.policy_loss != "vanilla":
-        errors.append(f"'ppo.dual_clip' applies to 'ppo.policy_loss' = vanilla only, not {ppo.policy_loss!r} "
+        errors.append(f"'ppo.dual_clip' applies to 'ppo.policy_loss' = vanilla only, not '{ppo.policy_loss}' "
                       "(set ppo.dual_clip=null)")
     ds = algo.dynamic_sampling
     if ds.enable:
         if algo.adv_estimator not in GROUP_ESTIMATORS:
             errors.append(f"'algorithm.dynamic_sampling.enable' drops groups of equal rewards, which needs a group "
                           f"estimator ({', '.join(GROUP_ESTIMATORS)}), not 'algorithm.adv_estimator' = "
-                          f"{algo.adv_estimator!r}")
+                          f"'{algo.adv_estimator}'")
         if ds.max_rounds < 0:
             errors.append(f"'algorithm.dynamic_sampling.max_rounds' must be >= 0, got {ds.max_rounds}")
     ob = algo.overlong_buffer
