@@ -75,8 +75,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             pm.load([name])
         except PluginError as e:  # the distribution is known from the entry point's metadata alone
             rows.append((name, *_distribution_of(eps.get(name)), "", f"ERROR: {e}"))
+    broken = {row[0] for row in rows}  # one that registered and then failed its checks is listed once, as broken
     rows = [(i.name, i.distribution, i.version, "yes" if i.default else "", ", ".join(
-        h.replace("rlcore_", "") for h in i.hooks)) for i in pm.infos()] + rows
+        h.replace("rlcore_", "") for h in i.hooks)) for i in pm.infos() if i.name not in broken] + rows
     head = ("name", "distribution", "version", "default", "hooks")
     widths = [max(len(str(r[k])) for r in rows + [head]) for k in range(4)]
     for r in [head] + rows:

@@ -333,3 +333,19 @@ def test_the_config_page_says_a_dataset_plugin_turns_the_demo_off():
     assert "rlcore_dataset_provider" in when, when
     row = next(line for line in page.splitlines() if line.startswith("| `data.train_files` | `list[str]` |"))
     assert "rlcore_dataset_provider" in row, row
+
+
+def test_a_plugin_with_a_misspelt_hook_is_one_broken_row(tmp_path, monkeypatch):
+    """It imports and registers, then fails its check: listed once, as broken, not also as a plugin."""
+    package = tmp_path / "rlcore_misspelt_example.py"
+    package.write_text("from rlcore.hookspecs import hookimpl\n\n\n@hookimpl\ndef rlcore_step_ennd(step):\n"
+                       "    pass\n")
+    info = tmp_path / "rlcore_misspelt_example-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlcore-misspelt-example\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[rlcore.plugins]\nmisspelt-example = rlcore_misspelt_example\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run_cli(["plugins"])
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("misspelt-example ")]
+    assert len(rows) == 1 and "ERROR" in rows[0], rows
