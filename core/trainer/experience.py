@@ -81,10 +81,23 @@ def used_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> t
     return first, kept
 
 
+#: Trimmed rows are widened (with padding columns) to a multiple of this many, where the padded
+#: width allows: compiled layers then see one alignment of the length and do not recompile for another
+#: (the packed rows' :data:`rlcore.trainer.packing.PACK_MULTIPLE`).
+TRIM_MULTIPLE = 8
+
+
 def _sequence_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[slice, int]:
-    """The used columns of the whole sequences (:func:`used_columns`) as a slice, and ``kept``."""
+    """The used columns of the whole sequences (:func:`used_columns`) as a slice, and ``kept``,
+    widened to a multiple of :data:`TRIM_MULTIPLE` columns: first with unused prompt (left padding)
+    columns, then with unused response columns; the tightest cut when no multiple fits the rows."""
     first, kept = used_columns(attention_mask, response_mask)
-    return slice(first, attention_mask.shape[1] - response_mask.shape[1] + kept), kept
+    prompt_cols, response_cols = attention_mask.shape[1] - response_mask.shape[1], response_mask.shape[1]
+    short = -(prompt_cols - first + kept) % TRIM_MULTIPLE
+    if short <= first + response_cols - kept:  # else no aligned width fits: the tightest cut
+        left = min(short, first)
+        first, kept = first - left, kept + short - left
+    return slice(first, prompt_cols + kept), kept
 
 
 def _trim(ids: torch.Tensor, mask: torch.Tensor, response_mask: Optional[torch.Tensor]):

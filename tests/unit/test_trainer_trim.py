@@ -88,3 +88,24 @@ def test_micro_batching_trimming_and_grouping_leave_the_update_unchanged(loss_ag
     for a, b, c in zip(whole, cut, plain):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
         torch.testing.assert_close(c, a, rtol=1e-3, atol=1e-5)
+
+
+def test_trimmed_rows_are_widened_to_an_aligned_width_with_padding_only():
+    """Compiled layers specialise on the row width's alignment: a trimmed micro-batch is widened to a
+    multiple of TRIM_MULTIPLE with padding columns (left first), and its log-probs stay the same."""
+    from rlcore.trainer.experience import TRIM_MULTIPLE
+
+    model = tiny_causal_lm("qwen2")
+    exp = ragged_experience(model, batch=6, prompt=20, response=24, seed=3)
+    first, kept = used_columns(exp.attention_mask, exp.response_mask)
+    tight = exp.input_ids.shape[1] - exp.response_len - first + kept
+    assert tight % TRIM_MULTIPLE != 0, "the test needs a tight width that is not aligned"
+    cut = exp.trimmed()
+    assert cut.input_ids.shape[1] % TRIM_MULTIPLE == 0 and cut.input_ids.shape[1] < exp.input_ids.shape[1]
+    assert cut.input_ids.shape[1] - tight < TRIM_MULTIPLE
+    assert int(cut.attention_mask.sum()) == int(exp.attention_mask.sum())
+    assert int(cut.response_mask.sum()) == int(exp.response_mask.sum())
+    full, _ = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len)
+    short, _ = response_logprobs(model, cut.input_ids, cut.attention_mask, cut.response_len)
+    m = cut.response_mask.bool()
+    torch.testing.assert_close(short[m], full[:, :cut.response_len][m], rtol=1e-5, atol=1e-5)
