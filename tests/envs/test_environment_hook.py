@@ -9,6 +9,8 @@ from rlcore.errors import EnvError
 from rlcore.hookspecs import hookimpl
 from rlcore.plugin_manager import build_plugin_manager
 
+from envkit import WordTok
+
 
 class Counter:
     observation_role = "user"
@@ -68,17 +70,7 @@ def test_runner_plays_async_environment_turns():
     pm = build_plugin_manager([])
     pm.register(MyPlugin(), "my-envs")
 
-    class Tok:
-        eos_token_id = 1
-        chat_template = None
-
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(map(str, ids))
-
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": [7] * len(text.split())}
-
-    runner = EpisodeRunner(collect_environments(pm, {"counter": {"target": 2}}), Tok())
+    runner = EpisodeRunner(collect_environments(pm, {"counter": {"target": 2}}), WordTok())
     try:
         (ep,) = runner.start(["counter"], [{}])
         assert ep.turn_ended([5, 6], 2, 20).result() == [7]  # observation "1" -> one token

@@ -3,13 +3,14 @@ observation tokens together, and an episode ended by it counts as truncated."""
 
 import pytest
 
-from rlcore.demo import LETTERS, build_tool_model_dir
+from rlcore.demo import build_tool_model_dir
 from rlcore.envs import Step
-from rlcore.envs.runner import EpisodeLimits, EpisodePrompt, EpisodeRunner, Environments, episode_metrics
+from rlcore.envs.runner import EpisodeLimits, EpisodeRunner, Environments, episode_metrics
 from rlcore.errors import EnvError
-from rlcore.rollout.base import SamplingParams
 from rlcore.rollout.hf import HFGenerateBackend
 from rlcore.trainer.models import load_causal_lm, load_tokenizer
+
+from envkit import WordTok, letter_episodes, sampled
 
 
 class Talk:
@@ -29,22 +30,9 @@ class Talk:
         return Step(observation="a", reward=1.0, done=self.done_at is not None and turn.index + 1 >= self.done_at)
 
 
-class Tok:
-    """One token per word; 1 is EOS."""
-
-    eos_token_id = 1
-    chat_template = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [7] * len(text.split())}
-
-
 def runner_for(limits, plugin_config=None):
     envs = Environments({"talk": (Talk, "test")}, dict(plugin_config or {}), defaults=limits)
-    return EpisodeRunner(envs, Tok(), stop=())
+    return EpisodeRunner(envs, WordTok(), stop=())
 
 
 def test_a_turn_that_reaches_the_budget_ends_the_episode_truncated():
@@ -100,11 +88,8 @@ def test_backends_stop_model_tokens_at_the_episode_budget(tool_model, source, ba
                         defaults=limits)
     runner = EpisodeRunner(envs, tok, stop=())
     n = 8
-    episodes = runner.start(["talk"] * n, [{}] * n)
-    prompts = [EpisodePrompt(tok.convert_tokens_to_ids(list(LETTERS[i % 8:i % 8 + 3])), e)
-               for i, e in enumerate(episodes)]
-    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, eos_token_ids=(tok.eos_token_id,),
-                            pad_token_id=tok.pad_token_id)
+    episodes, prompts = letter_episodes(runner, tok, "talk", n)
+    params = sampled(tok, max_new_tokens=24, seed=3)
     try:
         gen = HFGenerateBackend(model) if backend == "hf" else \
             RolloutEngine(model, max_batch_size=8, max_seq_len=48, kv_cache="static")

@@ -17,6 +17,8 @@ from rlcore.rollout.hf import HFGenerateBackend
 from rlcore.trainer.experience import batched_logprobs, to_experience
 from rlcore.trainer.models import load_causal_lm, load_tokenizer
 
+from envkit import letter_episodes, sampled
+
 
 class Echo:
     """Answers every turn with a fixed observation after a short, thread-blocking delay."""
@@ -132,11 +134,8 @@ def test_the_tokens_trained_are_the_tokens_the_environment_saw(model, tok, backe
     envs = Environments({"rec": (Recorder, "test")}, {}, defaults=EpisodeLimits(max_turns=4, timeout_s=30))
     runner = EpisodeRunner(envs, tok, stop=())
     n = 12
-    episodes = runner.start(["rec"] * n, [{}] * n)
-    prompts = [EpisodePrompt(tok.convert_tokens_to_ids(list(LETTERS[i % 8:i % 8 + 3])), e)
-               for i, e in enumerate(episodes)]
-    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=1, eos_token_ids=(tok.eos_token_id,),
-                            pad_token_id=tok.pad_token_id)
+    episodes, prompts = letter_episodes(runner, tok, "rec", n)
+    params = sampled(tok, max_new_tokens=20, seed=1)
     gen = RolloutEngine(model, max_batch_size=16, max_seq_len=48, kv_cache="static") if backend == "engine" \
         else HFGenerateBackend(model)
     try:

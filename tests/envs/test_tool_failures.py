@@ -8,6 +8,8 @@ import time
 from rlcore.envs import Step, ToolEnvironment, Turn, parse_hermes
 from rlcore.envs.runner import EpisodeLimits, EpisodeRunner, Environments
 
+from envkit import WordTok
+
 
 class Calc(ToolEnvironment):
     def __init__(self, config=None):
@@ -75,15 +77,11 @@ class Slow(ToolEnvironment):
         return 0.0
 
 
-class Tok:
-    eos_token_id = 1
-    chat_template = None
+class Tok(WordTok):
+    """Token 9 is a call of the ``work`` tool; any other turn reads as an answer."""
 
     def decode(self, ids, skip_special_tokens=True):
         return "<tool_call>{\"name\": \"work\", \"arguments\": {}}</tool_call>" if ids == [9] else "answer"
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [7] * len(text.split())}
 
 
 def test_env_timeout_closes_the_episode_and_stops_the_tool_thread():

@@ -303,12 +303,19 @@ def test_validate_names_a_misspelt_rollout_backend_before_any_model_loads(instal
     assert code == 0, err
 
 
-def test_plugins_names_the_distribution_of_a_broken_plugin(tmp_path, monkeypatch):
-    info = tmp_path / "rlcore_broken_example-1.2.3.dist-info"
+def installed_distribution(where, monkeypatch, dist: str, version: str, entry: str, module: str) -> None:
+    """A distribution ``dist`` whose ``rlcore.plugins`` entry point ``entry`` names ``module``, found
+    on the path as an installed one is (its metadata in a ``.dist-info`` directory)."""
+    info = where / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlcore-broken-example\nVersion: 1.2.3\n")
-    (info / "entry_points.txt").write_text("[rlcore.plugins]\nbroken-example = rlcore_broken_example_missing\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[rlcore.plugins]\n{entry} = {module}\n")
+    monkeypatch.syspath_prepend(str(where))
+
+
+def test_plugins_names_the_distribution_of_a_broken_plugin(tmp_path, monkeypatch):
+    installed_distribution(tmp_path, monkeypatch, "rlcore-broken-example", "1.2.3", "broken-example",
+                           "rlcore_broken_example_missing")
     code, out, err = run_cli(["plugins"])
     assert code == 0, err
     row = next(line for line in out.splitlines() if line.startswith("broken-example "))
@@ -340,11 +347,8 @@ def test_a_plugin_with_a_misspelt_hook_is_one_broken_row(tmp_path, monkeypatch):
     package = tmp_path / "rlcore_misspelt_example.py"
     package.write_text("from rlcore.hookspecs import hookimpl\n\n\n@hookimpl\ndef rlcore_step_ennd(step):\n"
                        "    pass\n")
-    info = tmp_path / "rlcore_misspelt_example-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlcore-misspelt-example\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text("[rlcore.plugins]\nmisspelt-example = rlcore_misspelt_example\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    installed_distribution(tmp_path, monkeypatch, "rlcore-misspelt-example", "0.1.0", "misspelt-example",
+                           "rlcore_misspelt_example")
     code, out, err = run_cli(["plugins"])
     assert code == 0, err
     rows = [line for line in out.splitlines() if line.startswith("misspelt-example ")]

@@ -32,6 +32,16 @@ def ragged_experience(model, batch=8, prompt=6, response=7, seed=0) -> Experienc
                       scores=torch.zeros(batch), advantages=torch.randn(batch, response, generator=g) * resp_mask)
 
 
+def assert_same_tokens_and_logprobs(model, exp: Experience, cut: Experience) -> None:
+    """``cut`` (a trimmed ``exp``) holds every real token, and its response log-probs are ``exp``'s."""
+    assert int(cut.attention_mask.sum()) == int(exp.attention_mask.sum())
+    assert int(cut.response_mask.sum()) == int(exp.response_mask.sum())
+    full, _ = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len)
+    short, _ = response_logprobs(model, cut.input_ids, cut.attention_mask, cut.response_len)
+    m = cut.response_mask.bool()
+    torch.testing.assert_close(short[m], full[:, :cut.response_len][m], rtol=1e-5, atol=1e-5)
+
+
 def test_used_columns():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0]])
     resp = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -44,12 +54,7 @@ def test_trimmed_experience_drops_unused_columns_only():
     exp = ragged_experience(model)
     cut = exp.trimmed()
     assert cut.input_ids.shape[1] < exp.input_ids.shape[1] and cut.response_len == exp.response_len - 1
-    assert int(cut.attention_mask.sum()) == int(exp.attention_mask.sum())
-    assert int(cut.response_mask.sum()) == int(exp.response_mask.sum())
-    full, _ = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len)
-    short, _ = response_logprobs(model, cut.input_ids, cut.attention_mask, cut.response_len)
-    m = cut.response_mask.bool()
-    torch.testing.assert_close(short[m], full[:, :cut.response_len][m], rtol=1e-5, atol=1e-5)
+    assert_same_tokens_and_logprobs(model, exp, cut)
     trimmed = batched_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len, 1.0, 3,
                                exp.response_mask)
     plain = batched_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len, 1.0, 3)
@@ -103,9 +108,4 @@ def test_trimmed_rows_are_widened_to_an_aligned_width_with_padding_only():
     cut = exp.trimmed()
     assert cut.input_ids.shape[1] % TRIM_MULTIPLE == 0 and cut.input_ids.shape[1] < exp.input_ids.shape[1]
     assert cut.input_ids.shape[1] - tight < TRIM_MULTIPLE
-    assert int(cut.attention_mask.sum()) == int(exp.attention_mask.sum())
-    assert int(cut.response_mask.sum()) == int(exp.response_mask.sum())
-    full, _ = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len)
-    short, _ = response_logprobs(model, cut.input_ids, cut.attention_mask, cut.response_len)
-    m = cut.response_mask.bool()
-    torch.testing.assert_close(short[m], full[:, :cut.response_len][m], rtol=1e-5, atol=1e-5)
+    assert_same_tokens_and_logprobs(model, exp, cut)
