@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -56,9 +57,9 @@ def _answers_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) 
     random model; a plugin that raises while building is taken to answer (the trainer reports it)."""
     from rlcore.protocols import DistInfo
     from rlcore.rollout.tiny import tiny_causal_lm
-    from rlcore.trainer.components import rollout_request
+    from rlcore.trainer.components import obj, rollout_request
 
-    request = dataclasses.replace(rollout_request(_obj(cfg.actor), _obj(cfg.data), _obj(cfg.ppo)), backend=name)
+    request = dataclasses.replace(rollout_request(obj(cfg.actor), obj(cfg.data), obj(cfg.ppo)), backend=name)
     model = tiny_causal_lm("qwen2")
     for provider in providers:
         try:
@@ -161,17 +162,13 @@ def _call_alone(pm: Any, name: str, hook: str, kwargs: dict) -> Any:
 def _tokenizer_loader(cfg: DictConfig, given: Optional[Callable[[], Any]]) -> Callable[[], Any]:
     """The tokenizer the factory hooks receive, loaded once on first use: ``given`` (the actor's)
     where ``actor.model_path`` is set, else the demo's, built in a temporary directory."""
-    loaded: list[Any] = []
-
+    @functools.cache
     def load() -> Any:
-        if not loaded:
-            if cfg.actor.model_path:
-                from rlcore.trainer.models import load_tokenizer
+        if not cfg.actor.model_path:
+            return demo_tokenizer()
+        from rlcore.trainer.models import load_tokenizer
 
-                loaded.append(given() if given is not None else load_tokenizer(cfg.actor.model_path))
-            else:
-                loaded.append(demo_tokenizer())
-        return loaded[0]
+        return given() if given is not None else load_tokenizer(cfg.actor.model_path)
 
     return load
 
@@ -199,10 +196,6 @@ def _close(answer: Any) -> None:
             log.debug("closing a %s built for a check failed", type(answer).__name__, exc_info=True)
 
 
-def _obj(node: Any) -> Any:
-    return OmegaConf.to_object(node)
-
-
 def provides_data(pm: Any) -> bool:
     """Whether a selected plugin implements ``rlcore_dataset_provider``."""
     return any(_implements(pm, n, "rlcore_dataset_provider") for n in pm.selected_names)
@@ -218,9 +211,7 @@ def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Calla
     from rlcore.config.schema import resolve_fsdp, trains_critic
     from rlcore.distributed.placement import requested_devices
     from rlcore.protocols import PlacementRequest
-
-    def obj(node: Any) -> Any:
-        return OmegaConf.to_object(node)
+    from rlcore.trainer.components import obj
 
     def placement_args() -> list[dict]:
         devices = requested_devices(obj(cfg.actor), obj(cfg.critic), obj(cfg.reward_model),
