@@ -58,15 +58,10 @@ def check_reward_model_dir(path: Optional[str]) -> Any:
 def _load_tokenizer(path: str) -> Any:
     if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from rlcore.trainer.models import GENERIC_TOKENIZER_CLASSES, declared_tokenizer_class
+    from rlcore.trainer.models import tokenizer_as_saved
 
     try:
-        if (declared_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES
-                and os.path.isfile(os.path.join(path, "tokenizer.json"))):  # as saved (see load_tokenizer)
-            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return tokenizer_as_saved(path, local_files_only=True)
     except Exception as e:
         raise RewardError(f"reward_model.path '{path}': its tokenizer cannot be loaded: "
                           f"{type(e).__name__}: {e}") from e

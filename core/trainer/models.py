@@ -42,6 +42,17 @@ def declared_tokenizer_class(path: str) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
+def tokenizer_as_saved(path: str, **kwargs: Any):
+    """``from_pretrained`` of the tokenizer at ``path``: with the generic fast class when its
+    ``tokenizer_config.json`` declares it (see :func:`load_tokenizer`), else ``AutoTokenizer``'s choice."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (declared_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES
+            and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
 def load_tokenizer(path: str):
     """The tokenizer of ``path`` through ``from_pretrained``, padded on the left (pad = EOS where it has none).
 
@@ -50,13 +61,7 @@ def load_tokenizer(path: str):
     saved: ``AutoTokenizer`` of transformers 5 replaces it with the model type's own class for some
     model types (Qwen2's byte-level tokenizer for a Qwen2 config), which rebuilds the pre-tokenizer
     and decoder (the demo's word tokenizer would decode ``"c k a f"`` as ``"ckaf"``)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if (declared_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES
-            and os.path.isfile(os.path.join(path, "tokenizer.json"))):
-        tok = PreTrainedTokenizerFast.from_pretrained(path)
-    else:
-        tok = AutoTokenizer.from_pretrained(path)
+    tok = tokenizer_as_saved(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
