@@ -165,14 +165,9 @@ def test_rms_norm_rounds_as_the_hf_module_in_bf16():
 @pytest.mark.slow
 def test_the_compiled_step_rounds_as_the_eager_step_in_bf16():
     """The compiled decode step (Inductor) keeps the eager step's bf16 roundings: same tokens, same
-    log-probs, for a Qwen3 model whose norms are not all ones."""
+    log-probs, for a Qwen3 model whose norms are not all ones (tiny_causal_lm draws them)."""
     torch.manual_seed(0)
     model = tiny_causal_lm("qwen3").to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.mul_((1 + 0.5 * (2 * torch.rand(param.shape, generator=gen) - 1)).to(param.dtype))
     params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=3)
     eager = RolloutEngine(model, max_batch_size=8, max_seq_len=40, compile=False).generate(PROMPTS, params)
     compiled = RolloutEngine(model, max_batch_size=8, max_seq_len=40, compile=True)
