@@ -261,30 +261,9 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
             weights = group_weights(exp.response_mask, groups, ppo.loss_agg)
             token_weights = weights if ppo.loss_agg == "token-mean" else group_weights(exp.response_mask, groups,
                                                                                          "token-mean")
-            micro: dict[str, list[float]] = defaultdict(list)  # this optimizer step's values, one per micro-batch
-            for k, (group, weight) in enumerate(zip(groups, weights)):
-                # Sharded gradients are reduced across ranks once per optimizer step, in the last
-                # micro-batch's backward; the earlier ones accumulate locally.
-                last = k == len(groups) - 1
-                set_gradient_sync(actor, last)
-                if critic is not None:
-                    set_gradient_sync(critic, last)
-                idx = group.to(exp.input_ids.device)
-                mb = exp.select(idx)
-                if ppo.trim_padding:
-                    mb = mb.trimmed()
-                tokens = int(mb.attention_mask.sum()) if packed else mb.attention_mask.numel()
-                t0 = time.perf_counter()
-                with _recomputing(recompute.get("actor"), tokens):
-                    old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, micro, packed)
-                if own_old is not None:
-                    own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
-                t1 = time.perf_counter()
-                if critic is not None:
-                    with _recomputing(recompute.get("critic"), tokens):
-                        critic_micro_loss(critic, mb, ppo, token_weights[k], micro, packed)
-                spent["actor"] += t1 - t0
-                spent["critic"] += time.perf_counter() - t1
+            micro = _accumulate(exp, groups, weights, token_weights, actor=actor, critic=critic, ppo=ppo,
+                                temperature=temperature, kl_loss_coef=kl_loss_coef, packed=packed,
+                                recompute=recompute, own_old=own_old, spent=spent)
             t0 = time.perf_counter()
             norms = {"actor": _grad_norm(actor, actor_grad_clip)}
             t1 = time.perf_counter()
@@ -319,6 +298,41 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     if critic is not None:
         out["time/update_critic_s"] = spent["critic"]
     return out
+
+
+def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float], token_weights: list[float], *,
+                actor, critic, ppo: PPOConfig, temperature: float, kl_loss_coef: float, packed: bool,
+                recompute: dict[str, Any], own_old: Optional[torch.Tensor], spent: dict[str, float]
+                ) -> dict[str, list[float]]:
+    """Forward and backward of one mini-batch's micro-batches ``groups`` (sample indices), the actor's
+    losses weighed by ``weights`` and the critic's by ``token_weights``; the gradients accumulate for
+    one optimizer step. Returns the step's per-micro-batch metrics; adds the time spent per role to
+    ``spent`` and, on-policy, this forward's log-probs to ``own_old``."""
+    micro: dict[str, list[float]] = defaultdict(list)  # this optimizer step's values, one per micro-batch
+    for k, (group, weight) in enumerate(zip(groups, weights)):
+        # Sharded gradients are reduced across ranks once per optimizer step, in the last
+        # micro-batch's backward; the earlier ones accumulate locally.
+        last = k == len(groups) - 1
+        set_gradient_sync(actor, last)
+        if critic is not None:
+            set_gradient_sync(critic, last)
+        idx = group.to(exp.input_ids.device)
+        mb = exp.select(idx)
+        if ppo.trim_padding:
+            mb = mb.trimmed()
+        tokens = int(mb.attention_mask.sum()) if packed else mb.attention_mask.numel()
+        t0 = time.perf_counter()
+        with _recomputing(recompute.get("actor"), tokens):
+            old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, micro, packed)
+        if own_old is not None:
+            own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
+        t1 = time.perf_counter()
+        if critic is not None:
+            with _recomputing(recompute.get("critic"), tokens):
+                critic_micro_loss(critic, mb, ppo, token_weights[k], micro, packed)
+        spent["actor"] += t1 - t0
+        spent["critic"] += time.perf_counter() - t1
+    return micro
 
 
 def _step_value(name: str, values: list[float], weights: list[float], token_weights: list[float]) -> float:
