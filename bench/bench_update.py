@@ -70,6 +70,40 @@ VARIANTS = {"plain": (False, False, True, False, False, False), "trim": (True, F
             "grouped": (True, True, True, False, False, False), "chunked": (True, True, False, False, False, False),
             "compiled": (True, True, True, True, False, False), "packed": (True, True, True, False, True, False),
             "budget": (True, True, True, False, False, True), "packed-budget": (True, True, True, False, True, True)}
+#: how the log-probs leave the last hidden states: the model's logits (the default before ppo.logprob_head),
+#: the fused head (rlcore.kernels.linear_logprob), or liger-kernel's fused linear cross-entropy per token
+HEADS = ("logits", "fused", "liger")
+#: variant suffixes: ``<variant>+<head>`` picks the head, ``...+recompute`` adds
+#: gradient_checkpointing=auto with the trainer's token-budget rule (rlcore.trainer.recompute)
+
+
+def parse_variant(name: str) -> tuple[str, str, bool]:
+    """``"budget+fused+recompute"`` -> ``("budget", "fused", True)``."""
+    base, *mods = name.split("+")
+    heads = [m for m in mods if m in HEADS]
+    unknown = [m for m in mods if m not in HEADS and m != "recompute"]
+    if base not in VARIANTS or unknown or len(heads) > 1:
+        raise ValueError(name)
+    return base, (heads[0] if heads else "logits"), "recompute" in mods
+
+
+def liger_token_logprobs(hidden, weight, labels, temperature, with_entropy=False, chunk_bytes=0):
+    """liger-kernel's fused linear cross-entropy, per token (``reduction="none"``): ``-loss`` is the
+    log-prob; it computes no entropy (zeros, for the metric)."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    loss = LigerFusedLinearCrossEntropyFunction.apply(hidden / temperature, weight, labels.long(), None, None, -100,
+                                                      0.0, 0.0, "none")[0]
+    logp = -loss.float()
+    return logp, (torch.zeros_like(logp) if with_entropy else None)
+
+
+def update_flops(config, exp) -> float:
+    """Forward + backward FLOPs of the update's sequences (``rlcore.observe.flops``, each at its own length)."""
+    from rlcore.observe.flops import estimate_flops
+
+    lengths = exp.attention_mask.sum(-1).tolist()
+    return sum(estimate_flops(config, n, n) for n in lengths)
 
 
 def build_model(shape: str, dtype: torch.dtype, device: str, attn: str = "sdpa"):
@@ -92,6 +126,9 @@ def ragged_rollout(args: argparse.Namespace, vocab: int, device: str):
     resp = torch.zeros(b, r)
     prompt_lens = torch.randint(p // 4, p + 1, (b,), generator=g)
     resp_lens = torch.exp(torch.randn(b, generator=g) * 0.6 + torch.log(torch.tensor(r / 3.0))).clamp(1, r).long()
+    if args.geometric:  # the reasoning workload's lengths: geometric with this mean, cut at the response length
+        u = torch.rand(b, generator=g).clamp(min=1e-12)
+        resp_lens = (torch.log(u) / torch.log1p(torch.tensor(-1.0 / args.geometric))).ceil().clamp(1, r).long()
     if args.fixed:
         prompt_lens, resp_lens = torch.full((b,), p), torch.full((b,), r)
     for i in range(b):
@@ -103,19 +140,31 @@ def ragged_rollout(args: argparse.Namespace, vocab: int, device: str):
     return exp, 1.0 - float(mask.sum()) / mask.numel()
 
 
-def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[float], list[torch.Tensor]]:
+def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[float], list[torch.Tensor], dict]:
     from rlcore.config.schema import PPOConfig
-    from rlcore.distributed.fsdp import compile_layers
+    from rlcore.distributed.fsdp import compile_layers, enable_gradient_checkpointing
+    from rlcore.kernels import linear_logprob
     from rlcore.trainer import models
+    from rlcore.trainer.recompute import Recompute
     from rlcore.trainer.update import ppo_update
 
-    trim, group, kernels, compiled, packed, budget = VARIANTS[variant]
-    times, last = [], []
+    base, head, recompute = parse_variant(variant)
+    trim, group, kernels, compiled, packed, budget = VARIANTS[base]
+    times, last, metrics = [], [], {}
     models.LOGPROB_KERNELS = kernels
+    fused_impl = linear_logprob.linear_token_logprobs
+    if head == "liger":
+        linear_logprob.linear_token_logprobs = liger_token_logprobs
     try:
         for repeat in range(args.repeats + 1 + bool(profile)):  # warm-up, timed repeats, profiled run
             profiled = repeat == args.repeats + 1
             m = copy.deepcopy(model)
+            models.set_logprob_head(m, "logits" if head == "logits" else "fused")
+            policies = None
+            if recompute:
+                enable_gradient_checkpointing(m)
+                policies = {"actor": Recompute(m, "auto", m.config, torch.device(args.device),
+                                               logits=head == "logits")}
             if compiled:
                 compile_layers(m, "actor")
             opt = torch.optim.SGD(m.parameters(), lr=1e-3)
@@ -124,21 +173,27 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
                             max_tokens_per_micro_batch=args.max_tokens if budget else 0)
             if args.device == "cuda":
                 torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
             with _profiled(profile if profiled else 0, args.device):
-                ppo_update(exp, actor=m, actor_opt=opt, actor_sched=sched, actor_grad_clip=1.0, ppo=ppo,
-                           grad_accum=1, temperature=1.0, kl_loss_coef=0.0,
-                           generator=torch.Generator().manual_seed(0), packed=packed)
+                metrics = ppo_update(exp, actor=m, actor_opt=opt, actor_sched=sched, actor_grad_clip=1.0, ppo=ppo,
+                                     grad_accum=1, temperature=1.0, kl_loss_coef=0.0,
+                                     generator=torch.Generator().manual_seed(0), packed=packed, recompute=policies)
                 if args.device == "cuda":
                     torch.cuda.synchronize()
             if profiled:
                 continue
             times.append(time.perf_counter() - t)
+            if policies:
+                metrics.update(policies["actor"].take_metrics())
+            if args.device == "cuda":
+                metrics["memory_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             last = [p.detach().float().cpu() for p in m.parameters()]
             del m, opt
     finally:
         models.LOGPROB_KERNELS = True
-    return times[1:], last
+        linear_logprob.linear_token_logprobs = fused_impl
+    return times[1:], last, metrics
 
 
 @contextlib.contextmanager
@@ -169,12 +224,20 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=4096, help="token budget of the budget variants")
     p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa | eager | flash_attention_2 | ...")
     p.add_argument("--fixed", action="store_true", help="every prompt and response at full length")
-    p.add_argument("--variants", default="plain,trim,grouped", help=f"comma list of {sorted(VARIANTS)}")
+    p.add_argument("--geometric", type=float, default=0.0, metavar="MEAN",
+                   help="response lengths geometric with this mean (cut at --response-len), as bench_reasoning draws")
+    p.add_argument("--variants", default="plain,trim,grouped",
+                   help=f"comma list of {sorted(VARIANTS)}, each with optional +<head> ({', '.join(HEADS)}) and +recompute")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="list the N largest kernels of one update")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     names = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(names) - set(VARIANTS))
+    unknown = []
+    for name in names:
+        try:
+            parse_variant(name)
+        except ValueError:
+            unknown.append(name)
     if unknown:
         p.error(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     import_rlcore()
@@ -182,20 +245,41 @@ def main() -> None:
     exp, padding = ragged_rollout(args, model.config.vocab_size, args.device)
     results: dict[str, Any] = {}
     reference = None
+    flops = update_flops(model.config, exp)
+    peak = None
+    if args.device == "cuda":
+        from rlcore.observe.flops import peak_flops
+
+        peak = peak_flops(args.device)
     for i, name in enumerate(names):
-        times, weights = run_variant(model, exp, args, name, args.profile if i == 0 else 0)
+        try:
+            times, weights, metrics = run_variant(model, exp, args, name, args.profile if i == 0 else 0)
+        except torch.OutOfMemoryError as error:  # recorded, the other variants still run
+            results[name] = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+            print(f"{name:<28} out of memory", flush=True)
+            torch.cuda.empty_cache()
+            continue
         reference = reference or weights
-        results[name] = {"s_per_update": statistics.median(times), "times": times,
+        sec = statistics.median(times)
+        results[name] = {"s_per_update": sec, "times": times, "mfu": (flops / sec / peak) if peak else None,
+                         "metrics": {k: v for k, v in metrics.items() if isinstance(v, float)},
                          "max_weight_diff_vs_first": max(float((a - b).abs().max())
                                                          for a, b in zip(weights, reference))}
-        print(f"{name:<8} {results[name]['s_per_update']:8.3f} s/update  "
+        mfu = f"MFU {results[name]['mfu']:.1%}  " if peak else ""
+        print(f"{name:<28} {sec:8.3f} s/update  {mfu}micro-batches {metrics.get('actor/micro_batches', 0):.0f} "
+              f"budget {metrics.get('actor/micro_batch_token_budget', 0):.0f} recompute "
+              f"{metrics.get('actor/recompute_frac', 0):.2f} peak {metrics.get('memory_peak_gb', 0):.1f} GB  "
               f"max |w - w_{names[0]}| {results[name]['max_weight_diff_vs_first']:.2e}", flush=True)
+    names = [n for n in names if "s_per_update" in results[n]]
+    if not names:
+        return
     base = results[names[0]]["s_per_update"]
     for r in results.values():
         r[f"speedup_vs_{names[0]}"] = base / r["s_per_update"]
     print(f"padding share of the full width: {padding:.1%}; speed-up vs {names[0]}: " +
           ", ".join(f"{n} {results[n][f'speedup_vs_{names[0]}']:.2f}x" for n in names[1:]))
     payload = {"environment": environment(), "args": vars(args), "padding_share": padding, "results": results,
+               "update_flops": flops,
                "threads": torch.get_num_threads()}
     if args.json:
         write_json(args.json, payload)

@@ -63,6 +63,8 @@ AttentionKind = choice("AttentionKind", "auto", "sdpa", "triton")
 CompileMode = choice("CompileMode", "default", "max-autotune-no-cudagraphs")
 KVCacheKind = choice("KVCacheKind", "paged", "static")
 RolloutIS = choice("RolloutIS", "none", "token", "sequence")
+#: how the training forwards turn last hidden states into log-probs (:func:`rlcore.trainer.models.set_logprob_head`)
+LogprobHead = choice("LogprobHead", "auto", "fused", "logits")
 #: Hugging Face ``attn_implementation`` values of the training forwards; the variable-length ones
 #: (:data:`rlcore.trainer.packing.VARLEN_ATTENTION`) let ``ppo.pack_sequences=auto`` pack
 AttnImplementation = choice("AttnImplementation", "sdpa", "eager", "flex_attention", "flash_attention_2",
@@ -431,6 +433,13 @@ class PPOConfig:
     #: flash or flex, and pass a packed-attention check at load; with sdpa/eager a packed row is one dense masked
     #: attention, quadratic in its length).
     pack_sequences: Any = "auto"
+    #: How the actor's and the reference's log-prob forwards leave the last hidden states: fused (the vocabulary
+    #: projection fused with the log-softmax, a chunk of tokens at a time, so the [tokens, vocabulary] logits and
+    #: their gradient are never held whole: less memory, so longer micro-batches without activation
+    #: checkpointing, for one more head product in the backward) | logits (the model's own logits) | auto (fused
+    #: on CUDA). Models with anything between the head and the softmax (soft-capping, logit scales), LoRA on the
+    #: head, FSDP-sharded heads, and an entropy bonus with a gradient use the logits.
+    logprob_head: LogprobHead = LogprobHead.auto
     #: Passes over each rollout.
     ppo_epochs: int = 1
     #: KL strength against the reference policy.

@@ -210,7 +210,11 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
     from rlcore.trainer.recompute import Recompute
     from rlcore.trainer.update import Batching
 
-    recompute = {"actor": Recompute(actor, actor_cfg.gradient_checkpointing, actor_module.config, device)}
+    for model in (actor, ref):
+        if model is not None:
+            models.set_logprob_head(model, str(ppo.logprob_head))
+    recompute = {"actor": Recompute(actor, actor_cfg.gradient_checkpointing, actor_module.config, device,
+                                    logits=models.fused_head(actor, device) is None)}
     if critic is not None:
         recompute["critic"] = Recompute(critic, critic_cfg.gradient_checkpointing, critic.config,
                                         placement.device_for("critic"), role="critic")

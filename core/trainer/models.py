@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -168,6 +169,75 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 
 
 
+#: the attribute of a model holding :func:`set_logprob_head`'s choice (absent: "auto"); an attribute, so copies keep it
+_HEAD_ATTR = "_rlcore_logprob_head"
+#: models whose fused head was checked against their own logits: model -> passed
+_HEAD_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+#: config attributes that put something between the head and the softmax (the fused path is then off)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+#: Hugging Face classes whose logits are ``lm_head(last hidden states)``, nothing more (others are checked)
+_PLAIN_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+
+
+def set_logprob_head(model: nn.Module, mode: str) -> None:
+    """Choose how ``model``'s teacher-forced log-probs are computed (``ppo.logprob_head``):
+    ``"fused"`` (the head fused with the log-softmax, :mod:`rlcore.kernels.linear_logprob`: no
+    ``[tokens, V]`` logits), ``"logits"`` (the model's own logits), ``"auto"`` (fused on CUDA)."""
+    if mode not in ("auto", "fused", "logits"):
+        raise ValueError(f"logprob head must be auto, fused or logits, got {mode!r}")
+    object.__setattr__(model, _HEAD_ATTR, mode)
+
+
+def fused_head(model: nn.Module, device: torch.device) -> Optional[tuple[nn.Module, torch.Tensor]]:
+    """``(decoder, head weight)`` when ``model``'s log-probs may be computed from its last hidden
+    states (:func:`set_logprob_head`), else ``None``: a Hugging Face causal LM whose logits are
+    exactly ``decoder(...) @ W^T`` (a bias-free linear head, nothing between it and the softmax,
+    weights that are plain tensors, not FSDP shards). Checked once per model against its own
+    logits on a few tokens."""
+    mode = getattr(model, _HEAD_ATTR, "auto")
+    if mode == "logits" or (mode == "auto" and device.type != "cuda"):
+        return None
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    head, decoder = get_head(), get_decoder()
+    config = getattr(model, "config", None)
+    if (type(head) is not nn.Linear or head.bias is not None or decoder is None or decoder is model
+            or type(head.weight) is not nn.Parameter
+            or any(getattr(config, name, None) not in (None, 0, 1, 1.0) for name in _LOGIT_TRANSFORMS)):
+        return None
+    if model not in _HEAD_CHECKED and type(model).__name__ in _PLAIN_HEADS:
+        _HEAD_CHECKED[model] = True
+    if model not in _HEAD_CHECKED:
+        _HEAD_CHECKED[model] = _head_matches_logits(model, decoder, head.weight, device)
+        if not _HEAD_CHECKED[model]:
+            log.warning("ppo.logprob_head: %s's logits are not its decoder's last hidden states times its "
+                        "head; computing log-probs from its logits", type(model).__name__)
+    return (decoder, head.weight) if _HEAD_CHECKED[model] else None
+
+
+@torch.no_grad()
+def _head_matches_logits(model: nn.Module, decoder: nn.Module, weight: torch.Tensor, device: torch.device) -> bool:
+    ids = torch.arange(3, 11, device=device)[None] % int(weight.shape[0])
+    logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+    mine = (hidden @ weight.t()).float()
+    return bool(torch.allclose(mine, logits, rtol=1e-2, atol=1e-2 * float(logits.abs().max().clamp(min=1))))
+
+
+def _fused_logprobs(decoder: nn.Module, weight: torch.Tensor, kwargs: dict, rows: torch.Tensor,
+                    positions: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
+    """Log-probs (and entropy) of ``labels [K]`` predicted at ``(rows, positions)`` of the decoder's
+    last hidden states, through the fused head."""
+    from rlcore.kernels.linear_logprob import linear_token_logprobs
+
+    hidden = decoder(**kwargs, use_cache=False).last_hidden_state
+    return linear_token_logprobs(hidden[rows, positions], weight, labels, temperature, with_entropy)
+
+
 def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       response_len: int, temperature: float = 1.0,
                       with_entropy: bool = False,
@@ -183,16 +253,35 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     positions outside ``response_mask`` are 0.
     """
     temp = temperature if temperature > 0 else 1.0
+    fused = None
+    if not (with_entropy and entropy_grad and torch.is_grad_enabled()):  # the fused entropy has no gradient
+        fused = fused_head(model, input_ids.device)
     if packed:
         if response_mask is None:
             raise ValueError("response_logprobs: packed=True needs the response_mask")
         from rlcore.trainer.packing import pack
 
         rows = pack(input_ids, attention_mask, response_mask)
+        if fused is not None:
+            logp, ent = _fused_logprobs(*fused, rows.forward_kwargs(model), torch.zeros_like(rows.index),
+                                        rows.index, rows.labels.long(), float(temp), bool(with_entropy))
+            return rows.unpack(logp), (rows.unpack(ent) if ent is not None else None)
         out = model(**rows.forward_kwargs(model), use_cache=False, logits_to_keep=rows.index)
         logp, ent = token_logprobs(out.logits, rows.labels[None].long(), float(temp), bool(with_entropy),
                                   entropy_grad)
         return rows.unpack(logp[0]), (rows.unpack(ent[0]) if ent is not None else None)
+    if fused is not None:
+        width = input_ids.shape[1]
+        keep = (response_mask.bool() if response_mask is not None
+                else attention_mask[:, width - response_len:].bool())
+        rows, cols = keep.nonzero(as_tuple=True)
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
+        logp, ent = _fused_logprobs(*fused, kwargs, rows, cols + (width - response_len - 1),
+                                    input_ids[:, width - response_len:][rows, cols].long(), float(temp),
+                                    bool(with_entropy))
+        shape = (input_ids.shape[0], response_len)
+        logp = logp.new_zeros(shape).index_put((rows, cols), logp)
+        return logp, (ent.new_zeros(shape).index_put((rows, cols), ent) if ent is not None else None)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=False, logits_to_keep=response_len + 1)
     logits = out.logits[:, -(response_len + 1):-1]

@@ -25,15 +25,19 @@ log = logging.getLogger(__name__)
 
 #: Share of the free memory a micro-batch's activations may take before checkpointing turns on.
 FREE_SHARE = 0.9
+#: The smallest token budget :meth:`Recompute.token_budget` lowers a micro-batch to (below it,
+#: checkpointing the larger one is the better trade).
+MIN_BUDGET = 4096
 
 
-def activation_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+def activation_bytes_per_token(config: Any, dtype: torch.dtype, logits: bool = True) -> int:
     """Estimated bytes of activations one token keeps for the backward pass, without checkpointing.
 
     Per decoder layer: the layer input, both norms' outputs, the query, key and value, the
     attention output and the output projection's input (``6 h + 2 kv`` elements with the norms'
     float32 copies counted as ``2 h`` more float32), and the gated MLP's gate, up, activation and
-    product (``4 i``); then one row of logits. Memory-efficient attention (flash, SDPA) keeps no
+    product (``4 i``); then one row of logits (``logits=False``: none, the head fused with the
+    log-softmax, :mod:`rlcore.kernels.linear_logprob`, holds a bounded chunk). Memory-efficient attention (flash, SDPA) keeps no
     ``[T, T]`` scores, so none are counted. A planning estimate, not an exact count.
     """
     h = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
@@ -45,7 +49,7 @@ def activation_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     elt = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
     per_layer = (6 * h + 2 * kv_heads * head_dim + 4 * inter) * elt + (2 * h * 4 if elt < 4 else 0)
-    return layers * per_layer + vocab * elt
+    return layers * per_layer + (vocab * elt if logits else 0)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -78,9 +82,11 @@ class Recompute:
     :param setting: the role's ``gradient_checkpointing`` value.
     :param config: the model config (for :func:`activation_bytes_per_token`).
     :param device: where the role trains.
+    :param logits: whether the role's forwards hold a row of logits per token (not with the fused head).
     """
 
-    def __init__(self, model: torch.nn.Module, setting: Any, config: Any, device: torch.device, role: str = "actor"):
+    def __init__(self, model: torch.nn.Module, setting: Any, config: Any, device: torch.device, role: str = "actor",
+                 logits: bool = True):
         self.role = role
         self.auto = str(setting).lower() == "auto"
         self.device = torch.device(device)
@@ -90,7 +96,7 @@ class Recompute:
                      "activation checkpointing", role, type(model).__name__)
             self.auto = False
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        self.bytes_per_token = activation_bytes_per_token(config, dtype)
+        self.bytes_per_token = activation_bytes_per_token(config, dtype, logits)
         self.decisions: list[bool] = []
         if self.auto:
             self._set(False)
@@ -102,6 +108,16 @@ class Recompute:
     def needed(self, tokens: int) -> bool:
         """Whether a micro-batch of ``tokens`` tokens should recompute (its activations would not fit)."""
         return tokens * self.bytes_per_token > FREE_SHARE * free_bytes(self.device)
+
+    def token_budget(self, budget: int) -> int:
+        """``ppo.max_tokens_per_micro_batch`` as this role trains it: under ``auto``, lowered (to a
+        multiple of 8, not under :data:`MIN_BUDGET`) to the tokens whose activations fit in the free
+        memory now, since more, smaller micro-batches cost less than recomputing every layer's
+        forward; ``budget`` as given otherwise (and when even the floor would need checkpointing)."""
+        if not self.auto or budget <= 0:
+            return budget
+        fits = int(FREE_SHARE * free_bytes(self.device)) // max(1, self.bytes_per_token) // 8 * 8
+        return max(MIN_BUDGET, fits) if MIN_BUDGET <= fits < budget else budget
 
     @contextlib.contextmanager
     def for_tokens(self, tokens: int) -> Iterator[None]:

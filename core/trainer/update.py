@@ -246,6 +246,11 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     if critic is not None:
         critic.train()
     lengths = exp.attention_mask.sum(-1) if ppo.group_by_length else None
+    budget = int(ppo.max_tokens_per_micro_batch)
+    for policy in recompute.values():  # a budget that would need checkpointing is lowered to one that does not
+        budget = min(budget, policy.token_budget(budget)) if policy is not None else budget
+    if budget:
+        stats["actor/micro_batch_token_budget"].append(float(budget))
     # on-policy, the trainer's log-probs come from the update's own forward: kept for the mismatch metrics
     own_old = torch.zeros_like(exp.rollout_logprobs) if (
         exp.old_logprobs is None and exp.rollout_logprobs is not None) else None
@@ -256,8 +261,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
             if lengths is not None:  # similar lengths share a micro-batch (stable: ties keep the shuffle)
                 mini_idx = mini_idx[torch.sort(lengths[mini_idx.to(lengths.device)].cpu(), descending=True,
                                                stable=True).indices]
-            groups = micro_batches(exp.attention_mask, exp.response_mask, mini_idx, cut.micro,
-                                   int(ppo.max_tokens_per_micro_batch), packed)
+            groups = micro_batches(exp.attention_mask, exp.response_mask, mini_idx, cut.micro, budget, packed)
             weights = group_weights(exp.response_mask, groups, ppo.loss_agg)
             token_weights = weights if ppo.loss_agg == "token-mean" else group_weights(exp.response_mask, groups,
                                                                                          "token-mean")
