@@ -69,22 +69,26 @@ SHAPES = {
 VARIANTS = {"plain": (False, False, True, False, False, False), "trim": (True, False, True, False, False, False),
             "grouped": (True, True, True, False, False, False), "chunked": (True, True, False, False, False, False),
             "compiled": (True, True, True, True, False, False), "packed": (True, True, True, False, True, False),
-            "budget": (True, True, True, False, False, True), "packed-budget": (True, True, True, False, True, True)}
+            "budget": (True, True, True, False, False, True), "packed-budget": (True, True, True, False, True, True),
+            "compiled-budget": (True, True, True, True, False, True),
+            "compiled-packed-budget": (True, True, True, True, True, True)}
 #: how the log-probs leave the last hidden states: the model's logits (the default before ppo.logprob_head),
 #: the fused head (rlcore.kernels.linear_logprob), or liger-kernel's fused linear cross-entropy per token
 HEADS = ("logits", "fused", "liger")
 #: variant suffixes: ``<variant>+<head>`` picks the head, ``...+recompute`` adds
-#: gradient_checkpointing=auto with the trainer's token-budget rule (rlcore.trainer.recompute)
+#: gradient_checkpointing=auto with the trainer's token-budget rule (rlcore.trainer.recompute), ``...+keep``
+#: keeps the budget as given (checkpointing what does not fit, as before the rule)
+MODIFIERS = ("recompute", "keep")
 
 
-def parse_variant(name: str) -> tuple[str, str, bool]:
-    """``"budget+fused+recompute"`` -> ``("budget", "fused", True)``."""
+def parse_variant(name: str) -> tuple[str, str, set[str]]:
+    """``"budget+fused+recompute"`` -> ``("budget", "fused", {"recompute"})``."""
     base, *mods = name.split("+")
     heads = [m for m in mods if m in HEADS]
-    unknown = [m for m in mods if m not in HEADS and m != "recompute"]
+    unknown = [m for m in mods if m not in HEADS and m not in MODIFIERS]
     if base not in VARIANTS or unknown or len(heads) > 1:
         raise ValueError(name)
-    return base, (heads[0] if heads else "logits"), "recompute" in mods
+    return base, (heads[0] if heads else "logits"), set(mods) - set(HEADS)
 
 
 def liger_token_logprobs(hidden, weight, labels, temperature, with_entropy=False, chunk_bytes=0):
@@ -145,10 +149,15 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     from rlcore.distributed.fsdp import compile_layers, enable_gradient_checkpointing
     from rlcore.kernels import linear_logprob
     from rlcore.trainer import models
+    from rlcore.trainer import recompute as recompute_module
     from rlcore.trainer.recompute import Recompute
     from rlcore.trainer.update import ppo_update
 
-    base, head, recompute = parse_variant(variant)
+    base, head, mods = parse_variant(variant)
+    recompute = "recompute" in mods
+    floor = recompute_module.MIN_BUDGET
+    if "keep" in mods:
+        recompute_module.MIN_BUDGET = 1 << 62
     trim, group, kernels, compiled, packed, budget = VARIANTS[base]
     times, last, metrics = [], [], {}
     models.LOGPROB_KERNELS = kernels
@@ -193,6 +202,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     finally:
         models.LOGPROB_KERNELS = True
         linear_logprob.linear_token_logprobs = fused_impl
+        recompute_module.MIN_BUDGET = floor
     return times[1:], last, metrics
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -328,6 +329,8 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
         t0 = time.perf_counter()
         with _recomputing(recompute.get("actor"), tokens):
             old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, micro, packed)
+        if CHECK_FINITE:
+            _check_micro_batch(actor, mb, old, micro, k)
         if own_old is not None:
             own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
         t1 = time.perf_counter()
@@ -337,6 +340,39 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
         spent["actor"] += t1 - t0
         spent["critic"] += time.perf_counter() - t1
     return micro
+
+
+#: ``RLCORE_CHECK_FINITE=<directory>``: after every actor micro-batch, check its log-probs, loss and the
+#: accumulated gradients; the first micro-batch that makes one non-finite is saved there (a diagnosis aid:
+#: it costs a device sync and a pass over the gradients per micro-batch)
+CHECK_FINITE = os.environ.get("RLCORE_CHECK_FINITE", "")
+
+
+def _check_micro_batch(actor, mb: Experience, logp: torch.Tensor, micro: dict, k: int) -> None:
+    """See :data:`CHECK_FINITE`: log and save the first micro-batch after which something is not finite."""
+    if getattr(_check_micro_batch, "saved", False):
+        return
+    mask = mb.response_mask.bool()
+    found = []
+    if not bool(torch.isfinite(logp[mask[:, :logp.shape[1]]]).all()):
+        found.append("log-probs")
+    if micro.get("loss/policy") and not math.isfinite(micro["loss/policy"][-1]):
+        found.append("policy loss")
+    bad = [name for name, p in actor.named_parameters()
+           if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if bad:
+        found.append(f"gradients of {len(bad)} parameters (first: {', '.join(bad[:4])})")
+    if not found:
+        return
+    os.makedirs(CHECK_FINITE, exist_ok=True)
+    path = os.path.join(CHECK_FINITE, f"nonfinite_micro_batch_{os.getpid()}.pt")
+    torch.save({"micro_batch": k, "found": found, "input_ids": mb.input_ids.cpu(),
+                "attention_mask": mb.attention_mask.cpu(), "response_mask": mb.response_mask.cpu(),
+                "advantages": mb.advantages.cpu() if mb.advantages is not None else None,
+                "logprobs": logp.detach().float().cpu()}, path)
+    log.warning("RLCORE_CHECK_FINITE: micro-batch %d (%d samples, %s tokens wide) made non-finite: %s; saved to %s",
+                k, mb.input_ids.shape[0], mb.input_ids.shape[1], "; ".join(found), path)
+    _check_micro_batch.saved = True
 
 
 def _step_value(name: str, values: list[float], weights: list[float], token_weights: list[float]) -> float:
