@@ -46,6 +46,9 @@ DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen2.5-7b")
 VARIANTS = {
     "default": {},
     "eager": dict(attention="sdpa", compile=False, use_cuda_graphs=False),
+    # the two halves of the default, apart: which one moves the log-probs
+    "triton-eager": dict(attention="triton", compile=False),
+    "sdpa-compiled": dict(attention="sdpa"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
