@@ -3,7 +3,9 @@
 With ``trainer.gpu_monitor`` (on by default) it samples every ``trainer.gpu_monitor_interval``
 seconds from the first step to the last (see :mod:`rlcore.observe.gpu`), adds the samples since the
 previous logged step to the metrics of each logged step (``gpu/util_mean`` ...) and the whole run's
-to the summary. Without a GPU or NVML it does nothing. Its state is the instance registered with
+to the summary; readings taken during a rollout are tagged ``generate``, the rest ``train``, and
+summarised apart too (``gpu/util_mean_generate``, ``gpu/util_p10_train``, ``gpu/util_mean_generate_tail``
+for the rollout's last quarter). Without a GPU or NVML it does nothing. Its state is the instance registered with
 one plugin manager.
 """
 
@@ -35,6 +37,16 @@ class GPUMonitorPlugin:
     def rlcore_step_start(self, step: int) -> None:
         if self.monitor is not None:
             self.monitor.start()  # once: a started monitor, or one that found no GPU, ignores the call
+
+    @hookimpl
+    def rlcore_before_generation(self, step: int) -> None:
+        if self.monitor is not None:
+            self.monitor.set_phase("generate")
+
+    @hookimpl
+    def rlcore_after_generation(self, step: int) -> None:
+        if self.monitor is not None:
+            self.monitor.set_phase("train")
 
     @hookimpl
     def rlcore_step_end(self, step: int, metrics: dict[str, float]) -> None:

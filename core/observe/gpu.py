@@ -68,6 +68,27 @@ def summarize(util: Sequence[float], mem_used_gb: Sequence[float], interval_s: f
     }
 
 
+#: share of a rollout's readings, at its end, that make its tail (``gpu/util_mean_generate_tail``)
+TAIL_SHARE = 0.25
+
+
+def phase_summary(readings: dict[str, list[list[float]]]) -> dict[str, float]:
+    """Per phase, its readings in order (each a list over devices): ``gpu/util_mean_<phase>`` and
+    ``gpu/util_p10_<phase>``, and for ``generate`` the mean of its last :data:`TAIL_SHARE` of readings
+    (``gpu/util_mean_generate_tail``: the long tail of a rollout, few sequences left)."""
+    out: dict[str, float] = {}
+    for phase, rows in readings.items():
+        values = [u for row in rows for u in row]
+        if not values:
+            continue
+        out[f"gpu/util_mean_{phase}"] = sum(values) / len(values)
+        out[f"gpu/util_p10_{phase}"] = percentile(values, 10)
+        if phase == "generate":
+            tail = [u for row in rows[len(rows) - max(1, round(len(rows) * TAIL_SHARE)):] for u in row]
+            out["gpu/util_mean_generate_tail"] = sum(tail) / len(tail)
+    return out
+
+
 class NVMLReader:
     """Reads utilisation and memory of a set of NVML devices."""
 
@@ -149,6 +170,8 @@ class GPUMonitor:
         self.reason = "disabled (interval <= 0)" if self.interval_s <= 0 else ""
         self._util: list[list[float]] = []
         self._mem: list[list[float]] = []
+        self._phases: list[str] = []  # the phase of each reading (see set_phase)
+        self.phase = "train"
         self._mark = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -195,6 +218,7 @@ class GPUMonitor:
             while len(self._util) < len(samples):
                 self._util.append([])
                 self._mem.append([])
+            self._phases.append(self.phase)
             for i, s in enumerate(samples):
                 self._util[i].append(s.util)
                 self._mem[i].append(s.mem_used_gb)
@@ -208,11 +232,21 @@ class GPUMonitor:
         if close is not None:
             close()
 
+    def set_phase(self, name: str) -> None:
+        """Tag the readings from now on with ``name`` (the trainer's ``generate`` or ``train``)."""
+        self.phase = str(name)
+
     def _summary(self, start: int) -> dict[str, float]:
         with self._lock:
             util = [u for dev in self._util for u in dev[start:]]
             mem = [m for dev in self._mem for m in dev[start:]]
-        return summarize(util, mem, self.interval_s)
+            per_phase: dict[str, list[list[float]]] = {}
+            for k, phase in enumerate(self._phases[start:], start):
+                per_phase.setdefault(phase, []).append([dev[k] for dev in self._util if k < len(dev)])
+        out = summarize(util, mem, self.interval_s)
+        if out:
+            out.update(phase_summary(per_phase))
+        return out
 
     def summary(self) -> dict[str, float]:
         """Summary over the whole run (every watched device pooled); {} when unavailable."""

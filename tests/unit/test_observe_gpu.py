@@ -100,3 +100,23 @@ def test_run_monitor_prints_samples_and_a_verdict(monkeypatch):
     lines.clear()
     assert run_monitor(0.01, 2, lines.append) == 0
     assert lines == ["no GPU to monitor: NVML is not usable here (x)"]
+
+
+def test_readings_are_summarised_per_phase_with_the_rollout_tail_apart():
+    reader = FakeReader([90.0])
+    mon = GPUMonitor(0.5, reader_factory=lambda: reader)
+    mon._reader = reader  # sampled by hand below, no thread
+    mon.set_phase("generate")
+    for u in [95.0] * 6 + [20.0] * 2:  # the rollout's last quarter nearly idle
+        reader.utils = [u]
+        mon.sample_once()
+    mon.set_phase("train")
+    for u in (60.0, 80.0):
+        reader.utils = [u]
+        mon.sample_once()
+    out = mon.summary()
+    assert out["gpu/util_mean_generate"] == pytest.approx((6 * 95 + 2 * 20) / 8)
+    assert out["gpu/util_mean_generate_tail"] == pytest.approx(20.0)
+    assert out["gpu/util_mean_train"] == pytest.approx(70.0)
+    assert out["gpu/util_p10_train"] == pytest.approx(62.0)
+    assert out["gpu/samples"] == 10
