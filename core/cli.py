@@ -233,10 +233,13 @@ def cmd_convert_config(args: argparse.Namespace) -> int:
             fh.write(text)
     else:
         sys.stdout.write(text)
+    from rlcore.convert_knobs import unmapped_summary
+
     print(f"rlcore convert-config: {len(conv.mapped)} key(s) mapped, {len(conv.unmapped)} without an rlcore "
-          f"counterpart (listed in the output's header; see docs/migrating.md)", file=sys.stderr)
-    for key, (value, reason) in sorted(conv.unmapped.items()):
-        print(f"  unmapped {key} = {value!r}: {reason}", file=sys.stderr)
+          f"counterpart, by reason (each key is listed in the output's header; see docs/migrating.md):",
+          file=sys.stderr)
+    for line in unmapped_summary(conv.unmapped):
+        print(line, file=sys.stderr)
     for note in conv.notes:
         print(f"  note: {note}", file=sys.stderr)
     if args.output:

@@ -381,6 +381,11 @@ def _check_ranges(cfg: DictConfig, errors: list[str]) -> None:
     need(0.0 <= algo.gamma <= 1.0, "algorithm.gamma", "in [0, 1] (the discount)", algo.gamma)
     need(0.0 <= algo.lam <= 1.0, "algorithm.lam", "in [0, 1] (the GAE lambda)", algo.lam)
     need(cfg.trainer.eval_samples >= 0, "trainer.eval_samples", ">= 0 (0 = no evaluation)", cfg.trainer.eval_samples)
+    for role in ("actor", "critic"):
+        betas = list(cfg[role].betas)
+        need(len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas), f"{role}.betas",
+             "two numbers in [0, 1) (AdamW's beta1, beta2)", betas)
+        need(cfg[role].eps > 0, f"{role}.eps", "> 0", cfg[role].eps)
     ev = cfg.eval
     need(ev.n >= 1, "eval.n", ">= 1 (samples per prompt)", ev.n)
     need(ev.temperature >= 0, "eval.temperature", ">= 0 (0 = greedy)", ev.temperature)

@@ -186,6 +186,10 @@ class ModelRoleConfig:
     lr: float = 1e-5
     #: AdamW weight decay.
     weight_decay: float = 0.0
+    #: AdamW coefficients of the running averages of the gradient and its square (beta1, beta2).
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    #: AdamW term added to the denominator for numerical stability.
+    eps: float = 1e-8
     #: Warmup steps of the learning-rate schedule.
     warmup_steps: int = 0
     #: Learning-rate schedule: any name ``transformers.get_scheduler`` knows (``transformers.SchedulerType``), e.g.
