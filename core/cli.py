@@ -1,4 +1,4 @@
-"""The ``rlcore`` command: ``train``, ``config``, ``validate``, ``plugins`` (and observability tools).
+"""The ``rlcore`` command: ``train``, ``eval``, ``config``, ``validate``, ``plugins`` (and observability tools).
 
 This module is the argument parser and one function per command; the checks before a model loads are
 :mod:`rlcore.preflight`, the demo preset :mod:`rlcore.demo`."""
@@ -26,16 +26,19 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotlist overrides, e.g. ppo.kl_coeff=0.05")
 
 
-def resolve(args: argparse.Namespace, *, demo_allowed: bool = True):
-    """Load the config (with the demo preset when applicable) and the list of plugin names; sets
-    ``args.demo``."""
+def resolve(args: argparse.Namespace, *, demo_allowed: bool = True, demo_keys: Optional[Sequence[str]] = None,
+            demo_extra: Sequence[str] = ()):
+    """Load the config (with the demo preset, plus ``demo_extra``, when applicable) and the list of plugin
+    names; sets ``args.demo``. ``demo_keys``: the keys whose presence means the user's own run (default:
+    data or a model)."""
     from rlcore.config import load_config
     from rlcore.demo import is_demo, with_demo_preset
     from rlcore.plugin_manager import parse_plugin_names
 
     given = [n for spec in args.plugins for n in parse_plugin_names(spec)]
-    args.demo = demo_allowed and is_demo(args.config, args.overrides, given)
-    overrides = with_demo_preset(args.overrides) if args.demo else list(args.overrides)
+    extra = {} if demo_keys is None else {"source_keys": demo_keys}
+    args.demo = demo_allowed and is_demo(args.config, args.overrides, given, **extra)
+    overrides = with_demo_preset([*demo_extra, *args.overrides]) if args.demo else list(args.overrides)
     cfg = load_config(args.config, overrides)
     names = parse_plugin_names(list(cfg.plugins) + given)
     return cfg, names
@@ -145,6 +148,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if trainer.status == "interrupted" else EXIT_OK
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Score ``actor.model_path`` on ``data.val_files``: a table on stdout, the report as JSON (``eval.output``)."""
+    from rlcore.distributed.init import init_distributed
+    from rlcore.errors import ConfigError
+    from rlcore.evaluate import DATA_KEYS, DEMO_EVAL_OVERRIDES, Evaluator, format_table, report_path, write_report
+    from rlcore.plugin_checks import check_settings
+    from rlcore.plugin_manager import build_plugin_manager
+
+    cfg, names = resolve(args, demo_keys=DATA_KEYS, demo_extra=DEMO_EVAL_OVERRIDES)
+    if not cfg.actor.model_path:
+        final = os.path.join(str(cfg.trainer.output_dir), "final")
+        if not args.demo:
+            raise ConfigError(["rlcore eval needs the policy to score: set actor.model_path (a Hugging Face model "
+                               "directory or an rlcore checkpoint)"])
+        if not os.path.isdir(final):
+            raise ConfigError([f"rlcore eval: no trained demo policy in {final}: run `rlcore train` first, or set "
+                               "actor.model_path"])
+        cfg.actor.model_path = final
+    pm = build_plugin_manager(names)
+    check_settings(pm, cfg)  # configures each plugin with its settings
+    dist = init_distributed(cfg.trainer.device)
+    report = Evaluator(cfg, pm, dist).run()
+    if dist.is_main:
+        path = report_path(cfg)
+        write_report(report, path)
+        ev = report["eval"]
+        print(f"\n=== rlcore eval: {report['model']} ===\n{ev['n']} sample(s) a prompt, temperature "
+              f"{ev['temperature']:g}, pass = reward >= {ev['pass_threshold']:g}")
+        print(format_table(report))
+        print(f"report: {path}")
+    return EXIT_OK
+
+
 def _world_split(cfg, pm):
     """``(answer, SplitInfo)`` when a plugin splits this job into training and rollout ranks
     (``rlcore_world_split``), after joining the groups; else ``None``."""
@@ -197,10 +233,13 @@ def cmd_convert_config(args: argparse.Namespace) -> int:
             fh.write(text)
     else:
         sys.stdout.write(text)
+    from rlcore.convert_knobs import unmapped_summary
+
     print(f"rlcore convert-config: {len(conv.mapped)} key(s) mapped, {len(conv.unmapped)} without an rlcore "
-          f"counterpart (listed in the output's header; see docs/migrating.md)", file=sys.stderr)
-    for key, (value, reason) in sorted(conv.unmapped.items()):
-        print(f"  unmapped {key} = {value!r}: {reason}", file=sys.stderr)
+          f"counterpart, by reason (each key is listed in the output's header; see docs/migrating.md):",
+          file=sys.stderr)
+    for line in unmapped_summary(conv.unmapped):
+        print(line, file=sys.stderr)
     for note in conv.notes:
         print(f"  note: {note}", file=sys.stderr)
     if args.output:
@@ -217,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", cmd_train, "train (no arguments: the built-in CPU demo)"),
         ("config", cmd_config, "print the resolved config as YAML"),
         ("validate", cmd_validate, "check config, plugins, data and paths without training"),
+        ("eval", cmd_eval, "score a policy on held-out prompts: pass@k, mean reward, lengths per data_source "
+                           "(no arguments: the demo's trained policy)"),
     ]:
         extra = {"epilog": EXIT_CODES_HELP, "formatter_class": argparse.RawDescriptionHelpFormatter} \
             if name == "train" else {}

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from rlcore import convert_knobs as knobs
 from rlcore.config.schema import AdvEstimator, LossAgg, PolicyLoss, Truncation
 from rlcore.errors import ConfigError
 
@@ -179,6 +180,7 @@ VERL_MAP: dict[str, tuple[str, str]] = {
     "data.seed": ("trainer.seed", ""),
     "actor_rollout_ref.model.path": ("actor.model_path", ""),
     "actor_rollout_ref.model.enable_gradient_checkpointing": ("actor.gradient_checkpointing", ""),
+    "actor_rollout_ref.actor.use_torch_compile": ("actor.compile", ""),
     "actor_rollout_ref.actor.optim.lr": ("actor.lr", ""),
     "actor_rollout_ref.actor.optim.weight_decay": ("actor.weight_decay", ""),
     "actor_rollout_ref.actor.grad_clip": ("actor.grad_clip", ""),
@@ -217,6 +219,9 @@ VERL_MAP: dict[str, tuple[str, str]] = {
 }
 
 _ESTIMATORS = AdvEstimator.values()
+#: transformers' schedules rlcore's lr_scheduler takes (the ones that step without a validation metric)
+_HF_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                 "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 _LOSS_AGG = LossAgg.values()
 _KL = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k3+")
 _OVERLONG = ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.",
@@ -243,6 +248,10 @@ def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion
     _verl_lora(s)
     _verl_dapo(s)
     _verl_trainer(s)
+    knobs.verl_optimizer(s)
+    knobs.verl_micro_batches(s)
+    knobs.verl_rollout(s)
+    knobs.verl_critic_loss(s)
     _verl_plain(s)
     return conv
 
@@ -525,9 +534,10 @@ def _verl_plain(s: "_Source") -> None:
         _unmap(conv, flat, ("critic.", "ppo.cliprange_value"), "no critic is trained with this estimator")
     if not conv.values.get("reward_model.enable"):
         _unmap(conv, flat, ("reward_model.",), "the reward model is off")
+    critic, rm = conv.values.get("algorithm.adv_estimator", "gae") == "gae", bool(conv.values.get("reward_model.enable"))
     for src in flat:
         if src not in handled and src not in conv.mapped:
-            conv.skip(src, flat[src], _verl_reason(src))
+            conv.skip(src, flat[src], _verl_reason(src, critic, rm))
 
 
 def _unmap(conv: Conversion, flat: dict[str, Any], prefixes: tuple[str, ...], reason: str) -> None:
@@ -550,8 +560,14 @@ def _kl_type(conv: Conversion, take: Callable, drop: Callable, src: str, value: 
         drop(src, f"KL estimator {value!r} has no rlcore counterpart ({', '.join(_KL)})")
 
 
-def _verl_reason(key: str) -> str:
-    """Why a verl key has no counterpart (by its section)."""
+def _verl_reason(key: str, critic: bool = True, reward_model: bool = True) -> str:
+    """Why a verl key has no counterpart (by its section; ``critic``, ``reward_model``: whether the run has one)."""
+    if key.startswith("critic.") and not critic:
+        return "no critic is trained with this estimator"
+    if key.startswith("reward_model.") and not reward_model:
+        return "the reward model is off"
+    if knobs.verl_reason(key):
+        return knobs.verl_reason(key)
     if key.startswith("actor_rollout_ref.rollout."):
         return "a setting of verl's rollout server (vLLM/SGLang); rlcore's engine is set with actor.rollout_engine"
     if key.startswith(("actor_rollout_ref.ref.", "actor_rollout_ref.actor.fsdp_config.", "critic.model.fsdp_config.",
@@ -663,12 +679,12 @@ def convert_trl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
         drop("generation_batch_size", "rlcore sizes the rollout by ppo.rollout_batch_size (from "
                                       "per_device_train_batch_size x steps_per_generation)")
     sched = get("lr_scheduler_type")
-    if sched is not None:
-        plain = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine", "linear": "linear"}
-        if sched in plain:
-            take("lr_scheduler_type", "actor.lr_scheduler", plain[sched])
+    if sched is not None:  # rlcore's schedules are transformers' (constant + warmup steps: constant_with_warmup)
+        if sched in _HF_SCHEDULES:
+            take("lr_scheduler_type", "actor.lr_scheduler", "constant" if sched == "constant_with_warmup" else sched)
         else:
-            drop("lr_scheduler_type", f"schedule {sched!r} has no rlcore counterpart (constant, cosine, linear)")
+            drop("lr_scheduler_type", f"schedule {sched!r} has no rlcore counterpart ({', '.join(_HF_SCHEDULES)})")
+    knobs.trl_optimizer(conv, flat, take, handled)
     top_k = get("top_k")
     if "top_k" in flat:
         take("top_k", "ppo.generation.top_k", max(0, int(top_k or 0)))

@@ -46,12 +46,13 @@ DEMO_OVERRIDES = (
 _SOURCE_KEYS = ("data.train_files", "actor.model_path", "data.custom_cls.path")
 
 
-def is_demo(config_files: Sequence[str], overrides: Sequence[str], plugins: Sequence[str] = ()) -> bool:
-    """No config file, no data, no model and no plugin that provides data: ``rlcore train`` runs the
-    built-in demo. A selected plugin implementing ``rlcore_dataset_provider`` is a data source even
-    when it reads no files."""
+def is_demo(config_files: Sequence[str], overrides: Sequence[str], plugins: Sequence[str] = (),
+            source_keys: Sequence[str] = _SOURCE_KEYS) -> bool:
+    """No config file, no data, no model (none of ``source_keys`` given) and no plugin that provides
+    data: ``rlcore train`` runs the built-in demo. A selected plugin implementing
+    ``rlcore_dataset_provider`` is a data source even when it reads no files."""
     keys = {o.split("=", 1)[0] for o in overrides}
-    if config_files or set(_SOURCE_KEYS) & keys:
+    if config_files or set(source_keys) & keys:
         return False
     if plugins:
         from rlcore.plugin_checks import provides_data

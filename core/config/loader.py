@@ -381,6 +381,20 @@ def _check_ranges(cfg: DictConfig, errors: list[str]) -> None:
     need(0.0 <= algo.gamma <= 1.0, "algorithm.gamma", "in [0, 1] (the discount)", algo.gamma)
     need(0.0 <= algo.lam <= 1.0, "algorithm.lam", "in [0, 1] (the GAE lambda)", algo.lam)
     need(cfg.trainer.eval_samples >= 0, "trainer.eval_samples", ">= 0 (0 = no evaluation)", cfg.trainer.eval_samples)
+    for role in ("actor", "critic"):
+        betas = list(cfg[role].betas)
+        need(len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas), f"{role}.betas",
+             "two numbers in [0, 1) (AdamW's beta1, beta2)", betas)
+        need(cfg[role].eps > 0, f"{role}.eps", "> 0", cfg[role].eps)
+    ev = cfg.eval
+    need(ev.n >= 1, "eval.n", ">= 1 (samples per prompt)", ev.n)
+    need(ev.temperature >= 0, "eval.temperature", ">= 0 (0 = greedy)", ev.temperature)
+    need(0.0 < ev.top_p <= 1.0, "eval.top_p", "in (0, 1]", ev.top_p)
+    need(ev.top_k >= 0, "eval.top_k", ">= 0 (0 = off)", ev.top_k)
+    if ev.max_new_tokens is not None:
+        need(ev.max_new_tokens >= 1, "eval.max_new_tokens", ">= 1 or null", ev.max_new_tokens)
+    if ev.max_prompts is not None:
+        need(ev.max_prompts >= 0, "eval.max_prompts", ">= 0 (0 = every row) or null", ev.max_prompts)
     need(cfg.trainer.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", ">= 0", cfg.trainer.max_nonfinite_steps)
     rw = cfg.reward
     need(rw.num_workers >= 0, "reward.num_workers", ">= 0", rw.num_workers)

@@ -188,6 +188,10 @@ class ModelRoleConfig:
     lr: float = 1e-5
     #: AdamW weight decay.
     weight_decay: float = 0.0
+    #: AdamW coefficients of the running averages of the gradient and its square (beta1, beta2).
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    #: AdamW term added to the denominator for numerical stability.
+    eps: float = 1e-8
     #: Warmup steps of the learning-rate schedule.
     warmup_steps: int = 0
     #: Learning-rate schedule: any name ``transformers.get_scheduler`` knows (``transformers.SchedulerType``), e.g.
@@ -590,6 +594,32 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """How a policy is scored on held-out prompts: ``rlcore eval``, and the trainer's evaluations."""
+
+    #: Samples per prompt; pass@k is reported for every k from 1 to n (the unbiased estimator).
+    n: int = 1
+    #: Sampling temperature (0 = greedy).
+    temperature: float = 0.0
+    #: Nucleus sampling threshold (1.0 = off).
+    top_p: float = 1.0
+    #: Top-k filter (0 = off).
+    top_k: int = 0
+    #: Longest response in tokens (null: ``ppo.generation.max_new_tokens``).
+    max_new_tokens: Optional[int] = None
+    #: A sample passes (counts for pass@k) when its reward is at least this.
+    pass_threshold: float = 1.0
+    #: Prompts ``rlcore eval`` reads from ``data.val_files`` (0: every row; null: ``trainer.eval_samples``, the rows
+    #: the trainer's evaluations read).
+    max_prompts: Optional[int] = 0
+    #: Where ``rlcore eval`` writes its JSON report (null: ``<trainer.output_dir>/eval.json``).
+    output: Optional[str] = None
+    #: The model directory an rlcore checkpoint given as ``actor.model_path`` was trained from (its architecture and
+    #: tokenizer; null: the run's demo model, for a run of the demo).
+    base_model: Optional[str] = None
+
+
+@dataclass
 class PlacementConfig:
     """Where the roles live over the ranks of a distributed run (see docs/distributed.md, Placement)."""
 
@@ -637,5 +667,7 @@ class RLCoreConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     #: Multi-turn episodes: how turns end and the limits of an episode (used when ``data.env_key`` is set).
     env: EnvConfig = field(default_factory=EnvConfig)
+    #: Scoring a policy on held-out prompts (``rlcore eval`` and the trainer's evaluations).
+    eval: EvalConfig = field(default_factory=EvalConfig)
     #: Free-form sections of plugins, keyed by plugin name (``plugin_config.<name>.<key>``).
     plugin_config: dict[str, Any] = field(default_factory=dict)

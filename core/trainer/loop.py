@@ -364,13 +364,15 @@ class Trainer:
         return scores + penalty, {"reward/overlong_penalty_mean": float(penalty.mean()),
                                   "reward/overlong_frac": float((penalty < 0).float().mean())}
 
-    def truncated(self, rollout: RolloutBatch) -> torch.Tensor:
-        """``[B]`` bool: responses cut at ``ppo.generation.max_new_tokens`` without an end-of-sequence token."""
+    def truncated(self, rollout: RolloutBatch, max_new_tokens: int | None = None) -> torch.Tensor:
+        """``[B]`` bool: responses cut at ``max_new_tokens`` (default ``ppo.generation.max_new_tokens``)
+        without an end-of-sequence token."""
         lengths = rollout.response_mask.sum(-1)
         ended = torch.zeros(rollout.response_ids.shape[0], dtype=torch.bool, device=rollout.response_ids.device)
         for e in self.c.eos_ids:
             ended |= ((rollout.response_ids == e) & rollout.response_mask.bool()).any(-1)
-        return ((lengths >= int(self.gen_cfg.max_new_tokens)) & ~ended).cpu()
+        cap = int(self.gen_cfg.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        return ((lengths >= cap) & ~ended).cpu()
 
     def _request(self, prompts: list[list[int]], extras: dict[str, list]) -> RolloutRequest:
         """The reward's view of the prompts: texts decoded from their tokens with
@@ -502,38 +504,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, float]:
-        """Greedy generation on held-out prompts; mean reward over every rank's prompts.
+        """The held-out prompts scored with the ``eval`` settings (default: one greedy sample each), over
+        every rank's prompts (:mod:`rlcore.trainer.evaluation`, as ``rlcore eval`` does); logged under ``val``."""
+        from rlcore.trainer.evaluation import eval_sampling, sample_and_score, summarize, val_metrics
 
-        Ranks may hold different numbers of held-out rows (a provider that shards them); every
-        rank still makes the same number of generation calls, since each one gathers the sharded
-        weights: a rank with fewer batches generates (and drops) copies of a held-out row."""
-        c = self.c
-        val_rows = c.prompts.val_rows
-        bs = max(1, int(self.gen_cfg.batch_size))
-        batches = [val_rows[i:i + bs] for i in range(0, len(val_rows), bs)]
-        shared = all_gather_object((len(batches), val_rows[0] if val_rows else None))  # [mine] in one process
-        total = max(count for count, _ in shared)
-        if not total:
-            return {}
-        spare = next(row for _, row in shared if row is not None)
-        batches += [None] * (total - len(batches))
-        sums = {"reward": 0.0, "length": 0.0, "count": 0.0}
-        for rows in batches:
-            rows_now = rows if rows is not None else [spare]
-            prompts, extras = self.expand(rows_now, n=1)
-            prompts, episodes = self.start_episodes(rows_now, prompts, n=1)
-            rollout = c.generation.generate(prompts, self.sampling(0, greedy=True))
-            self.end_episodes(episodes, extras)
-            s, _ = self.score(rollout, extras)
-            if rows is not None:
-                sums["reward"] += float(s.sum())
-                sums["length"] += float(rollout.response_mask.sum())
-                sums["count"] += len(rows)
-        parts = all_gather_object(sums)
-        sums = {k: sum(p[k] for p in parts) for k in sums}
-        count = max(sums["count"], 1.0)
-        out = {"reward_mean": sums["reward"] / count, "response_length": sums["length"] / count}
-        self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
+        ev = self.cfg.eval
+        results = sample_and_score(self, self.c.prompts.val_rows, int(ev.n),
+                                   eval_sampling(ev, self.gen_cfg, self.sampling(0, greedy=True)),
+                                   int(self.gen_cfg.batch_size))
+        out = val_metrics(summarize(results, int(ev.n), float(ev.pass_threshold)))
+        if out:
+            self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
         return out
 
 

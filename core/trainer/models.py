@@ -309,7 +309,8 @@ def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: 
 def build_optimizer(model: nn.Module, role_cfg: Any, total_steps: int):
     """AdamW and the role's learning-rate schedule (:func:`build_scheduler`)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=role_cfg.lr, weight_decay=role_cfg.weight_decay, betas=(0.9, 0.95))
+    optim = torch.optim.AdamW(params, lr=role_cfg.lr, weight_decay=role_cfg.weight_decay,
+                              betas=tuple(float(b) for b in role_cfg.betas), eps=float(role_cfg.eps))
     return optim, build_scheduler(optim, role_cfg.lr_scheduler, role_cfg.warmup_steps, total_steps,
                                   role_cfg.lr_scheduler_kwargs)
 

@@ -2,45 +2,25 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import subprocess
 import sys
-from importlib import metadata
 
 import pytest
 
 from rlcore.config.schema import DataConfig
 from rlcore.protocols import DistInfo
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONTRIB = os.path.join(ROOT, "contrib", "rlcore-textfile")
-
-
-def _has_entry_point() -> bool:
-    return any(ep.name == "textfile" for ep in metadata.entry_points(group="rlcore.plugins"))
-
+from contrib_site import install_contrib, subprocess_env
 
 SITE: list[str] = []  # where the fixture installed the package (empty: it was installed already)
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """Install the contrib package into a temporary directory put on ``sys.path`` (its metadata
-    included, so the entry point is found as for a real install); the user's environment is left
-    as it was."""
-    if not (_has_entry_point() and importlib.util.find_spec("rlcore_textfile")):
-        target = str(tmp_path_factory.mktemp("site"))
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
-               "--target", target, CONTRIB]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.fail(f"installing {CONTRIB} failed:\n{proc.stdout}\n{proc.stderr}")
-        sys.path.insert(0, target)
-        SITE.append(target)
-        importlib.invalidate_caches()
-    assert _has_entry_point(), "the textfile entry point is not visible after installing the package"
+    """The contrib package installed for this module (see :func:`install_contrib`)."""
+    SITE.extend(install_contrib("rlcore-textfile", "textfile", "rlcore_textfile",
+                                str(tmp_path_factory.mktemp("site"))))
     yield
     for target in SITE:
         sys.path.remove(target)
@@ -75,7 +55,7 @@ def test_train_one_step_with_the_plugin(installed, prompt_file, tmp_path):
            f"data.val_files=[{prompt_file}]", "data.max_prompt_length=8", "trainer.max_steps=1",
            "ppo.rollout_batch_size=4", "ppo.generation.max_new_tokens=4", "trainer.eval_samples=4",
            "trainer.progress=false", "trainer.export_final=false", f"trainer.output_dir={run_dir}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [*SITE, os.environ.get("PYTHONPATH")])))
+    env = subprocess_env(SITE)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 1" in proc.stdout + proc.stderr

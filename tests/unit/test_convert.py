@@ -51,9 +51,10 @@ def test_verl_run_scripts_convert_to_configs_validate_accepts(script, tmp_path, 
     source = set(flatten(yaml.safe_load(VERL.read_text()))) | {o.split("=")[0].lstrip("+") for o in run_script(script)}
     assert source <= set(conv.mapped) | set(conv.unmapped)
     header = out.read_text()
-    for key in conv.unmapped:
-        assert f"#   {key} = " in header and f"unmapped {key} = " in err
-    assert "trainer.project_name" in conv.unmapped and "actor_rollout_ref.rollout.gpu_memory_utilization" in conv.unmapped
+    for key in conv.unmapped:  # every key in the file's header; a summary by reason, in a screen, on stderr
+        assert f"#   {key} = " in header
+    assert f"{len(conv.unmapped)} without an rlcore counterpart, by reason" in err and len(err.splitlines()) <= 30
+    assert "trainer.project_name" in conv.unmapped and "actor_rollout_ref.rollout.gpu_memory_utilization" in conv.mapped
 
 
 def test_verl_grpo_mapping():
@@ -142,3 +143,89 @@ def test_convert_errors_name_the_problem(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         convert("trl", str(bad))
+
+
+#: verl keys with an rlcore counterpart that a conversion must carry (a GRPO run with dynamic batch sizes and a
+#: cosine schedule with a floor), and where each must land.
+VERL_MUST_MAP = {
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": ("ppo.max_tokens_per_micro_batch", 16384),
+    "actor_rollout_ref.actor.use_dynamic_bsz": ("ppo.max_tokens_per_micro_batch", 16384),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": ("actor.rollout_engine.kv_memory_fraction", 0.6),
+    "actor_rollout_ref.actor.optim.min_lr_ratio": ("actor.lr_scheduler", "cosine_with_min_lr"),
+    "actor_rollout_ref.actor.optim.clip_grad": ("actor.grad_clip", 1.0),
+    "actor_rollout_ref.actor.optim.betas": ("actor.betas", [0.9, 0.999]),
+    "actor_rollout_ref.actor.use_torch_compile": ("actor.compile", True),
+    "actor_rollout_ref.rollout.val_kwargs.n": ("eval.n", 1),
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": ("eval.temperature", 0.0),
+}
+
+
+def test_verl_knobs_rlcore_has_are_carried(tmp_path, monkeypatch, capsys):
+    overrides = run_script("grpo") + ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                      "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                                      "actor_rollout_ref.actor.optim.min_lr_ratio=0.1"]
+    conv = convert_verl(yaml.safe_load(VERL.read_text()), overrides)
+    for src, (key, value) in VERL_MUST_MAP.items():
+        assert src not in conv.unmapped and key in conv.mapped[src], src
+        assert conv.values[key] == value, key
+    assert conv.values["actor.lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
+    assert "ppo.micro_batch_size" not in conv.values  # verl cuts by tokens then, not by samples
+    for key in ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "actor_rollout_ref.model.use_remove_padding",
+                "actor_rollout_ref.actor.optim.optimizer"):
+        assert key in conv.mapped, key
+    # the converted run loads, and its optimizer is AdamW with the source's betas and eps
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run.yaml"
+    assert main(["convert-config", "--from", "verl", str(VERL), *overrides, "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) <= 30 and "keys, e.g." in err and "unmapped actor_rollout_ref" not in err
+    cfg = load_config([str(out)])
+    assert cfg.ppo.max_tokens_per_micro_batch == 16384 and cfg.actor.lr_scheduler == "cosine_with_min_lr"
+
+
+def test_verl_ppo_critic_and_cosine_without_floor():
+    conv = convert_verl(yaml.safe_load(VERL.read_text()), run_script("ppo") + [
+        "critic.optim.clip_grad=0.5", "critic.optim.lr_scheduler_type=cosine", "critic.optim.lr_warmup_steps=3",
+        "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.num_cycles=2"])
+    v = conv.values
+    assert v["critic.grad_clip"] == 0.5 and v["critic.lr_scheduler"] == "cosine" and v["critic.warmup_steps"] == 3
+    assert v["critic.betas"] == [0.9, 0.999] and v["actor.lr_scheduler_kwargs"] == {"num_cycles": 2.0}
+    assert "critic.loss_agg_mode" in conv.mapped and "critic.optim.min_lr_ratio" in conv.mapped
+    bad = convert_verl(yaml.safe_load(VERL.read_text()), run_script("ppo") + ["critic.loss_agg_mode=seq-mean-token-sum"])
+    assert "token mean" in bad.unmapped["critic.loss_agg_mode"][1]
+
+
+#: TRL GRPOConfig keys with an rlcore counterpart that a conversion must carry.
+TRL_MUST_MAP = {"adam_beta1": "actor.betas", "adam_beta2": "actor.betas", "adam_epsilon": "actor.eps",
+                "learning_rate": "actor.lr", "max_grad_norm": "actor.grad_clip", "lr_scheduler_type": "actor.lr_scheduler",
+                "num_generations": "ppo.generation.n", "beta": "ppo.kl_coeff", "max_completion_length":
+                "ppo.generation.max_new_tokens", "per_device_train_batch_size": "ppo.rollout_batch_size"}
+
+
+def test_trl_default_config_knobs_are_carried():
+    import json
+
+    cfg = json.loads(TRL.read_text())
+    conv = convert_trl(cfg, ["lr_scheduler_type=cosine_with_min_lr", "lr_scheduler_kwargs={min_lr_rate: 0.1}",
+                             "warmup_ratio=0.1", "warmup_steps=0"])
+    for src, key in TRL_MUST_MAP.items():
+        assert src not in conv.unmapped and key in conv.mapped[src], src
+    v = conv.values
+    assert v["actor.betas"] == [cfg["adam_beta1"], cfg["adam_beta2"]] and v["actor.eps"] == cfg["adam_epsilon"]
+    assert v["actor.lr_scheduler"] == "cosine_with_min_lr" and v["actor.lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
+    assert v["actor.warmup_steps"] == int(0.1 * cfg["max_steps"])
+
+
+def test_adamw_betas_and_eps_reach_the_optimizer():
+    import torch
+
+    from rlcore.config.schema import ActorConfig
+    from rlcore.trainer.models import build_optimizer
+
+    role = ActorConfig(betas=[0.8, 0.99], eps=1e-6)
+    opt, _ = build_optimizer(torch.nn.Linear(2, 2), role, 10)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.99) and opt.param_groups[0]["eps"] == 1e-6
+    from rlcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'actor.betas' must be two numbers in"):
+        load_config([], ["actor.betas=[0.9]"])
