@@ -319,7 +319,8 @@ class LoraConfig:
     alpha: float = 16.0
     #: Dropout on the adapter's input during training.
     dropout: float = 0.0
-    #: Names of the linear layers that get adapters (matched against the end of module names).
+    #: Names of the linear layers that get adapters (matched against the end of module names); the token
+    #: embeddings and the output head (embed_tokens, lm_head, ...) are refused.
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
 
