@@ -255,7 +255,7 @@ def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | 
     rbs = cfg.ppo.rollout_batch_size
     if not (rbs == "auto" or (isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0)):
         errors.append(f"'ppo.rollout_batch_size' = {rbs!r} must be a positive integer or 'auto'")
-    for key in ("env.max_turns", "env.max_concurrency"):
+    for key in ("env.max_turns", "env.max_concurrency", "env.max_observation_chars"):
         if OmegaConf.select(cfg, key) < 1:
             errors.append(f"'{key}' must be >= 1, got {OmegaConf.select(cfg, key)}")
     if cfg.env.max_tokens is not None and cfg.env.max_tokens < 2:

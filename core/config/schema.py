@@ -606,8 +606,12 @@ class EnvConfig:
     tool_parser: str = "hermes"
     #: Environment calls running at once (coroutines, and worker threads for plain functions).
     max_concurrency: int = 64
-    #: Seconds an environment may take to answer a turn; past it the episode ends (counted in ``env/timeouts``).
+    #: Seconds an environment may take to answer a turn (past it the episode ends, counted in ``env/timeouts``), and
+    #: to start an episode (past it the run stops with an error naming the environment).
     timeout_s: float = 60.0
+    #: Most characters of an observation (all its messages together) that are rendered and tokenized; the rest is
+    #: cut off (counted in ``env/observations_cut``).
+    max_observation_chars: int = 32768
 
 
 @dataclass
