@@ -25,7 +25,7 @@ from rlcore.trainer.experience import (
     compute_advantages,
     to_experience,
 )
-from rlcore.errors import TrainingError
+from rlcore.errors import CheckpointError, TrainingError
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.update import NonFiniteGuard, on_policy, params_finite, ppo_update
@@ -138,7 +138,12 @@ class Trainer:
                 self.hook.rlcore_train_end(step=self.state.step, status="failed", summary=summary)
                 raise TrainingError("the policy's weights are not finite: the final policy was not exported "
                                     f"to {self.tcfg.output_dir}/final; the last checkpoint holds the last finite state")
-            path = c.checkpoint.export(c.policy, c.tokenizer, "final")
+            try:
+                path = c.checkpoint.export(c.policy, c.tokenizer, "final")
+            except CheckpointError:  # a full disk, say: the run's plugins hear that it failed
+                self.status = "failed"
+                self.hook.rlcore_train_end(step=self.state.step, status="failed", summary=summary)
+                raise
             if path:
                 log.info("final policy exported to %s", path)
         self.hook.rlcore_train_end(step=self.state.step, status=status, summary=summary)  # plugins may add to it
