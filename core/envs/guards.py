@@ -38,16 +38,19 @@ class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
         """Nothing to stop: a call still running is left to its daemon thread."""
 
 
-def message_problem(observation: Any, allow_text: bool = True) -> str:
+def message_problem(observation: Any, list_only: bool = False) -> str:
     """What is wrong with an observation (``""``: nothing): text, a message (a mapping with a text
-    ``content`` and, if given, a text ``role``), a list of messages, or ``None``."""
-    if observation is None or (allow_text and isinstance(observation, str)):
+    ``content`` and, if given, a text ``role``), a list of messages, or ``None``; with ``list_only``
+    (a ``start()``'s initial messages) a list of messages or ``None``."""
+    if observation is None or (not list_only and isinstance(observation, str)):
         return ""
-    if isinstance(observation, dict):
+    if isinstance(observation, dict) and not list_only:
         observation = [observation]
     if not isinstance(observation, (list, tuple)):
-        return (f"the observation is {type(observation).__name__} ({_short(observation)}); expected text, a message "
-                "{'role': ..., 'content': ...}, a list of messages or None")
+        want = "a list of messages or None" if list_only else \
+            "text, a message {'role': ..., 'content': ...}, a list of messages or None"
+        what = "the initial messages are" if list_only else "the observation is"
+        return f"{what} {type(observation).__name__} ({_short(observation)}); expected {want}"
     for i, m in enumerate(observation):
         if not isinstance(m, dict):
             return f"message {i} is {type(m).__name__} ({_short(m)}); expected a mapping with 'role' and 'content'"

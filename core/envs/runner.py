@@ -440,7 +440,7 @@ class EpisodeRunner:
             raise EnvError(f"environment '{ep.name}' failed to start an episode: {type(error).__name__}: "
                            f"{error}") from error
         if messages:
-            problem = message_problem(messages, allow_text=False)
+            problem = message_problem(messages, list_only=True)
             if problem:
                 raise EnvError(f"environment '{ep.name}' returned malformed initial messages from start(): "
                                f"{problem}")

@@ -107,6 +107,25 @@ def test_a_malformed_step_is_an_error_naming_the_environment(step, what):
         _play(step)
 
 
+class Opens(Answers):
+    def start(self, row):
+        return self.step_value
+
+
+@pytest.mark.parametrize("messages, what", [("hello", "the initial messages are str"),
+                                            ({"role": "user", "content": "hi"}, "the initial messages are dict"),
+                                            ([{"role": "user", "content": None}], "message 0 has no text 'content'")])
+def test_malformed_initial_messages_are_an_error_naming_the_environment(messages, what):
+    envs = Environments({"opens": (Opens, "test")}, {"opens": {"step": messages}}, defaults=EpisodeLimits(timeout_s=30))
+    runner = EpisodeRunner(envs, WordTok(), stop=())
+    try:
+        with pytest.raises(EnvError, match=rf"environment 'opens' returned malformed initial messages from start\(\): "
+                                           rf"{what}"):
+            runner.start(["opens"], [{}])
+    finally:
+        runner.close()
+
+
 def test_a_huge_observation_is_cut_before_it_is_tokenized():
     limits = EpisodeLimits(timeout_s=30, max_observation_chars=100)
     t0 = time.monotonic()
