@@ -123,8 +123,14 @@ def read_source(path: str) -> dict:
     """A YAML or JSON mapping from ``path`` (a TRL config saved with ``to_json_string`` is JSON)."""
     if not os.path.exists(path):
         raise ConfigError([f"convert-config: no such file: {path}"])
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"convert-config: {path} is not UTF-8 text (a binary file?): byte {e.start} cannot be "
+                           "decoded; give the YAML or JSON config file"]) from None
+    except OSError as e:
+        raise ConfigError([f"convert-config: cannot read {path}: {e.strerror or e}"]) from None
     try:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as e:
@@ -136,6 +142,36 @@ def read_source(path: str) -> dict:
 
 def _interpolation(value: Any) -> bool:
     return isinstance(value, str) and "${" in value
+
+
+#: Keys of each source whose value the conversion does arithmetic with: whole numbers (or null).
+WHOLE_KEYS = {
+    "verl": ("trainer.n_gpus_per_node", "trainer.nnodes", "actor_rollout_ref.rollout.n", "data.train_batch_size",
+             "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+             "actor_rollout_ref.rollout.top_k", "actor_rollout_ref.actor.optim.lr_warmup_steps",
+             "trainer.total_training_steps", "actor_rollout_ref.model.lora_rank",
+             "algorithm.filter_groups.max_num_gen_batches", "trainer.save_freq", "trainer.test_freq"),
+    "trl": ("per_device_train_batch_size", "num_generations", "gradient_accumulation_steps", "steps_per_generation",
+            "generation_batch_size", "top_k", "max_steps", "save_steps", "eval_steps"),
+}
+
+
+def check_numbers(flat: dict[str, Any], source: str) -> None:
+    """:raises ConfigError: a key of :data:`WHOLE_KEYS` holds something other than a number, e.g.
+    an interpolation left unresolved (``${oc.env:BS}``), naming each such key."""
+    problems = []
+    for key in WHOLE_KEYS[source]:
+        value = flat.get(key)
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            continue
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            continue
+        why = ("an interpolation that cannot be resolved from the file and the overrides" if _interpolation(value)
+               else "not a whole number")
+        problems.append(f"convert-config: {key} = {value!r} is {why}; give the number (in the file or as an "
+                        f"override {key}=N)")
+    if problems:
+        raise ConfigError(problems)
 
 
 def _resolve(flat: dict[str, Any]) -> dict[str, Any]:
@@ -231,6 +267,7 @@ _OVERLONG = ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlo
 def convert_verl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
     """Convert verl's trainer config (e.g. the generated ``ppo_trainer.yaml``), with a run script's overrides."""
     flat = _resolve(apply_overrides(flatten(cfg), list(overrides or [])))
+    check_numbers(flat, "verl")
     conv = Conversion("verl")
     get = flat.get
     world = int(get("trainer.n_gpus_per_node") or 1) * int(get("trainer.nnodes") or 1)
@@ -619,6 +656,7 @@ TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo"
 def convert_trl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
     """Convert a TRL ``GRPOConfig`` as saved by TRL (``to_json_string``, or a TrlParser YAML)."""
     flat = apply_overrides(flatten(cfg), list(overrides or []))
+    check_numbers(flat, "trl")
     # TRL stores every field of TrainingArguments; nested dicts (e.g. model_init_kwargs) are kept whole
     flat = {k: v for k, v in flat.items()}
     conv = Conversion("trl")
@@ -770,4 +808,10 @@ def convert(source: str, path: str, overrides: Optional[list[str]] = None) -> Co
     if source not in SOURCES:
         raise ConfigError([f"convert-config: --from must be one of {', '.join(SOURCES)}, got {source!r}"])
     data = read_source(path)
-    return convert_verl(data, overrides) if source == "verl" else convert_trl(data, overrides)
+    try:
+        return convert_verl(data, overrides) if source == "verl" else convert_trl(data, overrides)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, AttributeError) as e:  # a value of a type no config of the source has
+        raise ConfigError([f"convert-config: {path}: a value of an unexpected type or form ({type(e).__name__}: "
+                           f"{e}); check the file and the overrides against the source's own config"]) from None

@@ -29,7 +29,7 @@ in the training loop. Per rank, in order:
                       -> ("generate", j, prompts of rollout rank i, params)  to rollout rank i
                   <- ("result", k, version, samples)                       from every rollout rank, in order
                   [T] scatter each training rank's rows
-    end of run:   -> ("stop",)                                            to every rollout rank
+    end of run:   -> ("stop",)                to every rollout rank (also after a run that trained no step)
                   <- one ("result" | "dropped", j) per queued step j       from every rollout rank
 
 *rollout rank* (receiver thread: the messages above into a FIFO inbox, the weights' buckets taken by
@@ -290,6 +290,7 @@ class AsyncSource:
         self.counts: dict[int, list[int]] = {}  # training rank 0: queued step -> prompts per training rank
         self.submitted = 0  # the newest queued step
         self.started = False
+        self.closed = False  # the rollout ranks were told to stop
         self.sent_version: Optional[int] = None  # the newest weights sent to the rollout ranks
         self._metrics: dict[str, float] = {}
         self._weights_s = 0.0
@@ -334,11 +335,13 @@ class AsyncSource:
 
     def close(self, failed: bool = False) -> None:
         """Stop the rollout ranks: send "stop", then take one answer per queued step from each (the
-        samples are dropped: their prompts are drawn again on resume). After a failure, a rollout
-        rank that cannot be reached is logged, not raised (the run's own error goes on)."""
-        if self.bridge is None or not self.started:
+        samples are dropped: their prompts are drawn again on resume). A run that trained no step
+        (resumed at ``max_steps``: nothing to do) stops them too, so they exit 0 with the trainers.
+        After a failure, a rollout rank that cannot be reached is logged, not raised (the run's own
+        error goes on). Called once; a second call does nothing."""
+        if self.bridge is None or self.closed:
             return
-        self.started = False
+        self.started, self.closed = False, True
         try:
             for peer in range(1, self.bridge.size):
                 self.bridge.send(("stop",), peer)

@@ -72,6 +72,12 @@ def _choice_keys(cls: type, prefix: str = "") -> dict[str, type[Choice]]:
     return out
 
 
+#: Module names of token embeddings and output heads across model families, refused in
+#: ``actor.lora.target_modules`` (such adapters are neither merged on export nor seen by the rollout
+#: engine); :func:`rlcore.trainer.lora.add_adapters` refuses any other name that reaches them too.
+LORA_REFUSED_TARGETS = frozenset({"embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out",
+                                  "word_embeddings", "embeddings", "tok_embeddings", "output"})
+
 #: Keys with a fixed set of allowed values (``key -> enum``): the one place the config checks and
 #: the reference page take them from.
 CHOICE_KEYS = _choice_keys(RLCoreConfig)
@@ -249,7 +255,7 @@ def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | 
     rbs = cfg.ppo.rollout_batch_size
     if not (rbs == "auto" or (isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0)):
         errors.append(f"'ppo.rollout_batch_size' = {rbs!r} must be a positive integer or 'auto'")
-    for key in ("env.max_turns", "env.max_concurrency"):
+    for key in ("env.max_turns", "env.max_concurrency", "env.max_observation_chars"):
         if OmegaConf.select(cfg, key) < 1:
             errors.append(f"'{key}' must be >= 1, got {OmegaConf.select(cfg, key)}")
     if cfg.env.max_tokens is not None and cfg.env.max_tokens < 2:
@@ -460,6 +466,12 @@ def _check_recipes(cfg: DictConfig, errors: list[str]) -> None:
         if not lora.target_modules:
             errors.append("'actor.lora.target_modules' is empty: name the linear layers that get adapters, "
                           "e.g. [q_proj, v_proj]")
+        refused = [str(m) for m in lora.target_modules if str(m).rsplit(".", 1)[-1] in LORA_REFUSED_TARGETS]
+        if refused:
+            errors.append(f"'actor.lora.target_modules' names {', '.join(refused)}: adapters on the token "
+                          "embeddings or the output head are not supported (they would be left out of the "
+                          "exported final/ and of the rollout engine's weights); target the decoder's linear "
+                          "layers, e.g. [q_proj, v_proj]")
         import importlib.util
 
         if importlib.util.find_spec("peft") is None:

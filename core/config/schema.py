@@ -325,7 +325,8 @@ class LoraConfig:
     alpha: float = 16.0
     #: Dropout on the adapter's input during training.
     dropout: float = 0.0
-    #: Names of the linear layers that get adapters (matched against the end of module names).
+    #: Names of the linear layers that get adapters (matched against the end of module names); the token
+    #: embeddings and the output head (embed_tokens, lm_head, ...) are refused.
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"])
 
@@ -644,8 +645,12 @@ class EnvConfig:
     tool_parser: str = "hermes"
     #: Environment calls running at once (coroutines, and worker threads for plain functions).
     max_concurrency: int = 64
-    #: Seconds an environment may take to answer a turn; past it the episode ends (counted in ``env/timeouts``).
+    #: Seconds an environment may take to answer a turn (past it the episode ends, counted in ``env/timeouts``), and
+    #: to start an episode (past it the run stops with an error naming the environment).
     timeout_s: float = 60.0
+    #: Most characters of an observation (all its messages together) that are rendered and tokenized; the rest is
+    #: cut off (counted in ``env/observations_cut``).
+    max_observation_chars: int = 32768
 
 
 @dataclass

@@ -136,7 +136,11 @@ class PromptLoader:
     # -- iteration -----------------------------------------------------------------------------
     def _loader_kwargs(self) -> dict[str, Any]:
         workers = int(self.config.num_workers)
-        kw: dict[str, Any] = dict(num_workers=workers, collate_fn=list_collate,
+        # a DataLoader's iterator draws its workers' base seed from ``generator``, else from the global
+        # torch RNG: one number per epoch, drawn at the first batch, which would shift every later
+        # random draw (dropout masks) of a resumed run against an uninterrupted one
+        seed = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch * 1009 + self.dist.rank)
+        kw: dict[str, Any] = dict(num_workers=workers, collate_fn=list_collate, generator=seed,
                                   pin_memory=bool(self.config.pin_memory) and torch.cuda.is_available())
         if workers > 0:
             kw["prefetch_factor"] = int(self.config.prefetch_factor)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Sequence
+import re
+import signal
+from typing import Any, Mapping, Optional, Sequence
 
 from rlcore.errors import EXIT_INTERRUPTED, EXIT_OK, RLCoreError
 
@@ -66,12 +68,43 @@ def maybe_launch(nproc_per_node: int, argv: Sequence[str]) -> Optional[int]:
     except ChildFailedError as e:
         if e.failures and all(f.exitcode == EXIT_INTERRUPTED for f in e.failures.values()):
             return EXIT_INTERRUPTED  # a worker was signalled: every rank stopped at the same step and saved
-        rank, failure = e.get_first_failure()
-        detail = failure_detail(failure.message)
-        raise RLCoreError(f"distributed training failed: rank {rank} exited with code {failure.exitcode}"
-                          f"{': ' + detail if detail else ' (its error is printed above)'}; "
-                          "the other ranks were stopped") from e
+        raise RLCoreError(failure_report(e.failures)) from e
     return EXIT_OK
+
+
+#: What a rank's error says when it only lost a peer (the peer's own failure is the cause).
+PEER_LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|BridgeError|the rank may have died|"
+                       r"connection refused|socket timeout|NCCL communicator was aborted", re.I)
+
+
+def first_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The rank whose failure most likely caused the others: one that died of a signal (not the
+    launcher's stop signals) first, then one whose error is not the loss of a peer, then the
+    earliest (torchrun's timestamps have one-second steps: a tie goes to the lowest rank)."""
+    stops = (signal.SIGTERM, signal.SIGINT)
+
+    def key(item: tuple[int, Any]) -> tuple:
+        rank, f = item
+        killed = int(f.exitcode) < 0 and -int(f.exitcode) not in stops
+        return (not killed, bool(PEER_LOST.search(failure_detail(f.message))), int(f.timestamp), rank)
+
+    return min(failures.items(), key=key)
+
+
+def failure_report(failures: Mapping[int, Any]) -> str:
+    """One message for a failed job: the rank that died first with its error, then the others."""
+    def how(f: Any) -> str:
+        code = int(f.exitcode)
+        return f"code {code}" if code >= 0 else f"signal {-code} ({f.signal_name()})"
+
+    rank, failure = first_failure(failures)
+    detail = failure_detail(failure.message)
+    text = (f"distributed training failed: rank {rank} exited with {how(failure)}"
+            f"{': ' + detail if detail else ' (its error is printed above)'}")
+    others = sorted(r for r in failures if r != rank)
+    if others:
+        text += "; after it: " + ", ".join(f"rank {r} ({how(failures[r])})" for r in others)
+    return text + "; the other ranks were stopped"
 
 
 def failure_detail(message) -> str:

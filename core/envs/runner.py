@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from rlcore.envs.base import LIMIT_KEYS, Step, Turn
+from rlcore.envs.guards import DaemonThreads, cap_observation, message_problem, step_problem
 from rlcore.errors import EnvError, RLCoreError
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,10 @@ class EpisodeLimits:
     max_turns: int = 4
     #: tokens after the prompt (model and observation tokens); None = the rollout's max_new_tokens
     max_tokens: Optional[int] = None
+    #: seconds a call of the environment (``start``, ``step``, ``close``) may take
     timeout_s: float = 60.0
+    #: characters of an observation rendered and tokenized (the rest is cut off)
+    max_observation_chars: int = 32768
 
 
 class Episode:
@@ -105,7 +109,7 @@ class Environments:
                     raise EnvError(f"plugin_config.{name}.{key}: {value!r} is not a positive whole number")
             values[key] = value
         return EpisodeLimits(max_turns=int(values["max_turns"]), max_tokens=values["max_tokens"],
-                             timeout_s=base.timeout_s)
+                             timeout_s=base.timeout_s, max_observation_chars=base.max_observation_chars)
 
     def make(self, name: str) -> Any:
         """A fresh environment ``name`` for one episode, configured by ``plugin_config.<name>``."""
@@ -366,8 +370,7 @@ class EpisodeRunner:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
-                                                                   thread_name_prefix="rlcore-env")
+                self._pool = DaemonThreads()
                 loop.set_default_executor(self._pool)
                 self._thread = threading.Thread(target=loop.run_forever, name="rlcore-env-loop", daemon=True)
                 self._thread.start()
@@ -429,11 +432,18 @@ class EpisodeRunner:
         if start is None:
             return
         try:
-            messages = await self._call(start, ep.row)
+            messages = await asyncio.wait_for(self._call(start, ep.row), timeout=ep.limits.timeout_s)
+        except TimeoutError:
+            raise EnvError(f"environment '{ep.name}' took over {ep.limits.timeout_s:g} s (env.timeout_s) to start "
+                           "an episode") from None
         except Exception as error:
             raise EnvError(f"environment '{ep.name}' failed to start an episode: {type(error).__name__}: "
                            f"{error}") from error
         if messages:
+            problem = message_problem(messages, list_only=True)
+            if problem:
+                raise EnvError(f"environment '{ep.name}' returned malformed initial messages from start(): "
+                               f"{problem}")
             ids = self.tok.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
             ep.prompt = list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
@@ -465,10 +475,12 @@ class EpisodeRunner:
             raise EnvError(f"environment '{ep.name}' failed on turn {turn.index}: {type(error).__name__}: "
                            f"{error}") from error
         ep.env_seconds += time.perf_counter() - begin
-        if not isinstance(step, Step):
+        problem = (f"{type(step).__name__} instead of rlcore.envs.Step" if not isinstance(step, Step)
+                   else step_problem(step))
+        if problem:
             await self._close(ep, quiet=True)
-            raise EnvError(f"environment '{ep.name}' returned {type(step).__name__} from step(); expected "
-                           "rlcore.envs.Step")
+            raise EnvError(f"environment '{ep.name}' returned a malformed answer from step() on turn {turn.index}: "
+                           f"{problem}")
         for key, value in step.metrics.items():
             ep.metrics[key] = ep.metrics.get(key, 0.0) + float(value)
         if step.reward is not None:
@@ -479,7 +491,10 @@ class EpisodeRunner:
         elif not step.done:
             role = getattr(ep.env, "observation_role", "user")
             eos_end = bool(token_ids) and token_ids[-1] in self.renderer.eos_ids
-            ids = self.renderer.ids(step.observation, role, eos_end)
+            observation, cut = cap_observation(step.observation, ep.limits.max_observation_chars)
+            if cut:
+                ep.metrics["observations_cut"] = ep.metrics.get("observations_cut", 0.0) + 1.0
+            ids = self.renderer.ids(observation, role, eos_end)
             if used + len(ids) + 1 > max_tokens:  # no room for the observation and one more model token
                 ep.truncated, ids = True, None
         if ids is None:
@@ -501,12 +516,10 @@ class EpisodeRunner:
         if not callable(close):
             return
         try:
-            if inspect.iscoroutinefunction(close):
-                await close()
-            else:
-                out = await asyncio.get_running_loop().run_in_executor(None, close)
-                if inspect.isawaitable(out):
-                    await out
+            await asyncio.wait_for(self._call(close), timeout=ep.limits.timeout_s)
+        except TimeoutError:
+            log.warning("environment '%s' took over %.1f s (env.timeout_s) to close an episode; left behind",
+                        ep.name, ep.limits.timeout_s)
         except Exception as error:
             if quiet:
                 log.warning("environment '%s' failed to close: %s: %s", ep.name, type(error).__name__, error)

@@ -8,6 +8,7 @@ the 85-95% band, and throughput with MFU. matplotlib is an optional dependency
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional, Sequence
 
@@ -19,6 +20,8 @@ PHASE_KEYS = tuple(f"time/{p}_s" for p in ("generate", "reward", "ref_logprob", 
                                            "advantages", "update_actor", "update_critic", "reshard",
                                            "checkpoint"))
 DASHBOARD_FILE = "dashboard.png"
+
+log = logging.getLogger(__name__)
 
 
 def load_metrics(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -174,8 +177,16 @@ def plot_run(run_dir: str, out: Optional[str] = None) -> str:
     fig.suptitle(f"rlcore run: {os.path.abspath(run_dir)}", fontsize=10)
     fig.tight_layout()
     path = out or os.path.join(run_dir, DASHBOARD_FILE)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    tmp = f"{path}.tmp.png"
+    try:  # written aside, then moved: a failed write (a full disk) leaves no torn PNG
+        fig.savefig(tmp, dpi=90)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -190,3 +201,6 @@ def dashboard_line(run_dir: str) -> Optional[str]:
         return f"dashboard: {plot_run(run_dir)}"
     except RLCoreError as e:
         return f"dashboard not drawn: {e}"
+    except OSError as e:  # a full disk, say: the run itself is not at fault
+        log.warning("the dashboard of %s could not be written: %s", run_dir, e)
+        return f"dashboard not drawn: {e.strerror or e}"

@@ -268,13 +268,30 @@ class DefaultCheckpointPolicy:
         """Manifest, rename, ``latest`` pointer, rotation. The data of every rank is on disk."""
         if self.dist.is_main:
             kinds = {k: stored.kind_of(k, v, state) for k, v in state.items()}
-            mf.write_manifest(tmp, step=step, world_size=self.dist.world_size, fmt=fmt, kinds=kinds)
-            files.replace_dir(tmp, final)
-            files.write_pointer(self.root / "latest", final.name)
+            try:
+                mf.write_manifest(tmp, step=step, world_size=self.dist.world_size, fmt=fmt, kinds=kinds)
+                files.replace_dir(tmp, final)
+                files.write_pointer(self.root / "latest", final.name)
+            except OSError as e:
+                raise self._unfinished(final, tmp, e) from e
             self._rotate(keep=final)
             log.info("checkpoint saved: %s", final)
         if threading.current_thread() is threading.main_thread():
             barrier()
+
+    def _unfinished(self, final: Path, tmp: Path, error: OSError) -> CheckpointError:
+        """The error of a save that failed after its data was written (manifest, rename, ``latest``):
+        its leftovers are removed (space back), and ``latest`` still names the previous checkpoint."""
+        files.remove_tree(tmp)
+        try:
+            os.remove(self.root / "latest.tmp")
+        except OSError:
+            pass
+        why = files.no_space_message(tmp, error) or f"{type(error).__name__}: {error}"
+        kept = files.read_pointer(self.root / "latest")
+        return CheckpointError(f"could not finish checkpoint {final}: {why}; "
+                               + (f"{self.root / kept} (named by latest) is intact and trainer.resume=auto "
+                                  "continues from it" if kept else "no earlier checkpoint exists"))
 
     def _rotate(self, keep: Path) -> None:
         limit = int(self.cfg.save_total_limit)

@@ -157,7 +157,8 @@ def build_episode_runner(cfg: DictConfig, pm: Any, tokenizer: Any) -> Any:
     env = obj(cfg.env)
     max_tokens = min(env.max_tokens or cfg.ppo.generation.max_new_tokens, cfg.ppo.generation.max_new_tokens)
     environments = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True),
-                                        env.tool_parser, EpisodeLimits(env.max_turns, max_tokens, env.timeout_s))
+                                        env.tool_parser, EpisodeLimits(env.max_turns, max_tokens, env.timeout_s,
+                                                      env.max_observation_chars))
     return EpisodeRunner(environments, tokenizer, env.max_concurrency, env.stop)
 
 

@@ -25,7 +25,7 @@ from rlcore.trainer.experience import (
     compute_advantages,
     to_experience,
 )
-from rlcore.errors import TrainingError
+from rlcore.errors import CheckpointError, TrainingError
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.update import NonFiniteGuard, on_policy, params_finite, ppo_update
@@ -105,6 +105,9 @@ class Trainer:
             c.generation.weights_changed()  # the loaded weights reach the rollout backends before they generate
         if start and self.dist.is_main:
             self.report_ignored_settings()
+            if start >= int(self.tcfg.max_steps):
+                log.info("the checkpoint of step %d reaches trainer.max_steps=%d: nothing to train", start,
+                         int(self.tcfg.max_steps))
         self.hook.rlcore_train_start(run_dir=self.tcfg.output_dir, dist=self.dist,
                                      config=OmegaConf.to_container(self.cfg, resolve=True))
         before = self.evaluate("before") if start == 0 else {}
@@ -117,6 +120,7 @@ class Trainer:
                     if stop.requested:
                         status = "interrupted"
                         break
+            self.save_last()
         except BaseException:
             status = "failed"
             try:
@@ -124,14 +128,8 @@ class Trainer:
             except Exception:  # never mask the original error
                 log.exception("a plugin failed in rlcore_train_end")
             raise
-        finally:
-            if status != "failed":
-                if c.checkpoint.should_save(self.state.step, final=True) and self.state.step != self._saved_step \
-                        and self.may_save(self.state.step):
-                    with self.timer("checkpoint"):
-                        c.checkpoint.save(self.state.step, self.stateful())
-                c.checkpoint.wait()  # an asynchronous save must land before exit
-            self.source.close(failed=status == "failed")  # after the save: a peer lost on the way out costs no step
+        finally:  # after the save: a peer lost on the way out costs no step; also when no step ran
+            self.source.close(failed=status == "failed")
         after = self.evaluate("after") if status == "completed" else {}
         summary = {**{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()}}
         if status == "completed" and self.tcfg.export_final:
@@ -140,7 +138,12 @@ class Trainer:
                 self.hook.rlcore_train_end(step=self.state.step, status="failed", summary=summary)
                 raise TrainingError("the policy's weights are not finite: the final policy was not exported "
                                     f"to {self.tcfg.output_dir}/final; the last checkpoint holds the last finite state")
-            path = c.checkpoint.export(c.policy, c.tokenizer, "final")
+            try:
+                path = c.checkpoint.export(c.policy, c.tokenizer, "final")
+            except CheckpointError:  # a full disk, say: the run's plugins hear that it failed
+                self.status = "failed"
+                self.hook.rlcore_train_end(step=self.state.step, status="failed", summary=summary)
+                raise
             if path:
                 log.info("final policy exported to %s", path)
         self.hook.rlcore_train_end(step=self.state.step, status=status, summary=summary)  # plugins may add to it
@@ -203,6 +206,16 @@ class Trainer:
                 raise TrainingError(f"the weights are not finite after step {step}: no checkpoint was written; "
                                     "the last checkpoint holds the last finite state")
         return m
+
+    def save_last(self) -> None:
+        """The checkpoint of the last step trained (completed or interrupted run), unless saved already;
+        an asynchronous save lands before this returns."""
+        c = self.c
+        if c.checkpoint.should_save(self.state.step, final=True) and self.state.step != self._saved_step \
+                and self.may_save(self.state.step):
+            with self.timer("checkpoint"):
+                c.checkpoint.save(self.state.step, self.stateful())
+        c.checkpoint.wait()
 
     def report_ignored_settings(self) -> None:
         """After a resume, name the settings of this run that the checkpoint's state overrides

@@ -38,6 +38,7 @@ def add_adapters(model: nn.Module, lora: Any) -> nn.Module:
     :raises ConfigError: peft is missing or no module matches ``actor.lora.target_modules``.
     """
     peft = require_peft()
+    _refuse_embedding_targets(model, list(lora.target_modules))
     config = peft.LoraConfig(r=int(lora.rank), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
                              target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
     try:
@@ -47,6 +48,20 @@ def add_adapters(model: nn.Module, lora: Any) -> nn.Module:
         raise ConfigError([f"'actor.lora.target_modules' = {list(lora.target_modules)}: {e} "
                            f"(linear layers of this model: {', '.join(names)})"]) from None
     return wrapped
+
+
+def _refuse_embedding_targets(model: nn.Module, targets: list[str]) -> None:
+    """:raises ConfigError: a target of ``actor.lora.target_modules`` matches the model's token
+    embeddings or output head (whatever the model calls them), or any embedding layer."""
+    special = {id(m) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    wanted = [str(t) for t in targets]
+    hit = sorted({name for name, m in model.named_modules() if name and (id(m) in special or isinstance(
+        m, nn.Embedding)) and any(name == t or name.endswith("." + t) for t in wanted)})
+    if hit:
+        raise ConfigError([f"'actor.lora.target_modules' = {wanted} reaches {', '.join(hit)}: adapters on the token "
+                           "embeddings or the output head are not supported (they would be left out of the "
+                           "exported final/ and of the rollout engine's weights); target the decoder's linear "
+                           "layers"])
 
 
 class AdaptersDisabled(nn.Module):

@@ -63,17 +63,31 @@ def _generate(self, prompts, params):
         os.kill(os.getpid(), signal.SIGKILL)
     return original_generate(self, prompts, params)
 async_rl.RolloutWorker._generate = _generate
+
+original_run = async_rl.RolloutWorker.run
+def run(self):
+    if os.environ.get("KILL_ROLLOUT_ON_STOP"):  # dies once the trainers have saved their last checkpoint
+        get = self.inbox.get
+        def get_or_die(*a, **kw):
+            msg = get(*a, **kw)
+            if msg[0] == "stop":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return msg
+        self.inbox.get = get_or_die
+    return original_run(self)
+async_rl.RolloutWorker.run = run
 from rlcore.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
 def _launch(tmp: Path, out: Path, *extra: str, kill_at: int = 0, kill_rollout_at: int = 0,
-            timeout: float = 300) -> subprocess.CompletedProcess:
+            kill_rollout_on_stop: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
     script = tmp / "train_wrapper.py"
     script.write_text(WRAPPER)
     env = dict(os.environ, OMP_NUM_THREADS="1", RLCORE_DIST_TIMEOUT_S="120", TOKENIZERS_PARALLELISM="false",
-               KILL_AT=str(kill_at), KILL_ROLLOUT_AT=str(kill_rollout_at))
+               KILL_AT=str(kill_at), KILL_ROLLOUT_AT=str(kill_rollout_at),
+               KILL_ROLLOUT_ON_STOP="1" if kill_rollout_on_stop else "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script),
            "train", *ARGS, f"trainer.output_dir={out}", *extra]
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
@@ -170,3 +184,20 @@ def test_a_rollout_rank_that_dies_stops_the_run_with_an_error_naming_it(tmp_path
     # training rank 0 notices while waiting for samples, or (when the launcher's SIGTERM came first and
     # the trainers finished their step) while stopping the rollout ranks
     assert re.search(r"BridgeError: (waiting for|sending to) rollout rank 0 \(job rank 2\) failed", text), text[-4000:]
+
+
+def test_a_completed_run_resumed_has_nothing_to_do_and_exits_0(tmp_path):
+    """The rollout rank dies once the last checkpoint is written; the same command with
+    trainer.resume=auto then trains no step: the trainers still stop the (new) rollout rank, and the
+    job exits 0 at once instead of failing in the rollout rank's wait for a request."""
+    lean = ["trainer.max_steps=1", "trainer.save_steps=1", "trainer.eval_samples=4", "ppo.rollout_batch_size=2",
+            "ppo.generation.n=2", "ppo.mini_batch_size=2", "ppo.generation.max_new_tokens=4",
+            "plugin_config.async.max_staleness=0"]
+    out = tmp_path / "run"
+    died = _launch(tmp_path, out, *lean, kill_rollout_on_stop=True, timeout=120)
+    assert died.returncode != 0
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    again = _launch(tmp_path, out, *lean, timeout=90)
+    text = _ok(again)
+    assert "nothing to train" in text
+    assert "BridgeError" not in text

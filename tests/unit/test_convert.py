@@ -229,3 +229,45 @@ def test_adamw_betas_and_eps_reach_the_optimizer():
 
     with pytest.raises(ConfigError, match="'actor.betas' must be two numbers in"):
         load_config([], ["actor.betas=[0.9]"])
+@pytest.mark.parametrize("source, where, key", [
+    ("verl", "file", "data.train_batch_size"),
+    ("verl", "override", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("trl", "file", "per_device_train_batch_size"),
+    ("trl", "override", "num_generations"),
+])
+def test_an_unresolvable_interpolation_in_a_batch_size_is_an_error_naming_the_key(tmp_path, capsys, source, where,
+                                                                                  key):
+    import json
+
+    from rlcore.errors import EXIT_ERROR
+
+    cfg = yaml.safe_load(VERL.read_text()) if source == "verl" else json.loads(TRL.read_text())
+    overrides = []
+    if where == "file":
+        node = cfg
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = "${oc.env:BATCH}"
+    else:
+        overrides = [f"{key}=${{missing.key}}"]
+    path = tmp_path / ("cfg.json" if source == "trl" else "cfg.yaml")
+    path.write_text(json.dumps(cfg) if source == "trl" else yaml.safe_dump(cfg))
+    code = main(["convert-config", "--from", source, str(path), *overrides])
+    err = capsys.readouterr().err
+    assert code == EXIT_ERROR, err
+    assert f"{key} = '${{" in err and "cannot be resolved" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00\x01binary\x80\x81", b"\x00\x01\x02\x03"])
+def test_a_binary_file_is_an_error_not_a_traceback(tmp_path, capsys, content):
+    from rlcore.errors import EXIT_ERROR
+
+    path = tmp_path / "model.bin"
+    path.write_bytes(content)
+    code = main(["convert-config", "--from", "verl", str(path)])
+    err = capsys.readouterr().err
+    assert code == EXIT_ERROR, err
+    assert str(path) in err and "Traceback" not in err
+    assert main(["convert-config", "--from", "trl", str(tmp_path)]) == EXIT_ERROR  # a directory

@@ -181,7 +181,9 @@ def test_workers_prefetch_and_pinning_reach_the_dataloader(monkeypatch, cuda):
     assert kw["num_workers"] == 2 and kw["prefetch_factor"] == 3
     assert kw["pin_memory"] is cuda  # pinned host memory only helps copies to a GPU
     off = PromptLoader(ROWS, DataConfig(num_workers=0, pin_memory=False), batch_size=8, seed=0, dist=DistInfo())
-    assert off._loader_kwargs() == {"num_workers": 0, "collate_fn": kw["collate_fn"], "pin_memory": False}
+    off_kw = off._loader_kwargs()
+    assert isinstance(off_kw.pop("generator"), torch.Generator)  # the workers' seeds: not the global RNG's
+    assert off_kw == {"num_workers": 0, "collate_fn": kw["collate_fn"], "pin_memory": False}
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -202,3 +204,22 @@ def test_iterable_first_batch_is_read_early_and_handed_out_first(workers):
     sized = PromptLoader(ROWS, DataConfig(), 4, 0, DistInfo())
     sized.check_first_batch()  # map-style sets were checked by length: nothing is read
     assert sized._pending is None and sized._it is None
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(ROWS[i] for i in range(len(ROWS)))
+
+
+@pytest.mark.parametrize("dataset", [ROWS, _Stream()], ids=["map", "iterable"])
+def test_batches_leave_the_global_random_stream_alone(dataset):
+    """The loader's iterator must not draw from the global torch RNG (on its first batch, at each new
+    epoch): a resumed run would draw its dropout masks shifted by one number."""
+    import torch
+
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    loader = PromptLoader(dataset, DataConfig(), batch_size=8, seed=3, dist=DistInfo())
+    take(loader, 8)  # across the end of the first epoch
+    assert torch.equal(torch.rand(3), expected)

@@ -103,3 +103,19 @@ def test_config_checks_and_missing_peft(monkeypatch):
     with pytest.raises(ConfigError, match=r"actor.lora.rank.*pip install 'rlcore\[lora\]'"):
         load_config([], ["actor.lora.rank=8"])
     load_config([], ["actor.lora.rank=0"])  # without adapters peft is not needed
+
+
+@pytest.mark.parametrize("target", ["embed_tokens", "lm_head"])
+def test_adapters_on_the_embeddings_or_the_head_are_refused_at_config_load(target):
+    """Their adapters would be left out of final/ and of the rollout engine's weights."""
+    with pytest.raises(ConfigError, match=rf"actor.lora.target_modules.*{target}.*not supported"):
+        load_config([], ["actor.lora.rank=8", f"actor.lora.target_modules=[q_proj,{target}]"])
+
+
+def test_a_target_name_that_reaches_the_head_is_refused_when_adapters_are_added():
+    """A name the config check cannot know (matched against the model's own modules)."""
+    model = tiny_causal_lm("qwen2")
+    model.model.add_module("head_alias", model.lm_head)  # another path to the output head
+    with pytest.raises(ConfigError, match="head_alias.*not supported"):
+        lora.add_adapters(model, types.SimpleNamespace(rank=4, alpha=8.0, dropout=0.0,
+                                                       target_modules=["q_proj", "head_alias"]))

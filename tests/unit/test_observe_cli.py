@@ -58,3 +58,28 @@ def test_plot_command(tmp_path):
     w.close()
     rc, out, _ = run_cli(["plot", str(tmp_path)])
     assert rc == 0 and (tmp_path / "dashboard.png").is_file() and "dashboard.png" in out
+
+
+def test_a_full_disk_while_drawing_the_dashboard_is_a_warning_of_the_summary(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("matplotlib")
+    import errno
+    import os
+
+    from matplotlib.figure import Figure
+
+    from rlcore.cli import print_summary
+    from rlcore.observe.jsonl import JsonlWriter, make_record
+
+    w = JsonlWriter(str(tmp_path / "metrics.jsonl"))
+    w.write(make_record(1, {"reward/mean": 0.1, "time/step_s": 0.2}, "train"))
+    w.close()
+
+    def savefig(self, path, **kw):  # the disk fills half-way through the PNG
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    print_summary({}, str(tmp_path))  # the end of a completed run: must not raise
+    assert "could not be written" in caplog.text
+    assert not list(tmp_path.glob("dashboard*")), "a torn dashboard was left behind"

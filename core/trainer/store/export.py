@@ -10,7 +10,7 @@ import torch
 from rlcore.distributed.init import barrier
 from rlcore.errors import CheckpointError
 from rlcore.protocols import DistInfo
-from rlcore.trainer.store.files import remove_tree, replace_dir
+from rlcore.trainer.store.files import no_space_message, remove_tree, replace_dir
 from rlcore.trainer.store.state import is_sharded
 
 
@@ -44,8 +44,13 @@ def _write_hf_dir(target: Path, write: Callable[[str], None], tokenizer: Any) ->
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         replace_dir(tmp, target)
-    except OSError as e:
-        raise CheckpointError(f"could not export the model to {target}: {e}") from e
+    except Exception as e:  # a full disk is an OSError, or a library's own error (safetensors) that says so
+        full = no_space_message(target, e)
+        if full is None and not isinstance(e, OSError):
+            raise
+        remove_tree(tmp)
+        raise CheckpointError(f"could not export the model to {target}: {full or e}; the last checkpoint holds "
+                              "the trained state: trainer.resume=auto exports it again") from e
 
 
 def _export_lora(model: torch.nn.Module, full: Optional[dict], tokenizer: Any, target: Path,
