@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlcore.errors import PluginError
 from rlcore.hookspecs import FACTORY_HOOKS
+from rlcore.plugin_manager import provides_data  # noqa: F401 - where the CLI finds it
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _answers_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) 
     random model; a plugin that raises while building is taken to answer (the trainer reports it)."""
     from rlcore.protocols import DistInfo
     from rlcore.rollout.tiny import tiny_causal_lm
-    from rlcore.trainer.components import obj, rollout_request
+    from rlcore.trainer.generation import rollout_request
 
     request = dataclasses.replace(rollout_request(obj(cfg.actor), obj(cfg.data), obj(cfg.ppo)), backend=name)
     model = tiny_causal_lm("qwen2")
@@ -196,14 +197,13 @@ def _close(answer: Any) -> None:
             log.debug("closing a %s built for a check failed", type(answer).__name__, exc_info=True)
 
 
-def provides_data(pm: Any) -> bool:
-    """Whether a selected plugin implements ``rlcore_dataset_provider``."""
-    return any(_implements(pm, n, "rlcore_dataset_provider") for n in pm.selected_names)
-
-
 def _implements(pm: Any, name: str, hook: str) -> bool:
-    plugin = pm.get_plugin(name)
-    return any(impl.plugin is plugin for impl in getattr(pm.hook, hook).get_hookimpls())
+    return pm.implements(name, hook)
+
+
+def obj(node: Any) -> Any:
+    """The typed dataclass object of a config section (what a factory receives)."""
+    return OmegaConf.to_object(node)
 
 
 def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Callable[[], Any]]) -> dict:
@@ -211,7 +211,6 @@ def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Calla
     from rlcore.config.schema import resolve_fsdp, trains_critic
     from rlcore.distributed.placement import requested_devices
     from rlcore.protocols import PlacementRequest
-    from rlcore.trainer.components import obj
 
     def placement_args() -> list[dict]:
         devices = requested_devices(obj(cfg.actor), obj(cfg.critic), obj(cfg.reward_model),

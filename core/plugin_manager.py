@@ -273,6 +273,11 @@ class RLCorePluginManager(pluggy.PluginManager):
 
         self._undo_trace = self.add_hookcall_monitoring(before, after)
 
+    def implements(self, name: str, hook: str) -> bool:
+        """Whether the plugin registered as ``name`` implements ``hook``."""
+        plugin = self.get_plugin(name)
+        return any(impl.plugin is plugin for impl in getattr(self.hook, hook).get_hookimpls())
+
     # -- factory hooks --------------------------------------------------------------------
     def build(self, hook_name: str, **kwargs: Any) -> Any:
         """Call a factory hook and return the one answer.
@@ -317,6 +322,11 @@ class RLCorePluginManager(pluggy.PluginManager):
                 if first:
                     break
         return out
+
+
+def provides_data(pm: RLCorePluginManager) -> bool:
+    """Whether a selected plugin implements ``rlcore_dataset_provider`` (it is the run's data source)."""
+    return any(pm.implements(n, "rlcore_dataset_provider") for n in pm.selected_names)
 
 
 def factory_protocols() -> dict[str, type]:

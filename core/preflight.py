@@ -102,7 +102,7 @@ def _check_reward_function(cfg, train_files) -> None:
 def _tokenizer(cfg):
     """The actor's tokenizer, as the trainer loads it (the demo's when no model is given)."""
     from rlcore.protocols import DistInfo
-    from rlcore.trainer.components import demo_model
+    from rlcore.demo import demo_model
     from rlcore.trainer.models import load_tokenizer
 
     return load_tokenizer(cfg.actor.model_path or demo_model(cfg.trainer.output_dir, DistInfo()))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -15,12 +14,13 @@ from rlcore import rlmath
 from rlcore.config.schema import resolve_fsdp, trains_critic
 from rlcore.data.collate import BatchFiller
 from rlcore.data.loader import PromptLoader
-from rlcore.plugin_checks import provides_data
+from rlcore.demo import demo_model
+from rlcore.plugin_manager import provides_data
 from rlcore.protocols import CheckpointPolicy, DistInfo, PlacementPolicy, PlacementRequest, ReshardPolicy
-from rlcore.protocols import RewardBackend, RolloutBackend, RolloutRequest, Stateful
+from rlcore.protocols import RewardBackend, RolloutBackend, Stateful
 from rlcore.trainer import models
 from rlcore.trainer.checkpoint import RNGState
-from rlcore.trainer.generation import ActorGeneration
+from rlcore.trainer.generation import ActorGeneration, rollout_request
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
         critic_opt, critic_sched = models.build_optimizer(critic, critic_cfg, total)
     kl_ctrl = rlmath.make_kl_controller(ppo.kl_ctrl, ppo.kl_coeff, ppo.kl_target, ppo.kl_horizon)
 
-    from rlcore.trainer.packing import resolve_packing
+    from rlcore.trainer.packing_check import resolve_packing
     from rlcore.trainer.recompute import Recompute
     from rlcore.trainer.update import Batching
 
@@ -345,35 +345,3 @@ def update_reserve_bytes(model: torch.nn.Module, optimizer: Any = None, moments:
         size = local.numel() * local.element_size()
         total += size * ((param.grad is None) + (0 if state.get(param) else moments))
     return total
-
-
-def rollout_request(actor_cfg: Any, data_cfg: Any, ppo: Any) -> RolloutRequest:
-    """What the actor's rollout asks of ``rlcore_rollout_backend`` (``actor``, ``data`` and ``ppo`` sections)."""
-    return RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
-                          max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
-                          engine=_engine_settings(actor_cfg.rollout_engine, data_cfg))
-
-
-def _engine_settings(engine: Any, data_cfg: Any) -> dict[str, Any]:
-    """The rollout engine's keyword arguments: ``actor.rollout_engine``, with the static KV cache for
-    multi-turn episodes (``data.env_key``: observations are written into a slot's cache row)."""
-    kwargs = engine.engine_kwargs()
-    if data_cfg.env_key and kwargs["kv_cache"] == "paged":
-        log.info("data.env_key is set: the rollout engine keeps a static KV cache (multi-turn episodes)")
-        kwargs["kv_cache"] = "static"
-    return kwargs
-
-
-def demo_model(output_dir: str, dist: DistInfo) -> str:
-    from rlcore.demo import ensure_demo_model
-
-    root = os.path.join(output_dir, "_demo")
-    # Building the model draws from the global RNG: fork it so a first run (which builds) and a
-    # later one (which loads) train from the same random state.
-    with torch.random.fork_rng(devices=[]):
-        if dist.is_main:
-            ensure_demo_model(root)
-    from rlcore.distributed.init import barrier
-
-    barrier()
-    return ensure_demo_model(root)
