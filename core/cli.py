@@ -95,6 +95,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("tool-call parsers (env.tool_parser): " + ", ".join(
         name + ("" if envs.parser_plugins.get(name, "defaults") in pm.default_names
                 else f" ({usable(envs.parser_plugins[name])})") for name in sorted(envs.parsers)))
+    from rlcore import PLUGIN_API_VERSION
+
+    print(f"\nplugin API {PLUGIN_API_VERSION} (rlcore {__version__}; docs/plugins.md, 'Plugin API versions')")
     return 0
 
 

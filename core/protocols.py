@@ -2,6 +2,13 @@
 
 A plugin's object need not inherit from these classes; it only needs the methods. Tests check
 built-in plugins with ``isinstance`` (the protocols are ``runtime_checkable``).
+
+Methods added to a protocol after its first release (:data:`OPTIONAL_METHODS`) have a default: a
+plugin may inherit it from the protocol's base class (:class:`ReshardPolicyBase`,
+:class:`CheckpointPolicyBase`, :class:`RolloutBackendBase` …); an answer written for an earlier
+plugin API that lacks one gets the base class's default with a ``DeprecationWarning`` naming the
+plugin (:func:`rlcore.plugin_manager.complete_answer`), so it keeps working. The plugin API's
+version is :data:`rlcore.PLUGIN_API_VERSION`.
 """
 
 from __future__ import annotations
@@ -70,6 +77,10 @@ class RolloutRequest:
     #: optimizer moments of the trainable weights not yet allocated): a backend that sizes a cache from
     #: the free memory leaves them out.
     memory_reserve_bytes: int = 0
+    #: the run plays multi-turn episodes (``data.env_key``): prompts may carry an episode
+    #: (:func:`rlcore.rollout.turns.play_episodes`); a backend that cannot play them says so with
+    #: ``supports_episodes = False`` (the default) and the run is refused before any model loads.
+    episodes: bool = False
 
 
 @runtime_checkable
@@ -248,7 +259,75 @@ class WorldSplit(Protocol):
         ...
 
 
-__all__ = ["CheckpointPolicy", "DistInfo", "GenerationShare", "PlacementPolicy", "PlacementRequest",
-           "ReshardPolicy", "RewardBackend", "RewardInput", "RewardOutput", "RolloutBackend", "RolloutRequest",
-           "RolloutSource", "Stateful", "WorldSplit"]
+# ------------------------------------------------------------------------------------------------
+# Base classes: the defaults of the methods added after a protocol's first release
+# ------------------------------------------------------------------------------------------------
+
+
+class PlacementPolicyBase:
+    """A base a placement policy may inherit (nothing of it is optional yet)."""
+
+
+class ReshardPolicyBase:
+    """A base a reshard policy may inherit: the defaults of :meth:`ReshardPolicy.generation_share`
+    (every rank generates its own prompts) and :meth:`ReshardPolicy.stats` (no timings)."""
+
+    def generation_share(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationShare:
+        return GenerationShare(prompts, params)
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class CheckpointPolicyBase:
+    """A base a checkpoint policy may inherit: the default of :meth:`CheckpointPolicy.wait` (a policy
+    that saves synchronously has nothing to wait for)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class RewardBackendBase:
+    """A base a reward backend may inherit: ``close()`` releases nothing."""
+
+    def close(self) -> None:
+        return None
+
+
+class RolloutBackendBase:
+    """A base a rollout backend may inherit: it plays no multi-turn episodes (``supports_episodes``
+    False: a run with ``data.env_key`` is refused before any model loads) and ``close()`` releases
+    nothing. A backend that plays episodes sets ``supports_episodes = True`` and plays prompts that
+    carry one with :func:`rlcore.rollout.turns.play_episodes`."""
+
+    supports_episodes: bool = False
+
+    def close(self) -> None:
+        return None
+
+
+#: Per protocol, the methods added after its first release, each with the plugin API version that
+#: added it: an answer without one gets the default of the protocol's base class (:data:`BASES`).
+OPTIONAL_METHODS: dict[str, dict[str, str]] = {
+    "ReshardPolicy": {"generation_share": "1.1"},
+    "CheckpointPolicy": {"wait": "1.1"},
+}
+
+#: Per protocol, keyword parameters added to a method after its first release: an answer whose
+#: method lacks one is called without it (``ReshardPolicy.prepare(fsdp=)``: the policy keeps the
+#: settings it was built with for every role).
+OPTIONAL_PARAMETERS: dict[str, dict[str, tuple[str, str]]] = {
+    "ReshardPolicy": {"prepare": ("fsdp", "1.1")},
+}
+
+#: The base class holding each protocol's defaults.
+BASES: dict[str, type] = {"PlacementPolicy": PlacementPolicyBase, "ReshardPolicy": ReshardPolicyBase,
+                          "CheckpointPolicy": CheckpointPolicyBase, "RewardBackend": RewardBackendBase,
+                          "RolloutBackend": RolloutBackendBase}
+
+
+__all__ = ["BASES", "CheckpointPolicy", "CheckpointPolicyBase", "DistInfo", "GenerationShare", "OPTIONAL_METHODS",
+           "OPTIONAL_PARAMETERS", "PlacementPolicy", "PlacementPolicyBase", "PlacementRequest", "ReshardPolicy",
+           "ReshardPolicyBase", "RewardBackend", "RewardBackendBase", "RewardInput", "RewardOutput",
+           "RolloutBackend", "RolloutBackendBase", "RolloutRequest", "RolloutSource", "Stateful", "WorldSplit"]
 
