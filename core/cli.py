@@ -109,7 +109,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rlcore.plugin_checks import provides_data
 
     cfg, names = resolve(args)
-    pm = preflight(cfg, names)
+    pm = preflight(cfg, names, build_factories=False)  # the trainer builds (and checks) each factory answer once
     code = maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv))
     if code is not None:
         return code

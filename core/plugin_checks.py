@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlcore.errors import PluginError
 from rlcore.hookspecs import FACTORY_HOOKS
-from rlcore.plugin_manager import provides_data  # noqa: F401 - where the CLI finds it
+from rlcore.plugin_manager import close_answer, provides_data  # noqa: F401 - provides_data: where the CLI finds it
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _answers_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) 
         except Exception:  # noqa: BLE001 - it tried to build one: the name is its
             return True
         if answer is not None:
-            _close(answer)
+            close_answer(answer)
             return True
     return False
 
@@ -83,8 +83,9 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
     :class:`PluginError`, and all are reported together (a :class:`~rlcore.errors.PreflightError`
     when more than one). An error a factory raises itself is reported too when the world size is
     known before start (``WORLD_SIZE``, ``trainer.nproc_per_node`` > 1); otherwise it is left to
-    ``train``, whose answer may depend on the world size it has. The answers are discarded (closed
-    where they have ``close()``). Hooks only the built-in defaults answer are not built; a reward
+    ``train``, whose answer may depend on the world size it has. Each plugin is asked once per call
+    (the reward backend receives the placement answer already built) and every answer is closed at the
+    end (``close()`` where it has one). Hooks only the built-in defaults answer are not built; a reward
     backend is not built while ``reward_model.enable`` is set (it would load the reward model). The
     rollout backend needs the model: its answer is checked when the model has loaded.
 
@@ -94,7 +95,6 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
     """
     from rlcore.distributed.init import known_world_size
     from rlcore.errors import PreflightError, RLCoreError
-    from rlcore.plugin_manager import check_answer
     from rlcore.protocols import DistInfo
 
     dist = DistInfo(world_size=max(1, world_size))
@@ -105,10 +105,29 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
     if not hooks:
         return
     world_known = known_world_size(cfg.trainer.nproc_per_node) is not None
-    args = _factory_args(pm, cfg, dist, _tokenizer_loader(cfg, tokenizer))
+    built: dict[str, list[Any]] = {}  # per hook, the answers built: each factory is asked once, closed at the end
+    args = _factory_args(pm, cfg, dist, _tokenizer_loader(cfg, tokenizer), built)
     problems: list[RLCoreError] = []
+    try:
+        _ask_each(pm, hooks, args, built, problems, world_known)
+    finally:
+        for answers in built.values():
+            for answer in answers:
+                close_answer(answer)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise PreflightError(problems)
 
-    def report(error: RLCoreError) -> None:  # once: the dataset hook is asked per split, placement twice
+
+def _ask_each(pm: Any, hooks: list[str], args: dict, built: dict[str, list[Any]], problems: list,
+              world_known: bool) -> None:
+    """Ask each selected plugin implementing each of ``hooks`` on its own, record its answer in
+    ``built`` and every problem in ``problems`` (once each)."""
+    from rlcore.errors import RLCoreError
+    from rlcore.plugin_manager import check_answer
+
+    def report(error: RLCoreError) -> None:  # once: the dataset hook is asked per split
         if str(error) not in {str(p) for p in problems}:
             problems.append(error)
 
@@ -136,6 +155,7 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
                     continue
                 if answer is not None:
                     answers.append((name, answer))
+                    built.setdefault(hook, []).append(answer)
             if len(answers) > 1:
                 report(PluginError(f"plugins '{answers[0][0]}' and '{answers[1][0]}' both answer {hook}; "
                                    "select only one of them"))
@@ -144,12 +164,6 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
                     check_answer(hook, name, answer)
                 except PluginError as error:
                     report(error)
-                finally:
-                    _close(answer)
-    if len(problems) == 1:
-        raise problems[0]
-    if problems:
-        raise PreflightError(problems)
 
 
 def _call_alone(pm: Any, name: str, hook: str, kwargs: dict) -> Any:
@@ -187,16 +201,6 @@ def demo_tokenizer() -> Any:
         return load_tokenizer(tmp)
 
 
-def _close(answer: Any) -> None:
-    """Release what a factory answer built only for a check holds (a reward backend's worker pool)."""
-    close = getattr(answer, "close", None)
-    if callable(close):
-        try:
-            close()
-        except Exception:  # noqa: BLE001 - a check's leftovers must not fail the check
-            log.debug("closing a %s built for a check failed", type(answer).__name__, exc_info=True)
-
-
 def _implements(pm: Any, name: str, hook: str) -> bool:
     return pm.implements(name, hook)
 
@@ -206,8 +210,11 @@ def obj(node: Any) -> Any:
     return OmegaConf.to_object(node)
 
 
-def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Callable[[], Any]]) -> dict:
-    """Per factory hook, a function giving the keyword arguments of each call ``train`` makes."""
+def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Callable[[], Any]],
+                  built: Optional[dict[str, list[Any]]] = None) -> dict:
+    """Per factory hook, a function giving the keyword arguments of each call ``train`` makes; the
+    reward's placement is the placement policy already in ``built`` (else built once here, recorded there)."""
+    built = {} if built is None else built
     from rlcore.config.schema import resolve_fsdp, trains_critic
     from rlcore.distributed.placement import requested_devices
     from rlcore.protocols import PlacementRequest
@@ -228,6 +235,13 @@ def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Calla
         return [dict(config=data, tokenizer=tok(), split=split, dist=dist) for split in splits]
 
     def placement() -> Any:
+        if built.get("rlcore_placement_policy"):
+            return built["rlcore_placement_policy"][0]
+        answer = _placement()
+        built.setdefault("rlcore_placement_policy", []).append(answer)
+        return answer
+
+    def _placement() -> Any:
         try:
             return pm.build("rlcore_placement_policy", **placement_args()[0])
         except PluginError:  # reported under its own hook; the reward's factory gets a selected answer to go on

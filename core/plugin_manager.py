@@ -437,6 +437,17 @@ def complete_answer(hook_name: str, plugin: str, answer: Any) -> Any:
     return AnswerWithDefaults(answer, added)
 
 
+def close_answer(answer: Any) -> None:
+    """Release what a factory answer holds: its ``close()``, where it has one (a failure is logged,
+    not raised: closing never hides the run's own outcome)."""
+    close = getattr(answer, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as error:  # noqa: BLE001 - logged; the run's own error or result stands
+            log.warning("closing %s failed: %s: %s", type(answer).__name__, type(error).__name__, error)
+
+
 def _import_builtin(spec: str) -> Any:
     """``module`` or ``module:attribute``."""
     module, _, attr = spec.partition(":")

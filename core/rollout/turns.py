@@ -53,6 +53,27 @@ def stop_token_ids(tokenizer, stop: Sequence[str]) -> tuple[set[int], list[str]]
     return ids, texts
 
 
+def play_episodes(generate: Callable[[Sequence[Sequence[int]], SamplingParams], RolloutBatch],
+                  prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  device: torch.device | str = "cpu") -> RolloutBatch:
+    """What a rollout backend's ``generate`` does with prompts that may carry multi-turn episodes
+    (``data.env_key``): plain prompts are one call of ``generate``; prompts carrying an episode
+    (:class:`~rlcore.envs.runner.EpisodePrompt`) are played turn by turn with it
+    (:func:`generate_turn_by_turn`), each turn's tokens sent to the episode's environment and its
+    observation appended, until the environment ends the episode or a limit does.
+
+    ``generate(prompts, params)`` samples one turn per prompt: a single-turn
+    :class:`~rlcore.rollout.base.RolloutBatch` (the backend's own sampling, stopping at any of
+    ``params.eos_token_ids``). A backend that plays episodes declares ``supports_episodes = True``
+    and calls this from its ``generate``; ``device`` is where the result's tensors go."""
+    from rlcore.envs.runner import episodes_of
+
+    episodes, runner = episodes_of(prompts)
+    if runner is None:
+        return generate(prompts, params)
+    return generate_turn_by_turn(generate, prompts, params, episodes, runner, device)
+
+
 def generate_turn_by_turn(generate: Callable[[Sequence[Sequence[int]], SamplingParams], RolloutBatch],
                           prompts: Sequence[Sequence[int]], params: SamplingParams, episodes: Sequence, runner,
                           device: torch.device | str = "cpu") -> RolloutBatch:
