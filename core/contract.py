@@ -58,12 +58,12 @@ def _shape_problems(batch: Any, rows: int) -> list[str]:
         out.append("response_attention is neither None nor a [rows, width] tensor")
     if out:
         return out
-    for name in _BATCH_TENSORS:
-        got = int(getattr(batch, name).shape[0])
-        if got != rows:
-            out.append(f"{name} has {got} rows for {rows} prompts (one row per prompt, in order)")
-    if out:
-        return out
+    counts = {name: int(getattr(batch, name).shape[0]) for name in _BATCH_TENSORS}
+    wrong = {name: got for name, got in counts.items() if got != rows}
+    if wrong and len(set(counts.values())) == 1:
+        return [f"the batch has {counts['prompt_ids']} rows for {rows} prompts (one row per prompt, in order)"]
+    if wrong:
+        return [f"{name} has {got} rows for {rows} prompts (one row per prompt, in order)" for name, got in wrong.items()]
     if batch.prompt_mask.shape != batch.prompt_ids.shape:
         out.append(f"prompt_mask {tuple(batch.prompt_mask.shape)} differs from prompt_ids {tuple(batch.prompt_ids.shape)}")
     width = tuple(batch.response_ids.shape)

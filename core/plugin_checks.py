@@ -34,15 +34,24 @@ def check_rollout_backend(pm: Any, cfg: DictConfig) -> None:
     """``actor.rollout_backend`` names a backend some plugin answers, before any model loads: a
     built-in name, the name of a selected plugin implementing ``rlcore_rollout_backend`` (a backend
     plugin answers for its own name), or a name such a plugin answers when asked with a tiny model
-    built in memory (nothing is loaded or written).
+    built in memory (nothing is loaded or written). With ``data.env_key`` (multi-turn episodes) a
+    plugin's backend is asked so in any case, and one that does not declare ``supports_episodes = True``
+    is refused.
 
-    :raises PluginError: naming the value, the known backends and the closest of them.
+    :raises PluginError: naming the value, the known backends and the closest of them; or naming the
+        plugin whose backend cannot play the run's episodes.
     """
     name = str(cfg.actor.rollout_backend)
     if name in BUILTIN_ROLLOUT_BACKENDS:
         return
     providers = [n for n in pm.selected_names if _implements(pm, n, "rlcore_rollout_backend")]
-    if name in providers or (providers and _answers_backend(pm, cfg, name, providers)):
+    episodes = bool(cfg.data.env_key)
+    probe = _probe_backend(pm, cfg, name, providers) if providers and (episodes or name not in providers) else None
+    if probe is not None or name in providers:
+        if episodes and probe is not None and probe[1] is False:
+            from rlcore.contract import refuse_episodes
+
+            raise refuse_episodes(probe[0], probe[2])
         return
     known = list(BUILTIN_ROLLOUT_BACKENDS) + providers
     close = difflib.get_close_matches(name, known, n=1)
@@ -53,9 +62,12 @@ def check_rollout_backend(pm: Any, cfg: DictConfig) -> None:
                       + ("" if providers else "; or select the plugin that provides it with --plugins"))
 
 
-def _answers_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) -> bool:
-    """Whether one of ``providers`` answers ``rlcore_rollout_backend`` for ``name``, asked with a tiny
-    random model; a plugin that raises while building is taken to answer (the trainer reports it)."""
+def _probe_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) -> Optional[tuple[str, Any, Any]]:
+    """``(plugin, supports_episodes, backend)`` of the first of ``providers`` that answers
+    ``rlcore_rollout_backend`` for ``name``, asked as the trainer asks (``data.env_key`` included) with a
+    tiny random model (nothing is loaded or written; the answer is closed at once); ``supports_episodes``
+    is None for a plugin that raised while building (it tried: the name is its; the trainer reports the
+    error). None: no provider answers."""
     from rlcore.protocols import DistInfo
     from rlcore.rollout.tiny import tiny_causal_lm
     from rlcore.trainer.generation import rollout_request
@@ -67,11 +79,11 @@ def _answers_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) 
             answer = _call_alone(pm, provider, "rlcore_rollout_backend",
                                  dict(model=model, request=request, dist=DistInfo()))
         except Exception:  # noqa: BLE001 - it tried to build one: the name is its
-            return True
+            return provider, None, None
         if answer is not None:
             close_answer(answer)
-            return True
-    return False
+            return provider, bool(getattr(answer, "supports_episodes", False)), answer
+    return None
 
 
 def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
