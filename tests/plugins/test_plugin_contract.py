@@ -272,3 +272,55 @@ def test_a_resume_step_that_is_no_step_is_named(api_1_0, tmp_path, monkeypatch):
     pm = build_plugin_manager(["api-1-0"])
     with pytest.raises(PluginError, match=r"plugin 'api-1-0': its checkpoint policy's resume\(\) returned None"):
         Trainer(small_config(tmp_path, "plugins=[api-1-0]"), pm, DistInfo()).train()
+
+
+# ---------------------------------------------------------------------------------------------
+# Episodes never vanish with a plugin backend
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def everything(monkeypatch):
+    monkeypatch.syspath_prepend(FIXTURES)
+    monkeypatch.setitem(BUILTIN_MODULES, "everything", "rlcore_everything:EverythingPlugin")
+    yield
+    sys.modules.pop("rlcore_everything", None)
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_backend_that_cannot_play_episodes_is_refused_before_any_model_loads(everything, tmp_path, monkeypatch,
+                                                                              command):
+    from rlcore.testing import run_cli
+    from rlcore.trainer import models
+
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
+    code, out, err = run_cli([command, "--plugins", "everything", "actor.rollout_backend=everything",
+                              "data.env_key=env", f"trainer.output_dir={tmp_path}"])
+    assert code == 2, err
+    assert "plugin 'everything': its rollout backend Generator does not play multi-turn episodes" in err
+    assert "supports_episodes = True" in err and "play_episodes" in err
+
+
+def test_the_trainer_refuses_episodes_for_a_backend_that_cannot_play_them():
+    from rlcore.contract import RolloutContract
+    from rlcore.distributed.reshard import FSDPReshardPolicy
+    from rlcore.config.schema import FSDPConfig
+    from rlcore.envs.runner import Episode, EpisodeLimits, EpisodePrompt
+    from rlcore.errors import PluginError
+    from rlcore.rollout.base import SamplingParams
+    from rlcore.rollout.hf import HFGenerateBackend
+    from rlcore.rollout.tiny import tiny_causal_lm
+    from rlcore.trainer.generation import ActorGeneration
+
+    class Plain(HFGenerateBackend):
+        supports_episodes = False
+
+    model = tiny_causal_lm("qwen2")
+    contract = RolloutContract(vocab_size=model.config.vocab_size)
+    generation = ActorGeneration(model, FSDPReshardPolicy(FSDPConfig(), DistInfo()), lambda m, tp: Plain(m), 4,
+                                 contract=contract)
+    contract.names[id(generation.backend(model))] = "plain"
+    episode = Episode("demo_lookup", None, {}, EpisodeLimits(), runner=None)
+    with pytest.raises(PluginError, match="plugin 'plain': its rollout backend Plain does not play multi-turn"):
+        generation.generate([EpisodePrompt([5, 6], episode)], SamplingParams(max_new_tokens=2))
+    assert episode.turns == 0  # nothing was sampled for it
