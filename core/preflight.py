@@ -130,10 +130,22 @@ def _check_environments(cfg, pm) -> None:
         if name in envs.factories:
             envs.limits(name)
             try:
-                envs.make(name)
+                _close_env(envs.make(name))  # built only to try its settings: never started, closed at once
             except ValueError as error:
                 raise EnvError(f"environment '{name}': {error}") from error
     check_data_environments(envs, _data_files(cfg), str(cfg.data.env_key), pm.default_names + pm.selected_names)
+
+
+def _close_env(env) -> None:
+    """``env.close()`` (plain or ``async``), where the environment has one."""
+    import asyncio
+    import inspect
+
+    close = getattr(env, "close", None)
+    if callable(close):
+        out = close()
+        if inspect.isawaitable(out):
+            asyncio.run(out)
 
 
 def _data_files(cfg) -> list[tuple[str, str]]:

@@ -85,7 +85,10 @@ class RolloutRequest:
 
 @runtime_checkable
 class PlacementPolicy(Protocol):
-    """Decides where each role (actor, critic, ref, reward) lives."""
+    """Decides where each role (actor, critic, ref, reward) lives.
+
+    Checked when built (:func:`rlcore.contract.check_placement`): ``ranks_for`` gives whole numbers in
+    ``[0, world_size)`` (at least one), ``device_for`` a device for each role this rank holds."""
 
     def device_for(self, role: str) -> torch.device:
         """The device on which ``role`` computes in this process."""
@@ -120,7 +123,10 @@ class ReshardPolicy(Protocol):
 
     The trainer calls exactly these four methods: ``prepare`` once per trained role,
     then per rollout ``generation`` (a context manager) and, inside it, ``generation_share``;
-    ``stats`` after every step."""
+    ``stats`` after every step. ``generation_share`` (plugin API 1.1) and ``prepare``'s ``fsdp``
+    have defaults (:class:`ReshardPolicyBase`). Each share is checked
+    (:func:`rlcore.contract.check_share`): it has ``prompts``, ``params`` and ``own()``, and the rows it
+    keeps are one per prompt of this rank."""
 
     def prepare(self, model: torch.nn.Module, role: str, fsdp: Optional[FSDPConfig] = None) -> torch.nn.Module:
         """Wrap ``model`` for training (e.g. ``fully_shard``) and return the module to train.
@@ -174,7 +180,16 @@ class RewardOutput:
 
 @runtime_checkable
 class RewardBackend(Protocol):
-    """Scores a batch of prompt/response pairs."""
+    """Scores a batch of prompt/response pairs.
+
+    ``score`` may be called several times per step, each time on a group of finished samples:
+    with ``reward.stream`` (the default, in one process without a reward model) samples are scored
+    in a worker thread as the rollout reports them finished, and whatever was not streamed once it
+    ends; a backend must not assume one call holds the step's whole batch (or a whole group of
+    ``ppo.generation.n``). Calls come one at a time, from that thread or the trainer's. The answer is
+    checked every time (:func:`rlcore.contract.check_reward_output`): ``scores`` a 1-D tensor of one
+    finite number per sample of ``batch``, in order, and ``metrics`` numbers by name. An optional
+    ``close()`` is called once when the run ends (:class:`RewardBackendBase` has one)."""
 
     def score(self, batch: RewardInput) -> RewardOutput:
         """Return one finite score per sample; raise :class:`rlcore.errors.RewardError` otherwise."""
@@ -190,7 +205,10 @@ class Stateful(Protocol):
 
 @runtime_checkable
 class CheckpointPolicy(Protocol):
-    """When to save, what to keep, how to resume."""
+    """When to save, what to keep, how to resume.
+
+    ``wait`` (plugin API 1.1) has a default (:class:`CheckpointPolicyBase`). ``resume``'s answer is
+    checked (:func:`rlcore.contract.check_resume_step`: a whole number >= 0)."""
 
     def should_save(self, step: int, *, final: bool = False) -> bool:
         """Whether to save after optimizer step ``step``; ``final=True`` is asked once when the run
