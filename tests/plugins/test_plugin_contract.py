@@ -324,3 +324,34 @@ def test_the_trainer_refuses_episodes_for_a_backend_that_cannot_play_them():
     with pytest.raises(PluginError, match="plugin 'plain': its rollout backend Plain does not play multi-turn"):
         generation.generate([EpisodePrompt([5, 6], episode)], SamplingParams(max_new_tokens=2))
     assert episode.turns == 0  # nothing was sampled for it
+
+
+def test_the_environment_built_for_the_start_up_check_is_closed(tmp_path, rlcore_pm, rlcore_register):
+    from rlcore.config import load_config
+    from rlcore.preflight import _check_environments
+
+    made = []
+
+    class Env:
+        def __init__(self, config):
+            self.closed = False
+            made.append(self)
+
+        def start(self, row):
+            raise AssertionError("the start-up check never starts an episode")
+
+        def step(self, turn):
+            raise AssertionError("the start-up check never steps an episode")
+
+        def close(self):
+            self.closed = True
+
+    class Registers:
+        @hookimpl
+        def rlcore_environment(self, register):
+            register("checked", Env)
+
+    rlcore_register(Registers, "registers")
+    cfg = load_config([], ["data.env_key=env", "plugin_config.checked={}", f"trainer.output_dir={tmp_path}"])
+    _check_environments(cfg, rlcore_pm)
+    assert len(made) == 1 and made[0].closed
