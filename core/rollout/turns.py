@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlcore.envs.runner import Episode, EpisodeRunner
 
 
 def find_turn_end(tokens: Sequence[int], start: int, count: int, end_ids: set[int], stop_texts: Sequence[str],
@@ -53,6 +56,14 @@ def stop_token_ids(tokenizer, stop: Sequence[str]) -> tuple[set[int], list[str]]
     return ids, texts
 
 
+def episodes_of(prompts: Sequence[Sequence[int]]) -> tuple[list[Optional["Episode"]], Optional["EpisodeRunner"]]:
+    """The episode of each prompt (``None`` for plain prompts) and their runner (``None`` when no
+    prompt carries an episode)."""
+    episodes = [getattr(p, "episode", None) for p in prompts]
+    runner = next((e.runner for e in episodes if e is not None), None)
+    return episodes, runner
+
+
 def play_episodes(generate: Callable[[Sequence[Sequence[int]], SamplingParams], RolloutBatch],
                   prompts: Sequence[Sequence[int]], params: SamplingParams,
                   device: torch.device | str = "cpu") -> RolloutBatch:
@@ -66,8 +77,6 @@ def play_episodes(generate: Callable[[Sequence[Sequence[int]], SamplingParams], 
     :class:`~rlcore.rollout.base.RolloutBatch` (the backend's own sampling, stopping at any of
     ``params.eos_token_ids``). A backend that plays episodes declares ``supports_episodes = True``
     and calls this from its ``generate``; ``device`` is where the result's tensors go."""
-    from rlcore.envs.runner import episodes_of
-
     episodes, runner = episodes_of(prompts)
     if runner is None:
         return generate(prompts, params)
