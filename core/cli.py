@@ -98,6 +98,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("tool-call parsers (env.tool_parser): " + ", ".join(
         name + ("" if envs.parser_plugins.get(name, "defaults") in pm.default_names
                 else f" ({usable(envs.parser_plugins[name])})") for name in sorted(envs.parsers)))
+    from rlcore import PLUGIN_API_VERSION
+
+    print(f"\nplugin API {PLUGIN_API_VERSION} (rlcore {__version__}; docs/plugins.md, 'Plugin API versions')")
     return 0
 
 
@@ -109,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rlcore.plugin_checks import provides_data
 
     cfg, names = resolve(args)
-    pm = preflight(cfg, names)
+    pm = preflight(cfg, names, build_factories=False)  # the trainer builds (and checks) each factory answer once
     code = maybe_launch(int(cfg.trainer.nproc_per_node), sys.argv[2:] if args.argv is None else list(args.argv))
     if code is not None:
         return code

@@ -55,8 +55,7 @@ def is_demo(config_files: Sequence[str], overrides: Sequence[str], plugins: Sequ
     if config_files or set(source_keys) & keys:
         return False
     if plugins:
-        from rlcore.plugin_checks import provides_data
-        from rlcore.plugin_manager import build_plugin_manager
+        from rlcore.plugin_manager import build_plugin_manager, provides_data
 
         return not provides_data(build_plugin_manager(plugins))
     return True
@@ -167,6 +166,23 @@ def ensure_demo_model(root: str) -> str:
         shutil.rmtree(trash, ignore_errors=True)
     os.rename(tmp, path)
     return path
+
+
+def demo_model(output_dir: str, dist: Any) -> str:
+    """The demo model directory of a run (``<output_dir>/_demo/demo-model``): built by the main
+    rank (``dist``: a :class:`~rlcore.protocols.DistInfo`) on first use, then loaded by every rank."""
+    import torch
+
+    root = os.path.join(output_dir, "_demo")
+    # Building the model draws from the global RNG: fork it so a first run (which builds) and a
+    # later one (which loads) train from the same random state.
+    with torch.random.fork_rng(devices=[]):
+        if dist.is_main:
+            ensure_demo_model(root)
+    from rlcore.distributed.init import barrier
+
+    barrier()
+    return ensure_demo_model(root)
 
 
 def _prompt(rng: random.Random) -> str:

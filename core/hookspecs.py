@@ -116,6 +116,12 @@ def rlcore_environment(register: Callable[[str, Callable[[dict], Any]], None]) -
         ``step(turn)``, plain or ``async``), ``config`` being ``plugin_config.<name>`` as a ``dict``
         without the rollout's own keys ``max_turns`` and ``max_tokens``. Raise ``ValueError`` naming
         the key for a bad setting.
+
+    Life cycle: each episode gets its own instance, which receives ``start(row)`` once,
+    ``step(turn)`` once per model turn and ``close()`` (where it has one) once when the episode ends.
+    The start-up check (``rlcore train``, ``rlcore validate``) builds one instance per environment
+    configured under ``plugin_config`` only to try its settings: it never receives ``start`` or
+    ``step``, and its ``close()`` is called right after.
     """
 
 

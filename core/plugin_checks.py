@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlcore.errors import PluginError
 from rlcore.hookspecs import FACTORY_HOOKS
+from rlcore.plugin_manager import close_answer, provides_data  # noqa: F401 - provides_data: where the CLI finds it
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +34,24 @@ def check_rollout_backend(pm: Any, cfg: DictConfig) -> None:
     """``actor.rollout_backend`` names a backend some plugin answers, before any model loads: a
     built-in name, the name of a selected plugin implementing ``rlcore_rollout_backend`` (a backend
     plugin answers for its own name), or a name such a plugin answers when asked with a tiny model
-    built in memory (nothing is loaded or written).
+    built in memory (nothing is loaded or written). With ``data.env_key`` (multi-turn episodes) a
+    plugin's backend is asked so in any case, and one that does not declare ``supports_episodes = True``
+    is refused.
 
-    :raises PluginError: naming the value, the known backends and the closest of them.
+    :raises PluginError: naming the value, the known backends and the closest of them; or naming the
+        plugin whose backend cannot play the run's episodes.
     """
     name = str(cfg.actor.rollout_backend)
     if name in BUILTIN_ROLLOUT_BACKENDS:
         return
     providers = [n for n in pm.selected_names if _implements(pm, n, "rlcore_rollout_backend")]
-    if name in providers or (providers and _answers_backend(pm, cfg, name, providers)):
+    episodes = bool(cfg.data.env_key)
+    probe = _probe_backend(pm, cfg, name, providers) if providers and (episodes or name not in providers) else None
+    if probe is not None or name in providers:
+        if episodes and probe is not None and probe[1] is False:
+            from rlcore.contract import refuse_episodes
+
+            raise refuse_episodes(probe[0], probe[2])
         return
     known = list(BUILTIN_ROLLOUT_BACKENDS) + providers
     close = difflib.get_close_matches(name, known, n=1)
@@ -52,12 +62,15 @@ def check_rollout_backend(pm: Any, cfg: DictConfig) -> None:
                       + ("" if providers else "; or select the plugin that provides it with --plugins"))
 
 
-def _answers_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) -> bool:
-    """Whether one of ``providers`` answers ``rlcore_rollout_backend`` for ``name``, asked with a tiny
-    random model; a plugin that raises while building is taken to answer (the trainer reports it)."""
+def _probe_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) -> Optional[tuple[str, Any, Any]]:
+    """``(plugin, supports_episodes, backend)`` of the first of ``providers`` that answers
+    ``rlcore_rollout_backend`` for ``name``, asked as the trainer asks (``data.env_key`` included) with a
+    tiny random model (nothing is loaded or written; the answer is closed at once); ``supports_episodes``
+    is None for a plugin that raised while building (it tried: the name is its; the trainer reports the
+    error). None: no provider answers."""
     from rlcore.protocols import DistInfo
     from rlcore.rollout.tiny import tiny_causal_lm
-    from rlcore.trainer.components import obj, rollout_request
+    from rlcore.trainer.generation import rollout_request
 
     request = dataclasses.replace(rollout_request(obj(cfg.actor), obj(cfg.data), obj(cfg.ppo)), backend=name)
     model = tiny_causal_lm("qwen2")
@@ -66,11 +79,11 @@ def _answers_backend(pm: Any, cfg: DictConfig, name: str, providers: list[str]) 
             answer = _call_alone(pm, provider, "rlcore_rollout_backend",
                                  dict(model=model, request=request, dist=DistInfo()))
         except Exception:  # noqa: BLE001 - it tried to build one: the name is its
-            return True
+            return provider, None, None
         if answer is not None:
-            _close(answer)
-            return True
-    return False
+            close_answer(answer)
+            return provider, bool(getattr(answer, "supports_episodes", False)), answer
+    return None
 
 
 def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
@@ -82,8 +95,9 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
     :class:`PluginError`, and all are reported together (a :class:`~rlcore.errors.PreflightError`
     when more than one). An error a factory raises itself is reported too when the world size is
     known before start (``WORLD_SIZE``, ``trainer.nproc_per_node`` > 1); otherwise it is left to
-    ``train``, whose answer may depend on the world size it has. The answers are discarded (closed
-    where they have ``close()``). Hooks only the built-in defaults answer are not built; a reward
+    ``train``, whose answer may depend on the world size it has. Each plugin is asked once per call
+    (the reward backend receives the placement answer already built) and every answer is closed at the
+    end (``close()`` where it has one). Hooks only the built-in defaults answer are not built; a reward
     backend is not built while ``reward_model.enable`` is set (it would load the reward model). The
     rollout backend needs the model: its answer is checked when the model has loaded.
 
@@ -93,7 +107,6 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
     """
     from rlcore.distributed.init import known_world_size
     from rlcore.errors import PreflightError, RLCoreError
-    from rlcore.plugin_manager import check_answer
     from rlcore.protocols import DistInfo
 
     dist = DistInfo(world_size=max(1, world_size))
@@ -104,10 +117,29 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
     if not hooks:
         return
     world_known = known_world_size(cfg.trainer.nproc_per_node) is not None
-    args = _factory_args(pm, cfg, dist, _tokenizer_loader(cfg, tokenizer))
+    built: dict[str, list[Any]] = {}  # per hook, the answers built: each factory is asked once, closed at the end
+    args = _factory_args(pm, cfg, dist, _tokenizer_loader(cfg, tokenizer), built)
     problems: list[RLCoreError] = []
+    try:
+        _ask_each(pm, hooks, args, built, problems, world_known)
+    finally:
+        for answers in built.values():
+            for answer in answers:
+                close_answer(answer)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise PreflightError(problems)
 
-    def report(error: RLCoreError) -> None:  # once: the dataset hook is asked per split, placement twice
+
+def _ask_each(pm: Any, hooks: list[str], args: dict, built: dict[str, list[Any]], problems: list,
+              world_known: bool) -> None:
+    """Ask each selected plugin implementing each of ``hooks`` on its own, record its answer in
+    ``built`` and every problem in ``problems`` (once each)."""
+    from rlcore.errors import RLCoreError
+    from rlcore.plugin_manager import check_answer
+
+    def report(error: RLCoreError) -> None:  # once: the dataset hook is asked per split
         if str(error) not in {str(p) for p in problems}:
             problems.append(error)
 
@@ -135,6 +167,7 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
                     continue
                 if answer is not None:
                     answers.append((name, answer))
+                    built.setdefault(hook, []).append(answer)
             if len(answers) > 1:
                 report(PluginError(f"plugins '{answers[0][0]}' and '{answers[1][0]}' both answer {hook}; "
                                    "select only one of them"))
@@ -143,12 +176,6 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
                     check_answer(hook, name, answer)
                 except PluginError as error:
                     report(error)
-                finally:
-                    _close(answer)
-    if len(problems) == 1:
-        raise problems[0]
-    if problems:
-        raise PreflightError(problems)
 
 
 def _call_alone(pm: Any, name: str, hook: str, kwargs: dict) -> Any:
@@ -186,32 +213,23 @@ def demo_tokenizer() -> Any:
         return load_tokenizer(tmp)
 
 
-def _close(answer: Any) -> None:
-    """Release what a factory answer built only for a check holds (a reward backend's worker pool)."""
-    close = getattr(answer, "close", None)
-    if callable(close):
-        try:
-            close()
-        except Exception:  # noqa: BLE001 - a check's leftovers must not fail the check
-            log.debug("closing a %s built for a check failed", type(answer).__name__, exc_info=True)
-
-
-def provides_data(pm: Any) -> bool:
-    """Whether a selected plugin implements ``rlcore_dataset_provider``."""
-    return any(_implements(pm, n, "rlcore_dataset_provider") for n in pm.selected_names)
-
-
 def _implements(pm: Any, name: str, hook: str) -> bool:
-    plugin = pm.get_plugin(name)
-    return any(impl.plugin is plugin for impl in getattr(pm.hook, hook).get_hookimpls())
+    return pm.implements(name, hook)
 
 
-def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Callable[[], Any]]) -> dict:
-    """Per factory hook, a function giving the keyword arguments of each call ``train`` makes."""
+def obj(node: Any) -> Any:
+    """The typed dataclass object of a config section (what a factory receives)."""
+    return OmegaConf.to_object(node)
+
+
+def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Callable[[], Any]],
+                  built: Optional[dict[str, list[Any]]] = None) -> dict:
+    """Per factory hook, a function giving the keyword arguments of each call ``train`` makes; the
+    reward's placement is the placement policy already in ``built`` (else built once here, recorded there)."""
+    built = {} if built is None else built
     from rlcore.config.schema import resolve_fsdp, trains_critic
     from rlcore.distributed.placement import requested_devices
     from rlcore.protocols import PlacementRequest
-    from rlcore.trainer.components import obj
 
     def placement_args() -> list[dict]:
         devices = requested_devices(obj(cfg.actor), obj(cfg.critic), obj(cfg.reward_model),
@@ -229,6 +247,13 @@ def _factory_args(pm: Any, cfg: DictConfig, dist: Any, tokenizer: Optional[Calla
         return [dict(config=data, tokenizer=tok(), split=split, dist=dist) for split in splits]
 
     def placement() -> Any:
+        if built.get("rlcore_placement_policy"):
+            return built["rlcore_placement_policy"][0]
+        answer = _placement()
+        built.setdefault("rlcore_placement_policy", []).append(answer)
+        return answer
+
+    def _placement() -> Any:
         try:
             return pm.build("rlcore_placement_policy", **placement_args()[0])
         except PluginError:  # reported under its own hook; the reward's factory gets a selected answer to go on

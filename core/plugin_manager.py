@@ -273,9 +273,19 @@ class RLCorePluginManager(pluggy.PluginManager):
 
         self._undo_trace = self.add_hookcall_monitoring(before, after)
 
+    def implements(self, name: str, hook: str) -> bool:
+        """Whether the plugin registered as ``name`` implements ``hook``."""
+        plugin = self.get_plugin(name)
+        return any(impl.plugin is plugin for impl in getattr(self.hook, hook).get_hookimpls())
+
     # -- factory hooks --------------------------------------------------------------------
     def build(self, hook_name: str, **kwargs: Any) -> Any:
-        """Call a factory hook and return the one answer.
+        """Call a factory hook and return the one answer (:meth:`build_named` without the name)."""
+        return self.build_named(hook_name, **kwargs)[1]
+
+    def build_named(self, hook_name: str, **kwargs: Any) -> tuple[str, Any]:
+        """Call a factory hook; ``(plugin name, answer)`` of the one answer, checked against its
+        protocol and completed with the defaults of the optional methods it lacks (:func:`complete_answer`).
 
         A selected plugin's answer wins over the defaults'; two selected plugins answering raise.
         """
@@ -287,8 +297,8 @@ class RLCorePluginManager(pluggy.PluginManager):
         if not answers:  # built-in defaults only when no selected plugin answers, the last registered first
             answers = self._answers(hook_name, defaults[::-1], kwargs, first=True)
         if answers:
-            check_answer(hook_name, *answers[0])
-            return answers[0][1]
+            name, answer = answers[0]
+            return name, complete_answer(hook_name, name, answer)
         raise PluginError(f"no plugin answers {hook_name}")
 
     def selected_answers(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
@@ -319,6 +329,11 @@ class RLCorePluginManager(pluggy.PluginManager):
         return out
 
 
+def provides_data(pm: RLCorePluginManager) -> bool:
+    """Whether a selected plugin implements ``rlcore_dataset_provider`` (it is the run's data source)."""
+    return any(pm.implements(n, "rlcore_dataset_provider") for n in pm.selected_names)
+
+
 def factory_protocols() -> dict[str, type]:
     """The protocol (``rlcore.protocols``) each factory hook's answer must satisfy."""
     from rlcore import protocols
@@ -336,7 +351,9 @@ def protocol_methods(protocol: type) -> list[str]:
 
 def check_answer(hook_name: str, plugin: str, answer: Any) -> None:
     """Raise :class:`PluginError` naming ``plugin`` and what is missing when ``answer`` does not
-    satisfy the protocol of ``hook_name`` (a dataset: neither ``__getitem__`` nor ``__iter__``)."""
+    satisfy the protocol of ``hook_name`` (a dataset: neither ``__getitem__`` nor ``__iter__``). A
+    method added after the protocol's first release (:data:`rlcore.protocols.OPTIONAL_METHODS`) may
+    be missing: :func:`complete_answer` gives the default."""
     if hook_name == "rlcore_dataset_provider":
         if not (hasattr(answer, "__getitem__") or hasattr(answer, "__iter__")):
             raise PluginError(f"plugin '{plugin}' answered {hook_name} with a {type(answer).__name__}, which is "
@@ -345,11 +362,90 @@ def check_answer(hook_name: str, plugin: str, answer: Any) -> None:
     protocol = factory_protocols().get(hook_name)
     if protocol is None or isinstance(answer, protocol):
         return
+    from rlcore.protocols import OPTIONAL_METHODS
+
     methods = protocol_methods(protocol)
-    missing = [m for m in methods if not callable(getattr(answer, m, None))]
+    optional = OPTIONAL_METHODS.get(protocol.__name__, {})
+    missing = [m for m in methods if m not in optional and not callable(getattr(answer, m, None))]
+    if not missing:
+        return
     raise PluginError(f"plugin '{plugin}' answered {hook_name} with a {type(answer).__name__}, which lacks "
                       f"{', '.join(m + '()' for m in missing)}: a {protocol.__name__} (rlcore.protocols) has "
                       f"{', '.join(m + '()' for m in methods)}")
+
+
+class AnswerWithDefaults:
+    """A plugin's factory answer with the defaults of the methods it lacks (see :func:`complete_answer`):
+    every other attribute is the answer's own."""
+
+    def __init__(self, answer: Any, methods: dict[str, Any]):
+        self.__dict__.update(methods, _answer=answer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_answer"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.__dict__["_answer"], name, value)
+
+    def __repr__(self) -> str:
+        return f"{self.__dict__['_answer']!r} (with rlcore's defaults)"
+
+
+def complete_answer(hook_name: str, plugin: str, answer: Any) -> Any:
+    """``answer`` checked (:func:`check_answer`) and, where it was written for an earlier plugin API,
+    completed: a method of :data:`rlcore.protocols.OPTIONAL_METHODS` it lacks is the default of the
+    protocol's base class (:data:`rlcore.protocols.BASES`), and a method lacking a keyword parameter
+    of :data:`rlcore.protocols.OPTIONAL_PARAMETERS` is called without it. Each is announced by a
+    ``DeprecationWarning`` (and a log line) naming the plugin. The answer itself when nothing lacks."""
+    import functools
+    import inspect
+    import types
+    import warnings
+
+    from rlcore import PLUGIN_API_VERSION
+    from rlcore.protocols import BASES, OPTIONAL_METHODS, OPTIONAL_PARAMETERS
+
+    check_answer(hook_name, plugin, answer)
+    protocol = factory_protocols().get(hook_name)
+    if protocol is None:
+        return answer
+    kind = protocol.__name__
+    added: dict[str, Any] = {}
+    notes = []
+    for method, version in OPTIONAL_METHODS.get(kind, {}).items():
+        if not callable(getattr(answer, method, None)):
+            added[method] = types.MethodType(getattr(BASES[kind], method), answer)
+            notes.append(f"lacks {method}() (plugin API {version})")
+    for method, (param, version) in OPTIONAL_PARAMETERS.get(kind, {}).items():
+        bound = getattr(answer, method, None)
+        try:
+            params = inspect.signature(bound).parameters
+        except (TypeError, ValueError):
+            continue
+        if param in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            continue
+        added[method] = functools.wraps(bound)(lambda *a, _call=bound, _drop=param, **kw: _call(
+            *a, **{k: v for k, v in kw.items() if k != _drop}))
+        notes.append(f"{method}() takes no {param}= (plugin API {version})")
+    if not added:
+        return answer
+    message = (f"plugin '{plugin}': its {kind} ({type(answer).__name__}) {'; '.join(notes)}: rlcore uses the "
+               f"defaults of rlcore.protocols.{BASES[kind].__name__}. Written for an earlier plugin API than "
+               f"{PLUGIN_API_VERSION}; inherit that class or add the method (docs/plugins.md, 'Plugin API versions')")
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    log.warning("%s", message)
+    return AnswerWithDefaults(answer, added)
+
+
+def close_answer(answer: Any) -> None:
+    """Release what a factory answer holds: its ``close()``, where it has one (a failure is logged,
+    not raised: closing never hides the run's own outcome)."""
+    close = getattr(answer, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as error:  # noqa: BLE001 - logged; the run's own error or result stands
+            log.warning("closing %s failed: %s: %s", type(answer).__name__, type(error).__name__, error)
 
 
 def _import_builtin(spec: str) -> Any:

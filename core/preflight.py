@@ -9,12 +9,14 @@ from __future__ import annotations
 from rlcore.errors import RLCoreError
 
 
-def preflight(cfg, names):
+def preflight(cfg, names, build_factories: bool = True):
     """Every check that can run before a model loads: plugins and their settings, data files, model and
     reward-model paths, role devices, output directory, the checkpoint to resume from, the reward
     function, each plugin's own checks (``rlcore_preflight``: plugin requirements, shard sizes), rank
-    groups, and — when the rest is sound — two selected plugins answering the same factory hook.
-    Every problem found is reported together.
+    groups, and — when the rest is sound and ``build_factories`` — two selected plugins answering the
+    same factory hook and answers lacking a method (``rlcore validate``). ``rlcore train`` leaves those to
+    the trainer, which builds every factory answer once, before any model loads, and checks it there
+    (building them here too would build each twice). Every problem found is reported together.
 
     :raises RLCoreError: the one problem found, or an :class:`~rlcore.errors.PreflightError` listing all.
     """
@@ -60,7 +62,7 @@ def preflight(cfg, names):
         attempt(_plugin_check, impl, given)
     attempt(_check_environments, cfg, pm)
     attempt(_check_rank_groups, cfg)
-    if not problems:  # two plugins answering one factory hook, found as train would find it
+    if not problems and build_factories:  # two plugins answering one factory hook, found as train would find it
         attempt(check_conflicts, pm, cfg, _world_size(cfg), lambda: _tokenizer(cfg))
     if len(problems) == 1:
         raise problems[0]
@@ -102,7 +104,7 @@ def _check_reward_function(cfg, train_files) -> None:
 def _tokenizer(cfg):
     """The actor's tokenizer, as the trainer loads it (the demo's when no model is given)."""
     from rlcore.protocols import DistInfo
-    from rlcore.trainer.components import demo_model
+    from rlcore.demo import demo_model
     from rlcore.trainer.models import load_tokenizer
 
     return load_tokenizer(cfg.actor.model_path or demo_model(cfg.trainer.output_dir, DistInfo()))
@@ -128,10 +130,22 @@ def _check_environments(cfg, pm) -> None:
         if name in envs.factories:
             envs.limits(name)
             try:
-                envs.make(name)
+                _close_env(envs.make(name))  # built only to try its settings: never started, closed at once
             except ValueError as error:
                 raise EnvError(f"environment '{name}': {error}") from error
     check_data_environments(envs, _data_files(cfg), str(cfg.data.env_key), pm.default_names + pm.selected_names)
+
+
+def _close_env(env) -> None:
+    """``env.close()`` (plain or ``async``), where the environment has one."""
+    import asyncio
+    import inspect
+
+    close = getattr(env, "close", None)
+    if callable(close):
+        out = close()
+        if inspect.isawaitable(out):
+            asyncio.run(out)
 
 
 def _data_files(cfg) -> list[tuple[str, str]]:

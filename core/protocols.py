@@ -2,6 +2,13 @@
 
 A plugin's object need not inherit from these classes; it only needs the methods. Tests check
 built-in plugins with ``isinstance`` (the protocols are ``runtime_checkable``).
+
+Methods added to a protocol after its first release (:data:`OPTIONAL_METHODS`) have a default: a
+plugin may inherit it from the protocol's base class (:class:`ReshardPolicyBase`,
+:class:`CheckpointPolicyBase`, :class:`RolloutBackendBase` …); an answer written for an earlier
+plugin API that lacks one gets the base class's default with a ``DeprecationWarning`` naming the
+plugin (:func:`rlcore.plugin_manager.complete_answer`), so it keeps working. The plugin API's
+version is :data:`rlcore.PLUGIN_API_VERSION`.
 """
 
 from __future__ import annotations
@@ -70,11 +77,18 @@ class RolloutRequest:
     #: optimizer moments of the trainable weights not yet allocated): a backend that sizes a cache from
     #: the free memory leaves them out.
     memory_reserve_bytes: int = 0
+    #: the run plays multi-turn episodes (``data.env_key``): prompts may carry an episode
+    #: (:func:`rlcore.rollout.turns.play_episodes`); a backend that cannot play them says so with
+    #: ``supports_episodes = False`` (the default) and the run is refused before any model loads.
+    episodes: bool = False
 
 
 @runtime_checkable
 class PlacementPolicy(Protocol):
-    """Decides where each role (actor, critic, ref, reward) lives."""
+    """Decides where each role (actor, critic, ref, reward) lives.
+
+    Checked when built (:func:`rlcore.contract.check_placement`): ``ranks_for`` gives whole numbers in
+    ``[0, world_size)`` (at least one), ``device_for`` a device for each role this rank holds."""
 
     def device_for(self, role: str) -> torch.device:
         """The device on which ``role`` computes in this process."""
@@ -109,7 +123,10 @@ class ReshardPolicy(Protocol):
 
     The trainer calls exactly these four methods: ``prepare`` once per trained role,
     then per rollout ``generation`` (a context manager) and, inside it, ``generation_share``;
-    ``stats`` after every step."""
+    ``stats`` after every step. ``generation_share`` (plugin API 1.1) and ``prepare``'s ``fsdp``
+    have defaults (:class:`ReshardPolicyBase`). Each share is checked
+    (:func:`rlcore.contract.check_share`): it has ``prompts``, ``params`` and ``own()``, and the rows it
+    keeps are one per prompt of this rank."""
 
     def prepare(self, model: torch.nn.Module, role: str, fsdp: Optional[FSDPConfig] = None) -> torch.nn.Module:
         """Wrap ``model`` for training (e.g. ``fully_shard``) and return the module to train.
@@ -163,7 +180,16 @@ class RewardOutput:
 
 @runtime_checkable
 class RewardBackend(Protocol):
-    """Scores a batch of prompt/response pairs."""
+    """Scores a batch of prompt/response pairs.
+
+    ``score`` may be called several times per step, each time on a group of finished samples:
+    with ``reward.stream`` (the default, in one process without a reward model) samples are scored
+    in a worker thread as the rollout reports them finished, and whatever was not streamed once it
+    ends; a backend must not assume one call holds the step's whole batch (or a whole group of
+    ``ppo.generation.n``). Calls come one at a time, from that thread or the trainer's. The answer is
+    checked every time (:func:`rlcore.contract.check_reward_output`): ``scores`` a 1-D tensor of one
+    finite number per sample of ``batch``, in order, and ``metrics`` numbers by name. An optional
+    ``close()`` is called once when the run ends (:class:`RewardBackendBase` has one)."""
 
     def score(self, batch: RewardInput) -> RewardOutput:
         """Return one finite score per sample; raise :class:`rlcore.errors.RewardError` otherwise."""
@@ -179,7 +205,10 @@ class Stateful(Protocol):
 
 @runtime_checkable
 class CheckpointPolicy(Protocol):
-    """When to save, what to keep, how to resume."""
+    """When to save, what to keep, how to resume.
+
+    ``wait`` (plugin API 1.1) has a default (:class:`CheckpointPolicyBase`). ``resume``'s answer is
+    checked (:func:`rlcore.contract.check_resume_step`: a whole number >= 0)."""
 
     def should_save(self, step: int, *, final: bool = False) -> bool:
         """Whether to save after optimizer step ``step``; ``final=True`` is asked once when the run
@@ -248,7 +277,75 @@ class WorldSplit(Protocol):
         ...
 
 
-__all__ = ["CheckpointPolicy", "DistInfo", "GenerationShare", "PlacementPolicy", "PlacementRequest",
-           "ReshardPolicy", "RewardBackend", "RewardInput", "RewardOutput", "RolloutBackend", "RolloutRequest",
-           "RolloutSource", "Stateful", "WorldSplit"]
+# ------------------------------------------------------------------------------------------------
+# Base classes: the defaults of the methods added after a protocol's first release
+# ------------------------------------------------------------------------------------------------
+
+
+class PlacementPolicyBase:
+    """A base a placement policy may inherit (nothing of it is optional yet)."""
+
+
+class ReshardPolicyBase:
+    """A base a reshard policy may inherit: the defaults of :meth:`ReshardPolicy.generation_share`
+    (every rank generates its own prompts) and :meth:`ReshardPolicy.stats` (no timings)."""
+
+    def generation_share(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationShare:
+        return GenerationShare(prompts, params)
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class CheckpointPolicyBase:
+    """A base a checkpoint policy may inherit: the default of :meth:`CheckpointPolicy.wait` (a policy
+    that saves synchronously has nothing to wait for)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class RewardBackendBase:
+    """A base a reward backend may inherit: ``close()`` releases nothing."""
+
+    def close(self) -> None:
+        return None
+
+
+class RolloutBackendBase:
+    """A base a rollout backend may inherit: it plays no multi-turn episodes (``supports_episodes``
+    False: a run with ``data.env_key`` is refused before any model loads) and ``close()`` releases
+    nothing. A backend that plays episodes sets ``supports_episodes = True`` and plays prompts that
+    carry one with :func:`rlcore.rollout.turns.play_episodes`."""
+
+    supports_episodes: bool = False
+
+    def close(self) -> None:
+        return None
+
+
+#: Per protocol, the methods added after its first release, each with the plugin API version that
+#: added it: an answer without one gets the default of the protocol's base class (:data:`BASES`).
+OPTIONAL_METHODS: dict[str, dict[str, str]] = {
+    "ReshardPolicy": {"generation_share": "1.1"},
+    "CheckpointPolicy": {"wait": "1.1"},
+}
+
+#: Per protocol, keyword parameters added to a method after its first release: an answer whose
+#: method lacks one is called without it (``ReshardPolicy.prepare(fsdp=)``: the policy keeps the
+#: settings it was built with for every role).
+OPTIONAL_PARAMETERS: dict[str, dict[str, tuple[str, str]]] = {
+    "ReshardPolicy": {"prepare": ("fsdp", "1.1")},
+}
+
+#: The base class holding each protocol's defaults.
+BASES: dict[str, type] = {"PlacementPolicy": PlacementPolicyBase, "ReshardPolicy": ReshardPolicyBase,
+                          "CheckpointPolicy": CheckpointPolicyBase, "RewardBackend": RewardBackendBase,
+                          "RolloutBackend": RolloutBackendBase}
+
+
+__all__ = ["BASES", "CheckpointPolicy", "CheckpointPolicyBase", "DistInfo", "GenerationShare", "OPTIONAL_METHODS",
+           "OPTIONAL_PARAMETERS", "PlacementPolicy", "PlacementPolicyBase", "PlacementRequest", "ReshardPolicy",
+           "ReshardPolicyBase", "RewardBackend", "RewardBackendBase", "RewardInput", "RewardOutput",
+           "RolloutBackend", "RolloutBackendBase", "RolloutRequest", "RolloutSource", "Stateful", "WorldSplit"]
 

@@ -70,18 +70,35 @@ def check_rollout_backend(make_backend: Callable[[Any], Any], model: Any, *, voc
     * ``logprobs`` — the sampled tokens' log-probs equal teacher-forced ``log_softmax(logits / T)`` of
       the model (within ``atol``), greedy and sampled;
     * ``sync_weights`` — after the model's weights change in place, ``sync_weights()`` makes the
-      backend's log-probs follow the new weights. This check modifies ``model``.
+      backend's log-probs follow the new weights. This check modifies ``model``;
+    * ``episodes`` — only for a backend that declares ``supports_episodes = True``: prompts carrying a
+      two-turn episode are played (each turn reaches the episode, the observation is appended to the
+      response with ``response_mask`` 0 and ``response_attention`` 1).
+
+    Every batch returned is also held to every rule the trainer checks at the plugin boundary
+    (:func:`rlcore.contract.rollout_problems`: one row per prompt, widths, 0/1 masks, the prompts in
+    order, ``logprobs`` present, finite and at most 0, token ids inside the vocabulary); a batch that
+    breaks one fails the check that asked for it.
 
     :raises RolloutConformanceError: naming the first check that fails and what differed.
     """
     import torch
 
+    from rlcore.contract import rollout_problems
     from rlcore.protocols import RolloutBackend
     from rlcore.rollout.base import SamplingParams
     from rlcore.trainer.models import response_logprobs
 
     def fail(check: str, why: str) -> None:
         raise RolloutConformanceError(f"rollout backend {type(backend).__name__}: check '{check}' failed: {why}")
+
+    def generated(check: str, prompts: Sequence[Sequence[int]], params: Any) -> Any:
+        """``backend.generate``, its batch held to the plugin boundary's rules."""
+        batch = backend.generate(prompts, params)
+        problems = rollout_problems(batch, prompts, params.max_new_tokens, vocab)
+        if problems:
+            fail(check, "the batch breaks the contract: " + "; ".join(problems))
+        return batch
 
     vocab = int(vocab_size or model.config.vocab_size)
     pad = 0
@@ -102,7 +119,7 @@ def check_rollout_backend(make_backend: Callable[[Any], Any], model: Any, *, voc
         return out * batch.response_mask.cpu()
 
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, pad_token_id=pad)
-    batch = backend.generate(prompts, greedy)
+    batch = generated("shapes", prompts, greedy)
     b, r = batch.response_ids.shape
     if b != len(prompts) or batch.prompt_ids.shape[0] != b or not 0 < r <= max_new_tokens:
         fail("shapes", f"{len(prompts)} prompts gave prompts {tuple(batch.prompt_ids.shape)}, responses {(b, r)}")
@@ -127,7 +144,7 @@ def check_rollout_backend(make_backend: Callable[[Any], Any], model: Any, *, voc
 
     full = batch.response_ids.cpu()
     eos = int(full[0, min(2, r - 1)])
-    stopped = backend.generate(prompts, dataclasses.replace(greedy, eos_token_ids=(eos,)))
+    stopped = generated("eos", prompts, dataclasses.replace(greedy, eos_token_ids=(eos,)))
     check_masks(stopped, "eos")
     for i in range(b):
         ids, keep = stopped.response_ids[i].cpu(), stopped.response_mask[i].cpu().bool()
@@ -139,7 +156,7 @@ def check_rollout_backend(make_backend: Callable[[Any], Any], model: Any, *, voc
     passed.append("eos")
 
     sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=1234, pad_token_id=pad)
-    first, second = backend.generate(prompts, sampled), backend.generate(prompts, sampled)
+    first, second = generated("seeds", prompts, sampled), generated("seeds", prompts, sampled)
     if not torch.equal(first.response_ids.cpu(), second.response_ids.cpu()):
         fail("seeds", "the same seed gave different samples")
     passed.append("seeds")
@@ -154,12 +171,73 @@ def check_rollout_backend(make_backend: Callable[[Any], Any], model: Any, *, voc
         for p in model.parameters():
             p.mul_(1.5)
     backend.sync_weights()
-    after = backend.generate(prompts, greedy)
+    after = generated("sync_weights", prompts, greedy)
     diff = float((after.logprobs.float().cpu() - teacher_forced(after, 1.0)).abs().max())
     if diff > atol or torch.allclose(after.logprobs.float().cpu(), batch.logprobs.float().cpu()):
         fail("sync_weights", f"after the weights changed, log-probs differ from teacher forcing by {diff:.2e}")
     passed.append("sync_weights")
+    if getattr(backend, "supports_episodes", False):
+        _check_episodes(generated, fail, prompts, greedy, vocab)
+        passed.append("episodes")
     return passed
+
+
+class _KitEpisodes:
+    """A stand-in for the trainer's episode runner: each episode takes two turns, the first answered
+    with the observation ``OBSERVATION`` (token ids), the second ending it."""
+
+    OBSERVATION = (3, 4)
+
+    def stops(self) -> tuple[set[int], list[str]]:
+        return set(), []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(map(str, ids))
+
+    def submit(self, episode: Any, token_ids: list[int], used: int, budget: int, truncated: bool) -> Any:
+        import concurrent.futures
+
+        episode.turns += 1
+        episode.model_tokens += len(token_ids)
+        room = used + len(self.OBSERVATION) + 1 <= episode.token_limit(budget)
+        observation = list(self.OBSERVATION) if episode.turns == 1 and room else None
+        episode.done = observation is None
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(observation)
+        return future
+
+
+def _check_episodes(generated: Callable, fail: Callable, prompts: Sequence[Sequence[int]], params: Any,
+                    vocab: int) -> None:
+    """Prompts carrying a two-turn episode (:class:`_KitEpisodes`) are played: each episode gets its
+    turns, and its observation sits in the response with ``response_mask`` 0 and attention 1."""
+    import dataclasses as dc
+
+    from rlcore.envs.runner import Episode, EpisodeLimits, EpisodePrompt
+
+    runner = _KitEpisodes()
+    observation = [t % vocab for t in runner.OBSERVATION]
+    runner.OBSERVATION = tuple(observation)
+    episodes = [Episode("conformance", None, {}, EpisodeLimits(max_turns=2), runner) for _ in prompts]
+    carried = [EpisodePrompt(p, e) for p, e in zip(prompts, episodes)]
+    # a turn ends at its first token here, so every episode has room for the observation and a second turn
+    params = dc.replace(params, max_new_tokens=max(params.max_new_tokens, 2 * len(observation) + 4))
+    first = generated("episodes", [list(p) for p in prompts], dc.replace(params, max_new_tokens=1))
+    stop = tuple(int(t) for t in first.response_ids[:, 0].tolist())
+    batch = generated("episodes", carried, dc.replace(params, eos_token_ids=tuple(sorted(set(stop)))))
+    unplayed = [i for i, e in enumerate(episodes) if not e.turns]
+    if unplayed:
+        fail("episodes", f"prompt {unplayed[0]} carried an episode no turn of which reached it (supports_episodes "
+                         "is True: play such prompts with rlcore.rollout.turns.play_episodes)")
+    attention = batch.attention.cpu()
+    for i, episode in enumerate(episodes):
+        if episode.turns < 2:
+            continue
+        ids, model = batch.response_ids[i].cpu(), batch.response_mask[i].cpu()
+        observed = ids[(model == 0) & (attention[i] == 1)].tolist()
+        if observed[:len(observation)] != observation:
+            fail("episodes", f"row {i}: the observation {observation} is not in the response as attended, "
+                             f"untrained tokens (found {observed})")
 
 
 @pytest.fixture

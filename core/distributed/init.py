@@ -18,19 +18,17 @@ import os
 import sys
 import time
 import traceback
-from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as tdist
 
+from rlcore.distributed.env import DEFAULT_TIMEOUT_S, ENV_TIMEOUT, collective_timeout, env_int  # noqa: F401 - also read here
 from rlcore.errors import PlacementError
 from rlcore.protocols import DistInfo
 
 log = logging.getLogger(__name__)
 
-ENV_TIMEOUT = "RLCORE_DIST_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 600.0
 DEVICE_PREFS = ("auto", "cpu", "cuda")
 
 
@@ -41,32 +39,6 @@ def known_world_size(nproc_per_node: int | None) -> int | None:
     if world > 0:
         return world
     return int(nproc_per_node) if int(nproc_per_node or 1) > 1 else None
-
-
-def env_int(name: str, default: int) -> int:
-    """The integer in environment variable ``name`` (``default`` when unset or empty).
-
-    :raises PlacementError: the variable does not hold an integer (the message names it).
-    """
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise PlacementError(f"environment variable {name}={raw!r} is not an integer") from e
-
-
-def collective_timeout() -> timedelta:
-    """The process-group timeout: ``RLCORE_DIST_TIMEOUT_S`` seconds (default 600)."""
-    raw = os.environ.get(ENV_TIMEOUT, "")
-    try:
-        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError as e:
-        raise PlacementError(f"environment variable {ENV_TIMEOUT}={raw!r} is not a number of seconds") from e
-    if seconds <= 0:
-        raise PlacementError(f"environment variable {ENV_TIMEOUT} must be > 0, got {raw!r}")
-    return timedelta(seconds=seconds)
 
 
 def check_device_pref(device_pref: str) -> str:

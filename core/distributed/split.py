@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as tdist
 
-from rlcore.distributed.init import ENV_TIMEOUT, collective_timeout, env_int
+from rlcore.distributed.env import ENV_TIMEOUT, collective_timeout, env_int
 from rlcore.errors import PlacementError
 from rlcore.protocols import DistInfo
 

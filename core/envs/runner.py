@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 from rlcore.envs.base import LIMIT_KEYS, Step, Turn
 from rlcore.envs.guards import DaemonThreads, cap_observation, message_problem, step_problem
 from rlcore.errors import EnvError, RLCoreError
+from rlcore.rollout.turns import episodes_of  # noqa: F401 - read here by the backends; beside play_episodes
 
 log = logging.getLogger(__name__)
 
@@ -563,11 +564,3 @@ class EpisodePrompt(list):
 
     def __reduce__(self):  # pickles as the plain ids: episodes live in this process only
         return (list, (list(self),))
-
-
-def episodes_of(prompts: Sequence[Sequence[int]]) -> tuple[list[Optional[Episode]], Optional["EpisodeRunner"]]:
-    """The episode of each prompt (``None`` for plain prompts) and their runner (``None`` when no
-    prompt carries an episode)."""
-    episodes = [getattr(p, "episode", None) for p in prompts]
-    runner = next((e.runner for e in episodes if e is not None), None)
-    return episodes, runner

@@ -77,7 +77,16 @@ class RolloutBatch:
 
 @runtime_checkable
 class RolloutBackend(Protocol):
-    """What the trainer needs from a generator."""
+    """What the trainer needs from a generator.
+
+    Every batch ``generate`` returns is checked before the trainer uses it
+    (:func:`rlcore.contract.rollout_problems`): one row per prompt in order, the widths and 0/1 masks
+    of :class:`RolloutBatch`, ``logprobs`` present, finite and at most 0, token ids inside the
+    vocabulary, at most ``max_new_tokens`` response tokens. With ``data.env_key`` prompts may carry a
+    multi-turn episode: a backend that plays them declares ``supports_episodes = True`` and passes
+    such prompts to :func:`rlcore.rollout.turns.play_episodes`; without the attribute (False, as in
+    :class:`rlcore.protocols.RolloutBackendBase`) the run is refused before any model loads. An
+    optional ``close()`` is called once when the run ends."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """Sample one response per prompt (repeat prompts for several samples)."""

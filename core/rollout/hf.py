@@ -82,6 +82,9 @@ class HFGenerateBackend:
         device: where prompts are placed (default: the model's device).
     """
 
+    #: prompts carrying an episode are played turn by turn (:func:`rlcore.rollout.turns.play_episodes`)
+    supports_episodes = True
+
     def __init__(self, model, *, device: torch.device | str | None = None):
         if not hasattr(model, "generate"):
             raise ValueError(f"HFGenerateBackend: {type(model).__name__} has no generate()")
@@ -94,15 +97,10 @@ class HFGenerateBackend:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """Sample one response per prompt (see :class:`~rlcore.rollout.base.RolloutBackend`).
         Prompts that carry an episode (:class:`rlcore.envs.runner.EpisodePrompt`) are played turn
-        by turn (:func:`rlcore.rollout.turns.generate_turn_by_turn`)."""
-        from rlcore.envs.runner import episodes_of
+        by turn (:func:`rlcore.rollout.turns.play_episodes`)."""
+        from rlcore.rollout.turns import play_episodes
 
-        episodes, runner = episodes_of(prompts)
-        if runner is None:
-            return self._generate(prompts, params)
-        from rlcore.rollout.turns import generate_turn_by_turn
-
-        return generate_turn_by_turn(self._generate, prompts, params, episodes, runner, self.device)
+        return play_episodes(self._generate, prompts, params, self.device)
 
     @torch.no_grad()
     def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlcore.envs.runner import Episode, EpisodeRunner
 
 
 def find_turn_end(tokens: Sequence[int], start: int, count: int, end_ids: set[int], stop_texts: Sequence[str],
@@ -51,6 +54,33 @@ def stop_token_ids(tokenizer, stop: Sequence[str]) -> tuple[set[int], list[str]]
         else:
             texts.append(text)
     return ids, texts
+
+
+def episodes_of(prompts: Sequence[Sequence[int]]) -> tuple[list[Optional["Episode"]], Optional["EpisodeRunner"]]:
+    """The episode of each prompt (``None`` for plain prompts) and their runner (``None`` when no
+    prompt carries an episode)."""
+    episodes = [getattr(p, "episode", None) for p in prompts]
+    runner = next((e.runner for e in episodes if e is not None), None)
+    return episodes, runner
+
+
+def play_episodes(generate: Callable[[Sequence[Sequence[int]], SamplingParams], RolloutBatch],
+                  prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  device: torch.device | str = "cpu") -> RolloutBatch:
+    """What a rollout backend's ``generate`` does with prompts that may carry multi-turn episodes
+    (``data.env_key``): plain prompts are one call of ``generate``; prompts carrying an episode
+    (:class:`~rlcore.envs.runner.EpisodePrompt`) are played turn by turn with it
+    (:func:`generate_turn_by_turn`), each turn's tokens sent to the episode's environment and its
+    observation appended, until the environment ends the episode or a limit does.
+
+    ``generate(prompts, params)`` samples one turn per prompt: a single-turn
+    :class:`~rlcore.rollout.base.RolloutBatch` (the backend's own sampling, stopping at any of
+    ``params.eos_token_ids``). A backend that plays episodes declares ``supports_episodes = True``
+    and calls this from its ``generate``; ``device`` is where the result's tensors go."""
+    episodes, runner = episodes_of(prompts)
+    if runner is None:
+        return generate(prompts, params)
+    return generate_turn_by_turn(generate, prompts, params, episodes, runner, device)
 
 
 def generate_turn_by_turn(generate: Callable[[Sequence[Sequence[int]], SamplingParams], RolloutBatch],

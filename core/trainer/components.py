@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -15,12 +14,14 @@ from rlcore import rlmath
 from rlcore.config.schema import resolve_fsdp, trains_critic
 from rlcore.data.collate import BatchFiller
 from rlcore.data.loader import PromptLoader
-from rlcore.plugin_checks import provides_data
+from rlcore.demo import demo_model
+from rlcore.errors import PluginError
+from rlcore.plugin_manager import provides_data
 from rlcore.protocols import CheckpointPolicy, DistInfo, PlacementPolicy, PlacementRequest, ReshardPolicy
-from rlcore.protocols import RewardBackend, RolloutBackend, RolloutRequest, Stateful
+from rlcore.protocols import RewardBackend, RolloutBackend, Stateful
 from rlcore.trainer import models
 from rlcore.trainer.checkpoint import RNGState
-from rlcore.trainer.generation import ActorGeneration
+from rlcore.trainer.generation import ActorGeneration, _engine_settings, rollout_request  # noqa: F401 - read here too
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,35 @@ class Prompts:
 
 
 @dataclass
+class Built:
+    """Every factory answer built for one run, each once, with the plugin that answered it: the
+    trainer uses these instances and :meth:`close` releases them when the run ends (or when building
+    the rest fails)."""
+
+    answers: list[tuple[str, str, Any]] = field(default_factory=list)
+
+    def add(self, role: str, named: tuple[str, Any]) -> Any:
+        """Record ``(plugin, answer)`` built for ``role``; return the answer."""
+        self.answers.append((role, named[0], named[1]))
+        return named[1]
+
+    def plugin(self, role: str, default: str = "") -> str:
+        """The plugin that answered for ``role`` (``default``, else the role, when none was built here)."""
+        return next((name for r, name, _ in self.answers if r == role), default or role)
+
+    def close(self) -> None:
+        """``close()`` every answer that has one, the last built first, each once."""
+        from rlcore.plugin_manager import close_answer
+
+        seen: set[int] = set()
+        for _, _, answer in reversed(self.answers):
+            if id(answer) not in seen:
+                seen.add(id(answer))
+                close_answer(answer)
+        self.answers.clear()
+
+
+@dataclass
 class Components:
     """The parts of one run, each built from its own config section by :func:`build_components`."""
 
@@ -75,6 +105,14 @@ class Components:
     packed: bool = False
     #: per trained role, its activation-checkpointing policy (:class:`rlcore.trainer.recompute.Recompute`)
     recompute: dict[str, Any] = field(default_factory=dict)
+    #: the factory answers built for the run and the plugins that answered
+    built: Built = field(default_factory=Built)
+
+    def close(self) -> None:
+        """Release every factory answer the run built: the rollout backends, then the rest (``close()``
+        where an answer has one)."""
+        self.generation.close()
+        self.built.close()
 
     def stateful(self, trainer_state: Stateful) -> dict[str, Stateful]:
         state = {"actor": self.actor.model, "actor_optim": self.actor.optimizer, "actor_sched": self.actor.scheduler,
@@ -104,24 +142,29 @@ def _load_rows(dataset: Any, limit: int) -> list:
 
 
 def build_placement(pm: Any, dist: DistInfo, actor_cfg: Any, critic_cfg: Any, reward_model_cfg: Any,
-                    placement_cfg: Any, uses_critic: bool = True) -> Any:
+                    placement_cfg: Any, uses_critic: bool = True, built: Optional[Built] = None) -> Any:
     """The placement policy for the role devices and ``placement.rank_groups``, checked against the
-    world size and against what the trainer runs (only ``reward`` may be split).
+    world size and against what the trainer runs (only ``reward`` may be split); recorded in ``built``.
 
     :raises PlacementError: a device that does not exist, rank groups that do not fit the world, or
         actor, critic or ref on a subset of the ranks.
+    :raises PluginError: a device or ranks the policy answers that are none (:func:`rlcore.contract.check_placement`).
     """
+    from rlcore.contract import check_placement
     from rlcore.distributed.placement import check_trainer_placement, requested_devices
 
     devices = requested_devices(actor_cfg, critic_cfg, reward_model_cfg, uses_critic)
-    placement = pm.build("rlcore_placement_policy", request=PlacementRequest(
+    name, placement = pm.build_named("rlcore_placement_policy", request=PlacementRequest(
         **devices, reward_offload=bool(reward_model_cfg.offload),
         rank_groups={role: list(ranks) for role, ranks in placement_cfg.rank_groups.items()}), dist=dist)
+    (built if built is not None else Built()).add("placement", (name, placement))
+    check_placement(placement, list(devices), dist, name)
     check_trainer_placement(placement, dist.world_size)
     return placement
 
 
-def build_reward(cfg: DictConfig, pm: Any, placement: Any, tokenizer: Any, dist: DistInfo) -> Any:
+def build_reward(cfg: DictConfig, pm: Any, placement: Any, tokenizer: Any, dist: DistInfo,
+                 built: Optional[Built] = None) -> Any:
     """This rank's reward backend from the ``rlcore_reward_backend`` hook. With the reward role on a
     subset of the ranks, only those ranks build it (and load the reward model); every rank gets a
     :class:`~rlcore.rewards.routed.RoutedReward` that scores its samples there."""
@@ -135,9 +178,10 @@ def build_reward(cfg: DictConfig, pm: Any, placement: Any, tokenizer: Any, dist:
     def build() -> Any:
         rewards: dict[str, Any] = {}
         pm.hook.rlcore_register_rewards(register=lambda name, fn: rewards.__setitem__(name, fn))
-        return pm.build("rlcore_reward_backend", reward_model=obj(cfg.reward_model),
-                        reward_function=obj(cfg.custom_reward_function), reward=reward_cfg,
-                        placement=placement, tokenizer=tokenizer, rewards=rewards, run_dir=cfg.trainer.output_dir)
+        return (built if built is not None else Built()).add("reward", pm.build_named(
+            "rlcore_reward_backend", reward_model=obj(cfg.reward_model),
+            reward_function=obj(cfg.custom_reward_function), reward=reward_cfg, placement=placement,
+            tokenizer=tokenizer, rewards=rewards, run_dir=cfg.trainer.output_dir))
 
     return build_routed_reward(build, placement, dist)
 
@@ -163,14 +207,24 @@ def build_episode_runner(cfg: DictConfig, pm: Any, tokenizer: Any) -> Any:
 
 
 def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
-    """Load models and build every component. Only this function reads across sections."""
+    """Load models and build every component, each factory answer once (:class:`Built`); what was
+    built is closed again when building the rest fails. Only this function reads across sections."""
+    built = Built()
+    try:
+        return _build_components(cfg, pm, dist, built)
+    except BaseException:
+        built.close()
+        raise
+
+
+def _build_components(cfg: DictConfig, pm: Any, dist: DistInfo, built: Built) -> Components:
     data_cfg, actor_cfg, critic_cfg = obj(cfg.data), obj(cfg.actor), obj(cfg.critic)
     tcfg, ppo, algo = obj(cfg.trainer), obj(cfg.ppo), obj(cfg.algorithm)
     torch.manual_seed(tcfg.seed)
 
     # Placement first: a layout that does not fit the world fails before anything loads.
     placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement),
-                                uses_critic=trains_critic(algo.adv_estimator))
+                                uses_critic=trains_critic(algo.adv_estimator), built=built)
     device = placement.device_for("actor")
     model_path = actor_cfg.model_path or demo_model(tcfg.output_dir, dist)
     if not actor_cfg.model_path and dist.is_main and (data_cfg.train_files or data_cfg.custom_cls.path
@@ -180,14 +234,30 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
                     "directory to train your own", model_path)
     tokenizer = models.load_tokenizer(model_path)
 
-    # Data next: bad input fails before the (expensive) models load.
-    prompts = _build_data(pm, data_cfg, tcfg, ppo, tokenizer, device, model_path, dist)
+    # Data, reward, checkpoint and reshard policies before the (expensive) models load: a bad input or
+    # reward model path fails first, and every plugin's wrong answer among them is reported together.
+    problems: list[PluginError] = []
 
-    # Reward and checkpoint policies next: a bad reward model path fails before the actor loads.
-    reward = build_reward(cfg, pm, placement, tokenizer, dist)
-    checkpoint = pm.build("rlcore_checkpoint_policy", trainer=tcfg, dist=dist)
+    def attempt(build: Any) -> Any:
+        try:
+            return build()
+        except PluginError as error:
+            problems.append(error)
+            return None
+
+    prompts = attempt(lambda: _build_data(pm, data_cfg, tcfg, ppo, tokenizer, device, model_path, dist, built))
+    reward = attempt(lambda: build_reward(cfg, pm, placement, tokenizer, dist, built))
+    checkpoint = attempt(lambda: built.add("checkpoint", pm.build_named("rlcore_checkpoint_policy", trainer=tcfg,
+                                                                        dist=dist)))
     actor_fsdp = resolve_fsdp(obj(cfg.fsdp), actor_cfg.fsdp)
-    reshard = pm.build("rlcore_reshard_policy", fsdp=actor_fsdp, remeshing=actor_cfg.remeshing, dist=dist)
+    reshard = attempt(lambda: built.add("reshard", pm.build_named("rlcore_reshard_policy", fsdp=actor_fsdp,
+                                                                  remeshing=actor_cfg.remeshing, dist=dist)))
+    if len(problems) > 1:
+        from rlcore.errors import PreflightError
+
+        raise PreflightError(problems)
+    if problems:
+        raise problems[0]
 
     actor_module, ref, critic = _load_models(cfg, model_path, device, placement, actor_fsdp, dist)
     actor = reshard.prepare(actor_module, "actor")
@@ -207,7 +277,7 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
         critic_opt, critic_sched = models.build_optimizer(critic, critic_cfg, total)
     kl_ctrl = rlmath.make_kl_controller(ppo.kl_ctrl, ppo.kl_coeff, ppo.kl_target, ppo.kl_horizon)
 
-    from rlcore.trainer.packing import resolve_packing
+    from rlcore.trainer.packing_check import resolve_packing
     from rlcore.trainer.recompute import Recompute
     from rlcore.trainer.update import Batching
 
@@ -226,22 +296,26 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
         prompts=prompts, generation=_generation(pm, actor, actor_module, reshard, actor_cfg, data_cfg, ppo, dist,
                                                 trained=[(actor, actor_opt)] + ([(critic, critic_opt)] if critic is not None
                                                                                  and placement.device_for("critic") == device
-                                                                                 else [])),
+                                                                                 else []),
+                                                reshard_plugin=built.plugin("reshard")),
         reward=reward, checkpoint=checkpoint, reshard=reshard, placement=placement, rng=RNGState(),
         train_device=device, micro_batch=Batching.from_config(n, ppo, tcfg.gradient_accumulation_steps).micro,
         eos_ids=[eos] if isinstance(eos, int) else list(eos or []),
-        packed=resolve_packing(ppo.pack_sequences, [actor, critic]), recompute=recompute)
+        packed=resolve_packing(ppo.pack_sequences, [actor, critic]), recompute=recompute, built=built)
 
 
 def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, device: torch.device,
-                model_path: str, dist: DistInfo) -> Prompts:
+                model_path: str, dist: DistInfo, built: Optional[Built] = None) -> Prompts:
     """The training loader, its batch filler and the held-out rows; sizes ``ppo.rollout_batch_size=auto`` first."""
     from rlcore.data.collate import ensure_input_ids
 
-    train_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="train", dist=dist)
+    built = built if built is not None else Built()
+    train_ds = built.add("dataset/train", pm.build_named("rlcore_dataset_provider", config=data_cfg,
+                                                         tokenizer=tokenizer, split="train", dist=dist))
     val_rows: list = []
     if data_cfg.val_files or not data_cfg.train_files:
-        val_ds = pm.build("rlcore_dataset_provider", config=data_cfg, tokenizer=tokenizer, split="val", dist=dist)
+        val_ds = built.add("dataset/val", pm.build_named("rlcore_dataset_provider", config=data_cfg,
+                                                         tokenizer=tokenizer, split="val", dist=dist))
         val_rows = _load_rows(val_ds, tcfg.eval_samples)
     val_rows = ensure_input_ids(val_rows, tokenizer, data_cfg, drop_overlong=True) if val_rows else []
     if ppo.rollout_batch_size == "auto":
@@ -314,23 +388,36 @@ def _enable_checkpointing(model: torch.nn.Module, setting: Any) -> bool:
 
 def _generation(pm: Any, actor: torch.nn.Module, actor_module: torch.nn.Module, reshard: ReshardPolicy,
                 actor_cfg: Any, data_cfg: Any, ppo: Any, dist: DistInfo,
-                trained: Sequence[tuple[torch.nn.Module, Any]] = ()) -> ActorGeneration:
+                trained: Sequence[tuple[torch.nn.Module, Any]] = (), reshard_plugin: str = "reshard policy"
+                ) -> ActorGeneration:
     """The actor's rollout: backends of its generation layouts from ``rlcore_rollout_backend``, built on first use.
     ``trained``: the (model, optimizer) pairs updated on the rollout's device, the actor's first, whose
     gradients and optimizer moments not yet allocated when a backend is built are its
-    ``memory_reserve_bytes``; the backends are refreshed after each step of the actor's optimizer."""
+    ``memory_reserve_bytes``; the backends are refreshed after each step of the actor's optimizer.
+    Every backend call is checked (:class:`rlcore.contract.RolloutContract`); with ``data.env_key`` a
+    backend that does not declare ``supports_episodes`` is refused when it is built."""
+    from rlcore.contract import RolloutContract, refuse_episodes
+    from rlcore.plugin_manager import close_answer
+
     request = rollout_request(actor_cfg, data_cfg, ppo)
+    contract = RolloutContract(vocab_size=getattr(getattr(actor_module, "config", None), "vocab_size", None))
 
     def build(module: torch.nn.Module, tensor_parallel: bool) -> RolloutBackend:
         reserve = sum(update_reserve_bytes(model, optimizer) for model, optimizer in trained)
-        return pm.build("rlcore_rollout_backend", model=module, dist=dist,
-                        request=dataclasses.replace(request, tensor_parallel=tensor_parallel,
-                                                    memory_reserve_bytes=reserve))
+        name, backend = pm.build_named("rlcore_rollout_backend", model=module, dist=dist,
+                                       request=dataclasses.replace(request, tensor_parallel=tensor_parallel,
+                                                                   memory_reserve_bytes=reserve))
+        if request.episodes and not getattr(backend, "supports_episodes", False):
+            close_answer(backend)
+            raise refuse_episodes(name, backend)
+        contract.names[id(backend)] = name
+        return backend
 
     prebuilt = {}
     if not dist.distributed:  # single process: the backend reads the training module directly
         prebuilt[id(actor)] = build(actor_module, False)
-    generation = ActorGeneration(actor, reshard, build, int(ppo.generation.batch_size), prebuilt=prebuilt)
+    generation = ActorGeneration(actor, reshard, build, int(ppo.generation.batch_size), prebuilt=prebuilt,
+                                 contract=contract, reshard_plugin=reshard_plugin)
     if trained:  # the actor's optimizer: each of its steps changes the weights the backends read
         generation.follow(trained[0][1])
     return generation
@@ -350,35 +437,3 @@ def update_reserve_bytes(model: torch.nn.Module, optimizer: Any = None, moments:
         size = local.numel() * local.element_size()
         total += size * ((param.grad is None) + (0 if state.get(param) else moments))
     return total
-
-
-def rollout_request(actor_cfg: Any, data_cfg: Any, ppo: Any) -> RolloutRequest:
-    """What the actor's rollout asks of ``rlcore_rollout_backend`` (``actor``, ``data`` and ``ppo`` sections)."""
-    return RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
-                          max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
-                          engine=_engine_settings(actor_cfg.rollout_engine, data_cfg))
-
-
-def _engine_settings(engine: Any, data_cfg: Any) -> dict[str, Any]:
-    """The rollout engine's keyword arguments: ``actor.rollout_engine``, with the static KV cache for
-    multi-turn episodes (``data.env_key``: observations are written into a slot's cache row)."""
-    kwargs = engine.engine_kwargs()
-    if data_cfg.env_key and kwargs["kv_cache"] == "paged":
-        log.info("data.env_key is set: the rollout engine keeps a static KV cache (multi-turn episodes)")
-        kwargs["kv_cache"] = "static"
-    return kwargs
-
-
-def demo_model(output_dir: str, dist: DistInfo) -> str:
-    from rlcore.demo import ensure_demo_model
-
-    root = os.path.join(output_dir, "_demo")
-    # Building the model draws from the global RNG: fork it so a first run (which builds) and a
-    # later one (which loads) train from the same random state.
-    with torch.random.fork_rng(devices=[]):
-        if dist.is_main:
-            ensure_demo_model(root)
-    from rlcore.distributed.init import barrier
-
-    barrier()
-    return ensure_demo_model(root)

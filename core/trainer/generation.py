@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from rlcore.protocols import ReshardPolicy, RolloutBackend
+from rlcore.contract import RolloutContract, check_own_rows, check_share
+from rlcore.protocols import ReshardPolicy, RolloutBackend, RolloutRequest
 from rlcore.rollout.base import FinishedCallback, RolloutBatch, SamplingParams, concat_batches, reports_finished
 
 log = logging.getLogger(__name__)
@@ -63,14 +64,20 @@ class ActorGeneration:
     :param minimum: the smallest micro-batch; an out-of-memory error at it is raised.
     :param prebuilt: ``{id(module): backend}`` already built for the current weights (single process:
         the training module generates itself).
+    :param contract: checks every backend call (:class:`rlcore.contract.RolloutContract`: prompts carrying
+        episodes need a backend that plays them; each returned batch keeps the contract) and the reshard
+        policy's share; None: unchecked.
+    :param reshard_plugin: the plugin that built ``reshard`` (named by the share's checks).
     """
 
     def __init__(self, actor: torch.nn.Module, reshard: ReshardPolicy, make_backend: BackendFactory,
-                 micro_batch: int, *, minimum: int = 1, prebuilt: Optional[dict[int, RolloutBackend]] = None):
+                 micro_batch: int, *, minimum: int = 1, prebuilt: Optional[dict[int, RolloutBackend]] = None,
+                 contract: Optional[RolloutContract] = None, reshard_plugin: str = "reshard policy"):
         if micro_batch < 1 or minimum < 1:
             raise ValueError(f"ActorGeneration: micro_batch ({micro_batch}) and minimum ({minimum}) must be >= 1")
         self.actor, self.reshard, self.make_backend = actor, reshard, make_backend
         self.micro_batch, self.minimum, self.retries = int(micro_batch), int(minimum), 0
+        self.contract, self.reshard_plugin = contract, reshard_plugin
         #: the backends built so far, by ``id`` of their generation module
         self.backends: dict[int, RolloutBackend] = dict(prebuilt or {})
         #: counts the changes of the actor's weights announced by :meth:`weights_changed`
@@ -116,10 +123,23 @@ class ActorGeneration:
             module.eval()
             backend = self.backend(module)
             share = self.reshard.generation_share(prompts, params)
+            if self.contract is not None:
+                check_share(share, prompts, self.reshard_plugin)
             whole = len(share.prompts) == len(prompts)
             report = on_finished if on_finished is not None and whole and reports_finished(backend) else None
             batch = self._in_micro_batches(backend, share.prompts, share.params, report)
-        return share.own(batch)
+        own = share.own(batch)
+        if self.contract is not None:
+            check_own_rows(own, prompts, self.reshard_plugin)
+        return own
+
+    def close(self) -> None:
+        """Close every backend built (``close()`` where it has one)."""
+        from rlcore.plugin_manager import close_answer
+
+        for backend in self.backends.values():
+            close_answer(backend)
+        self.backends.clear()
 
     def _in_micro_batches(self, backend: RolloutBackend, prompts: Sequence[Sequence[int]],
                           params: SamplingParams, on_finished: Optional[FinishedCallback] = None) -> RolloutBatch:
@@ -131,8 +151,11 @@ class ActorGeneration:
             size = min(self.micro_batch, len(prompts) - start)
             chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
             kw = {} if on_finished is None else {"on_finished": _shifted(on_finished, start)}
+            chunk = prompts[start:start + size]
+            if self.contract is not None:
+                self.contract.admit(backend, chunk)
             try:
-                parts.append(backend.generate(prompts[start:start + size], chunk_params, **kw))
+                part = backend.generate(chunk, chunk_params, **kw)
             except (torch.OutOfMemoryError, RuntimeError) as error:
                 if not is_oom(error) or self.micro_batch <= self.minimum:
                     raise
@@ -142,5 +165,25 @@ class ActorGeneration:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 continue
+            if self.contract is not None:
+                self.contract.check(backend, part, chunk, chunk_params.max_new_tokens)
+            parts.append(part)
             start += size
         return concat_batches(parts, params.pad_token_id)
+
+
+def rollout_request(actor_cfg: Any, data_cfg: Any, ppo: Any) -> RolloutRequest:
+    """What the actor's rollout asks of ``rlcore_rollout_backend`` (``actor``, ``data`` and ``ppo`` sections)."""
+    return RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
+                          max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
+                          engine=_engine_settings(actor_cfg.rollout_engine, data_cfg), episodes=bool(data_cfg.env_key))
+
+
+def _engine_settings(engine: Any, data_cfg: Any) -> dict[str, Any]:
+    """The rollout engine's keyword arguments: ``actor.rollout_engine``, with the static KV cache for
+    multi-turn episodes (``data.env_key``: observations are written into a slot's cache row)."""
+    kwargs = engine.engine_kwargs()
+    if data_cfg.env_key and kwargs["kv_cache"] == "paged":
+        log.info("data.env_key is set: the rollout engine keeps a static KV cache (multi-turn episodes)")
+        kwargs["kv_cache"] = "static"
+    return kwargs

@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlcore.contract import check_resume_step
 from rlcore.distributed.init import all_gather_object, all_reduce_mean
 from rlcore.observe.progress import ProgressBar
 from rlcore.protocols import DistInfo, RolloutSource
@@ -95,10 +96,29 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
+        """Run the training loop; every factory answer the run built is closed when it ends, whatever the outcome."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release what the run built: the episode runner, the rollout backends and every other factory
+        answer (``close()`` where it has one). Called by :meth:`train` when it ends."""
+        if self.episodes is not None:
+            self.episodes.close()
+        self.c.close()
+
+    def plugin_of(self, role: str) -> str:
+        """The plugin that built the run's ``role`` component (``reward``, ``checkpoint`` …), for errors."""
+        built = getattr(self.c, "built", None)
+        return built.plugin(role) if built is not None else role
+
+    def _train(self) -> dict[str, float]:
         c = self.c
         if str(self.tcfg.resume or "disable") == "disable" and self.dist.is_main:
             archive_previous_run(self.tcfg.output_dir)  # a fresh run neither overwrites nor prunes an earlier one
-        start = c.checkpoint.resume(self.stateful())
+        start = check_resume_step(c.checkpoint.resume(self.stateful()), self.plugin_of("checkpoint"))
         self.state.step = start
         if start:
             self._saved_step = start
@@ -401,7 +421,8 @@ class Trainer:
         reward model (GPU work beside the rollout). None: score after the rollout."""
         if not self.cfg.reward.stream or self.dist.world_size > 1 or self.cfg.reward_model.enable:
             return None
-        return StreamingScorer(self.c.reward, self.c.tokenizer, self._request(prompts, extras))
+        return StreamingScorer(self.c.reward, self.c.tokenizer, self._request(prompts, extras),
+                               plugin=self.plugin_of("reward"))
 
     def start_episodes(self, rows: list[dict], prompts: list[list[int]], n: int | None = None) -> tuple[list, list]:
         """With ``data.env_key``: start an episode per sample (``n`` a row, default ``ppo.generation.n``)
@@ -437,7 +458,8 @@ class Trainer:
         """Scores of ``rollout``, in one reward call. Prompt and response texts are decoded alike, from
         their tokens with ``skip_special_tokens=True`` (see :class:`~rlcore.protocols.RewardInput`)."""
         prompts = _rows(rollout.prompt_ids, rollout.prompt_mask)
-        return score_rollout(self.c.reward, self.c.tokenizer, self._request(prompts, extras), rollout)
+        return score_rollout(self.c.reward, self.c.tokenizer, self._request(prompts, extras), rollout,
+                             plugin=self.plugin_of("reward"))
 
     def make_experience(self, rollout: RolloutBatch, scores: torch.Tensor) -> Experience:
         c = self.c

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from rlcore.contract import check_reward_output
 from rlcore.protocols import RewardInput
 from rlcore.rollout.base import RolloutBatch
 
@@ -59,17 +60,21 @@ def _check_finite(scores: torch.Tensor, prompts: Sequence[str], responses: Seque
 
 
 def _score(reward: Any, tokenizer: Any, request: RolloutRequest, indices: Sequence[int],
-           response_ids: list[list[int]]) -> tuple[list[str], torch.Tensor, dict[str, float]]:
+           response_ids: list[list[int]], plugin: str = "reward backend") -> tuple[list[str], torch.Tensor, dict[str, float]]:
+    """One reward call on the samples ``indices``; its answer checked (:func:`rlcore.contract.check_reward_output`:
+    one score per sample, numeric metrics), naming ``plugin``."""
     responses = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     out = reward.score(request.reward_input(indices, responses, response_ids))
-    return responses, out.scores.float().cpu(), dict(out.metrics)
+    scores = check_reward_output(out, len(response_ids), plugin)
+    return responses, scores, {k: float(v) for k, v in dict(out.metrics or {}).items()}
 
 
-def score_rollout(reward: Any, tokenizer: Any, request: RolloutRequest,
-                  rollout: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Scores ``[B]`` and metrics of a finished rollout, in one reward call."""
+def score_rollout(reward: Any, tokenizer: Any, request: RolloutRequest, rollout: RolloutBatch,
+                  plugin: str = "reward backend") -> tuple[torch.Tensor, dict[str, float]]:
+    """Scores ``[B]`` and metrics of a finished rollout, in one reward call (``plugin``: the reward's, named
+    when its answer is wrong)."""
     response_ids = rows(rollout.response_ids, rollout.response_mask)
-    responses, scores, metrics = _score(reward, tokenizer, request, range(len(response_ids)), response_ids)
+    responses, scores, metrics = _score(reward, tokenizer, request, range(len(response_ids)), response_ids, plugin)
     _check_finite(scores, request.prompt_text, responses)
     return scores, metrics
 
@@ -92,8 +97,8 @@ class StreamingScorer:
     :meth:`close` in any case.
     """
 
-    def __init__(self, reward: Any, tokenizer: Any, request: RolloutRequest):
-        self.reward, self.tokenizer, self.request = reward, tokenizer, request
+    def __init__(self, reward: Any, tokenizer: Any, request: RolloutRequest, plugin: str = "reward backend"):
+        self.reward, self.tokenizer, self.request, self.plugin = reward, tokenizer, request, plugin
         # a reward that stops a step when most samples got the fallback score judges the whole step, not each group
         self._share_check = hasattr(reward, "defer_share_check") and hasattr(reward, "check_fallback_share")
         if self._share_check:
@@ -107,7 +112,7 @@ class StreamingScorer:
     def __call__(self, indices: list[int], responses: list[list[int]]) -> None:
         """The rollout's callback: queue these finished samples for scoring and return at once."""
         indices, responses = list(indices), [list(r) for r in responses]
-        future = self._pool.submit(_score, self.reward, self.tokenizer, self.request, indices, responses)
+        future = self._pool.submit(_score, self.reward, self.tokenizer, self.request, indices, responses, self.plugin)
         with self._lock:
             self._jobs.append((indices, responses, future))
 
@@ -131,7 +136,8 @@ class StreamingScorer:
         rest = [i for i in range(n) if scores[i] is None]
         self.streamed_frac = (n - len(rest)) / max(1, n)
         if rest:
-            got_texts, got, metrics = _score(self.reward, self.tokenizer, self.request, rest, [final[i] for i in rest])
+            got_texts, got, metrics = _score(self.reward, self.tokenizer, self.request, rest, [final[i] for i in rest],
+                                             self.plugin)
             for k, i in enumerate(rest):
                 scores[i], texts[i] = float(got[k]), got_texts[k]
             parts.append((len(rest), metrics))

@@ -97,15 +97,12 @@ def test_a_factory_answer_missing_a_method_is_named_before_any_model_loads(insta
     class Forgetful:
         @hookimpl
         def rlcore_checkpoint_policy(self):
-            class Policy:  # written without wait()
+            class Policy:  # written without resume()
                 def should_save(self, step, *, final=False):
                     return False
 
                 def save(self, step, state):
                     return None
-
-                def resume(self, state):
-                    return 0
 
                 def export(self, model, tokenizer, name="final"):
                     return None
@@ -116,7 +113,7 @@ def test_a_factory_answer_missing_a_method_is_named_before_any_model_loads(insta
     pm = build_plugin_manager([])
     pm.register_plugin(Forgetful(), "forgetful")
     with pytest.raises(PluginError, match=r"plugin 'forgetful' answered rlcore_checkpoint_policy with a Policy, "
-                                          r"which lacks wait\(\)"):
+                                          r"which lacks resume\(\)"):
         Trainer(load_config([], list(rlcore.demo.DEMO_OVERRIDES) + [f"trainer.output_dir={tmp_path}"]), pm,
                 DistInfo())
 
@@ -259,8 +256,8 @@ def test_the_reward_gets_the_prompt_text_with_its_spaces(saving_run):
     assert all(" " in p for p in batch.prompts)
 
 
-@pytest.mark.parametrize("drop, missing", [("checkpoint.wait", "rlcore_checkpoint_policy with a NoFiles, which "
-                                                                  "lacks wait()"),
+@pytest.mark.parametrize("drop, missing", [("checkpoint.resume", "rlcore_checkpoint_policy with a NoFiles, which "
+                                                                    "lacks resume()"),
                                            ("placement.offload", "rlcore_placement_policy with a CPUPlacement, "
                                                                  "which lacks offload()"),
                                            ("reshard.stats", "rlcore_reshard_policy with a SameLayout, which "

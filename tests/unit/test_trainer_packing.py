@@ -9,7 +9,7 @@ from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
 from rlcore.errors import ConfigError
 from rlcore.rollout.tiny import tiny_causal_lm
-from rlcore.trainer import packing, recompute
+from rlcore.trainer import packing, packing_check, recompute
 from rlcore.trainer.experience import batched_logprobs, batched_values
 from rlcore.trainer.models import ValueModel, response_logprobs, response_values
 from rlcore.trainer.update import group_weights, ppo_update
@@ -81,18 +81,18 @@ def test_isolation_check_catches_a_model_that_mixes_packed_sequences(monkeypatch
     import transformers.masking_utils as masking
 
     model = tiny_causal_lm("qwen2")
-    assert packing.packing_isolates(model) == (True, "")
-    assert packing.resolve_packing(True, [model, None]) is True
-    assert packing.resolve_packing("auto", [model]) is False  # sdpa: a packed row is one dense masked attention
-    monkeypatch.setattr(packing, "attention_implementation", lambda m: "flash_attention_2")
-    assert packing.resolve_packing("auto", [model, None]) is True
+    assert packing_check.packing_isolates(model) == (True, "")
+    assert packing_check.resolve_packing(True, [model, None]) is True
+    assert packing_check.resolve_packing("auto", [model]) is False  # sdpa: a packed row is one dense masked attention
+    monkeypatch.setattr(packing_check, "attention_implementation", lambda m: "flash_attention_2")
+    assert packing_check.resolve_packing("auto", [model, None]) is True
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
-    ok, why = packing.packing_isolates(model)
+    ok, why = packing_check.packing_isolates(model)
     assert not ok and "sees the other sequence" in why
-    assert packing.resolve_packing("auto", [model]) is False
+    assert packing_check.resolve_packing("auto", [model]) is False
     with pytest.raises(ConfigError, match="ppo.pack_sequences"):
-        packing.resolve_packing(True, [model])
-    assert packing.resolve_packing(False, [model]) is False
+        packing_check.resolve_packing(True, [model])
+    assert packing_check.resolve_packing(False, [model]) is False
 
 
 def test_token_groups():

@@ -231,6 +231,11 @@ class RolloutEngine:
             of the free memory before ``kv_memory_fraction`` applies (default 0).
     """
 
+    @property
+    def supports_episodes(self) -> bool:
+        """Prompts carrying an episode are played as multi-turn episodes with the static KV cache."""
+        return not self.paged
+
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, use_cuda_graphs: bool = True,
                  graph_batch_buckets: Sequence[int] = DEFAULT_BUCKETS, share_weights: bool | None = None,
