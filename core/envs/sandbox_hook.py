@@ -217,7 +217,7 @@ def _install_hook(root, confined, readable):
                 _open(args[0], args[2], None)
         elif event == "os.listdir" or event == "os.scandir":
             _open("." if args[0] is None else args[0], 0, None)
-        elif event == "object.__setattr__":  # the code or defaults of the wrapper's functions (the hook's)
+        elif event == "object.__setattr__" or event == "object.__delattr__":  # of the wrapper's functions
             if _type(args[0]) is _function and args[1] in _frozen and args[0].__code__.co_filename == _script:
                 raise _denied("sandbox: setting %s of the sandbox's functions is not allowed" % args[1])
         elif event == "fcntl.fcntl":
