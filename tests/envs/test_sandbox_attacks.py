@@ -217,6 +217,8 @@ attempt("kmsg", lambda: open("/dev/kmsg", "wb").write(MARK))
 attempt("kmsg relative", lambda: os.write(os.open("../" * 40 + "dev/kmsg", os.O_WRONLY), MARK))
 attempt("kmsg via root link", lambda: open("/proc/self/root/dev/kmsg", "wb").write(MARK))
 attempt("kmsg via trainer root", lambda: open(f"/proc/{{PID}}/root/dev/kmsg", "wb").write(MARK))
+attempt("kmsg via own root dir_fd", lambda: os.write(os.open("root/dev/kmsg", os.O_WRONLY,
+                                                               dir_fd=os.open("/proc/self", os.O_RDONLY)), MARK))
 attempt("kmsg node", lambda: (os.mknod("kmsg", 0o20600, os.makedev(1, 11)), open("kmsg", "wb").write(MARK)))
 attempt("console", lambda: open("/dev/console", "wb").write(MARK))
 attempt("tty", lambda: open("/dev/tty", "wb").write(MARK))
@@ -267,7 +269,26 @@ attempt("unlink", lambda: os.unlink(f"/proc/{PID}/cwd/answers.jsonl"))
 attempt("rename in", lambda: (open("mine", "w").close(), os.rename("mine", CWD + "/mine")))
 attempt("hard link", lambda: (os.link(CWD + "/answers.jsonl", "linked"), open("linked", "a").write("pwned")))
 attempt("utime", lambda: os.utime(CWD + "/answers.jsonl", (0, 0)))
+own = lambda: os.open("/proc/self", os.O_RDONLY)
+attempt("append via own root dir_fd", lambda: os.write(os.open("root" + CWD + "/answers.jsonl", os.O_WRONLY | os.O_APPEND,
+                                                                dir_fd=own()), b"pwned"))
+attempt("create via own root dir_fd", lambda: os.open("root" + CWD + "/new.txt", os.O_CREAT | os.O_WRONLY, dir_fd=own()))
 '''))
+
+
+def test_writing_the_standard_library_through_dir_fd(trainer):
+    """A directory the code may read is not one it may write in (a name that looks inside the working
+    directory, relative to a descriptor of the standard library)."""
+    stdlib = Path(os.__file__).resolve().parent
+    made = stdlib / f"rlcore_sandbox_{uuid.uuid4().hex}.py"
+    try:
+        contained(trainer, trainer.run(f'''
+attempt("create in the stdlib", lambda: os.open({made.name!r}, os.O_CREAT | os.O_WRONLY,
+                                                dir_fd=os.open({str(stdlib)!r}, os.O_RDONLY)))
+'''))
+        assert not made.exists()
+    finally:
+        made.unlink(missing_ok=True)
 
 
 def test_rewriting_the_hook_through_a_traceback_frame(trainer):
