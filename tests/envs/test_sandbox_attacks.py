@@ -384,6 +384,7 @@ attempt("sysv", sysv)
     assert shared.peak < 200 << 20, f"shared memory grew by {shared.peak >> 20} MB"
 
 
+@pytest.mark.slow
 def test_a_deep_tree_is_removed_and_the_run_does_not_raise(trainer):
     """3000 nested directories (made by native calls, the hook is off) do not make the clean-up raise
     or leave the directory behind."""
