@@ -1,33 +1,45 @@
 """Run untrusted Python code in a sandboxed subprocess: the built-in ``python`` tool's executor.
 
-The code runs in a fresh interpreter (``python -I -B -u``: unbuffered, so what it printed before a
-kill is kept) started in a new session with a **scrubbed environment** (``PATH``, ``HOME``,
-``TMPDIR`` and ``LANG`` only), in a temporary working directory removed afterwards, under
-**resource limits** (CPU seconds, address space, file size, open files, processes, no core dumps),
-a **wall-clock timeout** and **output truncation** (its beginning and its end are kept). Three
-guards, each of which can be turned off (``layers``) so that tests can check the others hold on
-their own:
+The code runs in a fresh interpreter (``python -I -S -B -u``: no site packages, unbuffered, so what it
+printed before a kill is kept) started in a new session with a **scrubbed environment** (``PATH``,
+``HOME``, ``TMPDIR`` and ``LANG`` only), in a fresh empty working directory, under **resource
+limits** (CPU seconds, address space, file size, open files, processes, no core dumps), a
+**wall-clock timeout** and **output truncation** (its beginning and its end are kept). It dies with
+the trainer (``PR_SET_PDEATHSIG``, and the PID namespace's init). Three guards, each of which can be
+turned off (``layers``) so that tests can check the others hold on their own:
 
+* ``"namespaces"`` — the OS layer. Where the kernel allows it, new user, mount, PID, network and IPC
+  namespaces and a **filesystem of the run's own**: a read-only tree holding only the standard
+  library (no ``site-packages``), the libraries the interpreter loads, what the caller declares
+  (``paths``), ``/dev/null``, ``zero``, ``full``, ``random``, ``urandom``, a ``/proc`` of its own
+  PID namespace, and a fresh tmpfs of ``disk_mb`` as working directory; no capability left. Built
+  by bubblewrap where it is installed and holds (``isolation="auto"``), else by the child itself
+  (``unshare``, bind mounts, ``pivot_root``). Without namespaces, a root trainer's run becomes an
+  unused user id (when anyone may read the interpreter's standard library).
+* ``"seccomp"`` — on Linux x86-64 and AArch64, a seccomp filter: no new processes (only threads),
+  no ``execve``, no ``socket`` (``socketpair`` stays), no ``mknod``, namespace, mount, ``ptrace``,
+  ``bpf``, ``memfd_create``, SysV shared memory or file-handle calls; signals, scheduling, limits and
+  memory policy only for itself; no ``F_SETOWN``/``F_SETSIG``/``FIOSETOWN`` (SIGIO to another
+  process). It holds for native code and for root.
 * ``"audit"`` — a PEP 578 audit hook, installed before the code runs and not removable, refuses
   starting processes, sockets, ``ctypes``, ``mmap``, sub-interpreters, trace functions, reaching
-  objects through ``gc``, and writing, creating, removing, renaming or changing files outside the
-  working directory (``open``, ``os.*``, ``shutil.*``, ``sqlite3.connect`` ...); functions that
-  raise no audit event (``os.mkfifo``, ``os.mknod``, ``_posixsubprocess.fork_exec``, ``pidfd``
-  signals, POSIX shared memory) are replaced by refusing ones. Everything the hook decides with is
-  bound when it is installed (default arguments of functions the code cannot reach), and the code
-  runs in a fresh ``__main__`` module, so rebinding names it can reach changes nothing. The process
-  ends with ``os._exit`` (interpreter finalization, which drops audit hooks, never runs the code's
-  finalizers). The hook alone is no boundary against code that corrupts the interpreter's memory
-  or rebuilds a native module (``_imp``) to reach a function with no audit event: the other
-  guards are.
-* ``"seccomp"`` — on Linux x86-64 and AArch64, a seccomp filter: no new processes (only threads),
-  no ``execve``, no ``socket`` (``socketpair`` stays), no ``mknod``, no namespace, mount, ``ptrace``
-  or ``bpf`` calls, signals only to itself. It holds for native code and for root.
-* ``"namespaces"`` — where the kernel allows it, new user, network, mount and PID namespaces: no
-  network device but a down loopback, every mount read-only except the working directory, and the
-  code's process tree dies with the namespace's init (nothing outlives the run).
+  objects through ``gc``, changing the code or defaults of its own functions, reading anything but
+  the working directory, the standard library, declared paths, its own ``/proc`` entry and the
+  harmless devices, and writing, creating, removing, renaming or changing files outside the working
+  directory (``open``, ``os.*``, ``shutil.*``, ``sqlite3.connect`` ...). ``os.open`` and
+  ``os.readlink`` are replaced by functions that judge the path their ``dir_fd`` names; functions
+  that raise no audit event (``os.mkfifo``, ``os.mknod``, ``os.memfd_create``, renicing,
+  ``_posixsubprocess.fork_exec``, ``pidfd`` signals, POSIX shared memory) by refusing ones.
+  Everything the hook decides with is bound when it is installed (default arguments of functions
+  the code cannot reach), and the code runs in a fresh ``__main__`` module, so rebinding names it
+  can reach changes nothing. The process ends with ``os._exit`` (interpreter finalization, which
+  drops audit hooks, never runs the code's finalizers). The hook alone is no boundary against code
+  that corrupts the interpreter's memory or rebuilds a native module (``_imp``): the other guards are.
 
-``SandboxResult.guards`` says which guards held in a run. A CPU-time kill counts as a timeout.
+``SandboxResult.guards`` says which guards held in a run; :data:`STRICT_GUARDS` are those of the
+``strict`` level (:func:`sandbox_level` finds the host's once). A CPU-time kill counts as a timeout.
+A working directory on the host (runs without a filesystem of their own) is removed afterwards by
+:func:`~rlcore.envs.sandbox_clean.remove_tree`, which never raises.
 """
 
 from __future__ import annotations
