@@ -250,20 +250,21 @@ def _isolate(cfg, ctypes, libc, report):
         guards = _namespaces(libc)
     if "pid_namespace" in guards:
         entered, built = _enter_pid_namespace(report, lambda: _private_root(
-            ctypes, libc, cfg["fs"], cfg["inner"], cfg["disk"], True), lambda: _prctl(ctypes, libc, _PR_SET_PDEATHSIG, 9))
+            ctypes, libc, cfg["fs"], root, cfg["inner"], cfg["disk"], True),
+            lambda: _prctl(ctypes, libc, _PR_SET_PDEATHSIG, 9))
         if not entered:
             guards.discard("pid_namespace")
         elif built and _drop_capabilities(ctypes, libc):
             guards.add("private_root")
             root = cfg["inner"]
         else:  # half built: the host's tree as it was, or nothing at all
-            libc.umount2(cfg["fs"]["mountpoint"].encode(), ctypes.c_int(2))
+            libc.umount2(root.encode(), ctypes.c_int(2))
     if "private_root" not in guards:
         os.chdir(root)
         if cfg.get("uid") is not None and os.geteuid() == 0 and _other_user(cfg["uid"]):
             guards.add("separate_user")
         _prctl(ctypes, libc, _PR_SET_PDEATHSIG, 9)  # a change of user clears it
-        if os.getppid() != cfg["parent"]:  # the trainer died before it was set
+        if "pid_namespace" not in guards and os.getppid() != cfg["parent"]:  # the trainer died before it was set
             os._exit(1)
     return guards, root
 
@@ -291,6 +292,7 @@ def _main():
         guards.add("audit")
     os.write(report, ",".join(sorted(guards)).encode())
     os.close(report)
+    sys.path.extend(path for path, directory in cfg["fs"]["declared"] if directory)  # importable, as declared
     if "audit" in layers:
         confined = "private_root" in guards or cfg["isolation"] == "bubblewrap"
         _install_hook(root, confined, cfg["fs"]["readable"])

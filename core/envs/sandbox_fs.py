@@ -67,8 +67,9 @@ def _mountpoint(new, path, directory):
     return where
 
 
-def _private_root(ctypes, libc, fs, inner, disk, with_proc):
-    """Pivot into a fresh root: a small read-only tmpfs holding read-only binds of ``fs["binds"]``
+def _private_root(ctypes, libc, fs, new, inner, disk, with_proc):
+    """Pivot into a fresh root, assembled on ``new`` (the run's own empty host directory, under no
+    path of the layout): a small read-only tmpfs holding read-only binds of ``fs["binds"]``
     (the standard library and the libraries the interpreter loads), the symbolic links that lead to
     them, empty directories over ``fs["hide"]`` (installed packages), ``fs["declared"]``, the devices
     ``fs["devices"]`` and the links ``fs["device_links"]``, a ``/proc`` of the run's PID namespace
@@ -79,7 +80,6 @@ def _private_root(ctypes, libc, fs, inner, disk, with_proc):
         return False
     if not _mount(ctypes, libc, "none", "/", None, _MS_REC | _MS_PRIVATE):  # nothing reaches the parent namespace
         return False
-    new = fs["mountpoint"]
     if not _mount(ctypes, libc, "tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755"):
         return False
     for link, target in fs["links"]:

@@ -95,8 +95,7 @@ def _under(path: str, dirs: Iterable[str]) -> bool:
 def layout(python: str, declared: Iterable[str] = ()) -> dict:
     """The sandbox's filesystem for ``python``: ``binds`` and ``declared`` (``[path, is a directory]``,
     bound read-only at the same path), ``links`` (``[path, target]``), ``hide`` (package directories
-    covered by an empty one), ``readable`` (what the audit hook lets the code read) and
-    ``mountpoint`` (where the new root is assembled)."""
+    covered by an empty one), ``readable`` (what the audit hook lets the code read)."""
     return _layout(python, tuple(os.path.abspath(p) for p in declared))
 
 
@@ -126,7 +125,7 @@ def _layout(python: str, declared: tuple[str, ...]) -> dict:
     links = {k: v for k, v in links.items() if not _under(k, keep)}
     stdlib = [r for r in (_walk(p, {}) for p in info["path"]) if r and os.path.basename(r) not in _PACKAGE_DIRS]
     return {"binds": [[r, os.path.isdir(r)] for r in keep], "links": sorted(links.items()), "hide": sorted(set(hide)),
-            "declared": [[r, os.path.isdir(r)] for r in shown], "mountpoint": _mountpoint(),
+            "declared": [[r, os.path.isdir(r)] for r in shown],
             "devices": [name for name in DEVICES if os.path.exists("/dev/" + name)], "device_links": DEVICE_LINKS,
             "readable": sorted(set(stdlib + shown + ["/usr/share/zoneinfo"] + ["/dev/" + name for name in DEVICES])),
             "open_to_all": all(_open_to_all(r) for r in stdlib + shown)}
@@ -148,11 +147,6 @@ def _scan(path: str) -> list:
         return list(os.scandir(path))
     except OSError:
         return []
-
-
-def _mountpoint() -> str:
-    """An existing directory to assemble the new root on (inside the run's own mount namespace)."""
-    return next((d for d in ("/tmp", "/mnt", "/var/tmp") if os.path.isdir(d) and not os.path.islink(d)), "/tmp")
 
 
 @functools.lru_cache(maxsize=1)

@@ -440,3 +440,42 @@ def _processes_with(marker: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def test_declared_paths_are_readable_and_importable_and_nothing_else(tmp_path):
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "helper.py").write_text("ANSWER = 42\n")
+    (tmp_path / "answers.txt").write_text(SECRETS["answers"])
+    code = f"import helper\nprint(helper.ANSWER)\nprint(open({str(tmp_path / 'answers.txt')!r}).read())"
+    for level in (level for level in LEVELS if _host_has(level)):
+        result = run_python(code, isolation="none" if level == "weak" else level, paths=[str(tools)])
+        assert result.output.startswith("42\n") and SECRETS["answers"] not in result.output, (level, result.output)
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="needs root and an interpreter every user may run, at /usr/bin/python3")
+def test_a_root_trainer_without_namespaces_runs_the_code_as_another_user(tmp_path):
+    """Root on a host without namespaces: the run is another user, so even native code (the hook
+    off) cannot read a 0600 file of the trainer or write its directory."""
+    from rlcore.envs.sandbox_layout import layout
+
+    if not layout(SYSTEM_PYTHON)["open_to_all"]:
+        pytest.skip(f"{SYSTEM_PYTHON}'s standard library is not readable by every user here")
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRETS["file"])
+    os.chmod(secret, 0o600)
+    os.chmod(tmp_path, 0o755)
+    code = f'''
+for what, action in (("read", lambda: open({str(secret)!r}).read()), ("write", lambda: open({str(tmp_path / "new")!r}, "w"))):
+    try:
+        print(what, action())
+    except OSError as error:
+        print(what, "refused", error.errno)
+'''
+    result = run_python(code, python=SYSTEM_PYTHON, isolation="none", layers=("seccomp", "namespaces"))
+    assert "read refused 13" in result.output and "write refused 13" in result.output, result.output
+    assert SECRETS["file"] not in result.output and sorted(p.name for p in tmp_path.iterdir()) == ["secret.txt"]
