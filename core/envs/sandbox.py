@@ -118,8 +118,9 @@ class SandboxResult:
     ``cancelled``: killed because the caller's ``cancel`` event was set (``timed_out`` is set too).
     ``timed_out`` is set by the wall-clock timeout (``exit_code`` is then ``None``) and by the CPU
     limit (``cpu_exceeded``; ``exit_code`` is the signal that ended it, negated). ``guards`` names the
-    guards that held: ``audit``, ``seccomp``, ``network_namespace``, ``user_namespace``,
-    ``pid_namespace``, ``readonly_mounts``."""
+    guards that held: ``audit``, ``seccomp``, ``user_namespace``, ``mount_namespace``, ``pid_namespace``,
+    ``network_namespace``, ``ipc_namespace``, ``private_root`` (a filesystem of its own),
+    ``bubblewrap`` (which built them) and ``separate_user`` (another user, without namespaces)."""
 
     output: str
     exit_code: Optional[int]

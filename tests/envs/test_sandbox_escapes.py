@@ -138,7 +138,7 @@ def test_fifo_outside_is_refused(tmp_path, layers):
     target = tmp_path / "fifo"
     result = run(f"import os\nos.mkfifo({str(target)!r})\nprint('made')", layers)
     if layers == NAMESPACES:
-        require(result, "readonly_mounts")
+        require(result, "private_root")
     elif layers == SECCOMP:
         require(result, "seccomp")
     assert not result.ok and "made" not in result.output
@@ -164,7 +164,7 @@ for how in ("connect", "attach"):
 """
     result = run(code, layers)
     if layers == NAMESPACES:
-        require(result, "readonly_mounts")
+        require(result, "private_root")
     assert "connect refused" in result.output and "attach refused" in result.output, result.output
     assert not direct.exists() and not attached.exists()
 
