@@ -1,7 +1,7 @@
 """A stand-in trainer for the sandbox attack tests (run as a script, not collected): it holds secrets in
 its environment (``RLCORE_STANDIN_SECRET``), its command line (its first argument) and its working
 directory (given files), and runs the code of each line it reads on standard input (a JSON object:
-``code``, ``isolation``, ``layers``) in the sandbox, answering with a line (JSON: ``output``, ``guards``,
+``code``, ``isolation``, ``layers``, ``paths``) in the sandbox, answering with a line (JSON: ``output``, ``guards``,
 ``ok``, or ``error`` when ``run_python`` raised)."""
 
 import json
@@ -18,7 +18,7 @@ def main() -> None:
         request = json.loads(line)
         try:
             result = run_python(request["code"], LIMITS, isolation=request["isolation"],
-                                layers=request.get("layers", LAYERS))
+                                layers=request.get("layers", LAYERS), paths=request.get("paths", ()))
             answer = {"output": result.output, "guards": list(result.guards), "ok": result.ok}
         except BaseException as error:  # noqa: BLE001 - the test reports it
             answer = {"error": f"{type(error).__name__}: {error}"}
