@@ -61,6 +61,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for warning in config_warnings(cfg):
         log.warning("%s", warning)
     print(f"config OK ({len(names)} plugin(s): {', '.join(names) or 'defaults only'})")
+    from rlcore.envs.sandbox import sandbox_level
+
+    print(f"python tool sandbox on this host: {sandbox_level().describe()} (env.python.sandbox: "
+          f"{cfg.env.python.sandbox})")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Every check that can run before a model loads (``rlcore validate``, and ``rlcore train`` before it
 starts): plugins and their settings, data files, model and reward-model paths, role devices, the
 output directory, the checkpoint to resume from, the reward function, each plugin's own checks, the
-environments the data names (``data.env_key``), rank groups, and two plugins answering one factory
+environments the data names (``data.env_key``) and the ``python`` environment's sandbox level
+(``env.python.sandbox``), rank groups, and two plugins answering one factory
 hook."""
 
 from __future__ import annotations
@@ -122,7 +123,11 @@ def _check_environments(cfg, pm) -> None:
     from rlcore.envs.runner import check_data_environments, collect_environments
     from rlcore.errors import EnvError
 
-    envs = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True), cfg.env.tool_parser)
+    from rlcore.envs.builtin import with_sandbox_mode
+
+    plugin_config = with_sandbox_mode(OmegaConf.to_container(cfg.plugin_config, resolve=True),
+                                      cfg.env.python.sandbox)
+    envs = collect_environments(pm, plugin_config, cfg.env.tool_parser)
     if cfg.env.tool_parser not in envs.parsers:
         raise EnvError(f"env.tool_parser: '{cfg.env.tool_parser}' is not a registered tool-call parser; parsers: "
                        f"{', '.join(sorted(envs.parsers))}")
@@ -133,7 +138,22 @@ def _check_environments(cfg, pm) -> None:
                 _close_env(envs.make(name))  # built only to try its settings: never started, closed at once
             except ValueError as error:
                 raise EnvError(f"environment '{name}': {error}") from error
-    check_data_environments(envs, _data_files(cfg), str(cfg.data.env_key), pm.default_names + pm.selected_names)
+    files = _data_files(cfg)
+    check_data_environments(envs, files, str(cfg.data.env_key), pm.default_names + pm.selected_names)
+    _check_python_sandbox(cfg, files)
+
+
+def _check_python_sandbox(cfg, files) -> None:
+    """``env.python.sandbox: strict`` where the data names the ``python`` environment (the first file
+    and row that does) and this host cannot give its code a strict sandbox."""
+    from rlcore.envs.builtin import check_python_sandbox
+    from rlcore.envs.runner import environments_in_file
+
+    for key, path in files:
+        where = environments_in_file(path, str(cfg.data.env_key)).get("python")
+        if where is not None:
+            check_python_sandbox(str(cfg.env.python.sandbox), f"{key}: {path} {where}")
+            return
 
 
 def _close_env(env) -> None:

@@ -65,6 +65,8 @@ KVCacheKind = choice("KVCacheKind", "paged", "static")
 RolloutIS = choice("RolloutIS", "none", "token", "sequence")
 #: how the training forwards turn last hidden states into log-probs (:func:`rlcore.trainer.models.set_logprob_head`)
 LogprobHead = choice("LogprobHead", "auto", "fused", "logits")
+#: what the ``python`` environment asks of its sandbox (docs/environments.md, The Python sandbox)
+SandboxMode = choice("SandboxMode", "strict", "best-effort")
 #: Hugging Face ``attn_implementation`` values of the training forwards; the variable-length ones
 #: (:data:`rlcore.trainer.packing.VARLEN_ATTENTION`) let ``ppo.pack_sequences=auto`` pack
 AttnImplementation = choice("AttnImplementation", "sdpa", "eager", "flex_attention", "flash_attention_2",
@@ -632,6 +634,18 @@ class PlacementConfig:
 
 
 @dataclass
+class PythonEnvConfig:
+    """The built-in ``python`` environment's sandbox (its limits are under ``plugin_config.python``)."""
+
+    #: ``strict``: a run whose data uses the ``python`` environment is refused before any model loads
+    #: where this host cannot give its code namespaces and a filesystem of its own (``rlcore validate``
+    #: says which level the host gives), and a tool call that ran with less is not shown to the model.
+    #: ``best-effort``: run with what the host gives; the guards are logged once and each call counts
+    #: in ``env/sandbox_strict`` (1 when it had the strict guards) and ``env/sandbox_weak``.
+    sandbox: SandboxMode = SandboxMode("strict")
+
+
+@dataclass
 class EnvConfig:
     #: Most model turns per episode (``plugin_config.<environment>.max_turns`` overrides it per environment).
     max_turns: int = 4
@@ -651,6 +665,8 @@ class EnvConfig:
     #: Most characters of an observation (all its messages together) that are rendered and tokenized; the rest is
     #: cut off (counted in ``env/observations_cut``).
     max_observation_chars: int = 32768
+    #: The built-in ``python`` environment's sandbox.
+    python: PythonEnvConfig = field(default_factory=PythonEnvConfig)
 
 
 @dataclass

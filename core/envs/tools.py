@@ -173,6 +173,8 @@ class ToolEnvironment:
             if isinstance(out, ToolResult):
                 metrics["tool_errors"] += float(out.error)
                 metrics["tool_timeouts"] += float(out.timed_out)
+                for key, value in out.metrics.items():
+                    metrics[key] = metrics.get(key, 0.0) + float(value)
                 out = out.text
             results.append(str(out))
         await asyncio.sleep(0)
@@ -195,8 +197,10 @@ def bad_arguments(fn: Callable[..., Any], arguments: dict[str, Any]) -> Optional
 
 @dataclass(frozen=True)
 class ToolResult:
-    """A tool's answer with flags for the metrics (a plain string counts as a success)."""
+    """A tool's answer with flags for the metrics (a plain string counts as a success); ``metrics``:
+    more counters of the call, summed into the step's (``env/<name>``)."""
 
     text: str
     error: bool = False
     timed_out: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)

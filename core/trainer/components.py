@@ -200,8 +200,11 @@ def build_episode_runner(cfg: DictConfig, pm: Any, tokenizer: Any) -> Any:
                            "generation groups pool prompts across ranks as plain token ids"])
     env = obj(cfg.env)
     max_tokens = min(env.max_tokens or cfg.ppo.generation.max_new_tokens, cfg.ppo.generation.max_new_tokens)
-    environments = collect_environments(pm, OmegaConf.to_container(cfg.plugin_config, resolve=True),
-                                        env.tool_parser, EpisodeLimits(env.max_turns, max_tokens, env.timeout_s,
+    from rlcore.envs.builtin import with_sandbox_mode
+
+    plugin_config = with_sandbox_mode(OmegaConf.to_container(cfg.plugin_config, resolve=True), env.python.sandbox)
+    environments = collect_environments(pm, plugin_config, env.tool_parser,
+                                        EpisodeLimits(env.max_turns, max_tokens, env.timeout_s,
                                                       env.max_observation_chars))
     return EpisodeRunner(environments, tokenizer, env.max_concurrency, env.stop)
 

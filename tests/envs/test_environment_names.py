@@ -52,8 +52,9 @@ def write_jsonl(path, envs):
 
 
 def config(tmp_path, train, *extra):
+    # best-effort: the names are checked on any host (test_sandbox_setting.py checks the strict refusal)
     return load_config([], [f"data.train_files=[{train}]", "data.env_key=env", "ppo.rollout_batch_size=2",
-                            f"trainer.output_dir={tmp_path / 'run'}", *extra])
+                            f"trainer.output_dir={tmp_path / 'run'}", "env.python.sandbox=best-effort", *extra])
 
 
 def test_an_unknown_environment_in_the_data_is_named_with_its_file_and_first_row(tmp_path):
@@ -81,7 +82,8 @@ def test_parquet_files_are_read_by_their_env_column(tmp_path):
 def test_validate_names_the_plugin_to_select_before_any_model_loads(tmp_path, my_envs, capsys, caplog):
     train = write_jsonl(tmp_path / "train.jsonl", ["python", "countdown"])
     args = ["validate", f"data.train_files=[{train}]", "data.env_key=env", "ppo.rollout_batch_size=2",
-            f"trainer.output_dir={tmp_path / 'run'}", "plugin_config.countdown.penalty=0.5"]
+            f"trainer.output_dir={tmp_path / 'run'}", "plugin_config.countdown.penalty=0.5",
+            "env.python.sandbox=best-effort"]
     assert main(args) != 0
     err = capsys.readouterr().err
     assert f"{train} row 1 (line 2) names environment 'countdown'" in err

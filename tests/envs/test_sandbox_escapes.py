@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from rlcore.envs.sandbox import _WRAPPER, LAYERS, SandboxLimits, run_python
+from rlcore.envs.sandbox_layout import interpreter
 
 LIMITS = SandboxLimits(timeout_s=5.0, cpu_s=2, memory_mb=256, max_output_bytes=4096)
 ALL = LAYERS
@@ -62,9 +63,11 @@ def test_the_hook_reads_no_name_the_code_could_rebind():
                 yield const
                 yield from code_objects(const)
 
-    install = next(c for c in code_objects(compile(_WRAPPER, "wrapper", "exec")) if c.co_name == "_install_hook")
-    inner = list(code_objects(install))
-    assert {"hook", "resolve", "inside", "target"} <= {c.co_name for c in inner}
+    builders = [c for c in code_objects(compile(_WRAPPER, "wrapper", "exec"))
+                if c.co_name in ("_install_hook", "_path_checks", "_stand_ins")]
+    assert len(builders) == 3
+    inner = [c for builder in builders for c in code_objects(builder)]
+    assert {"hook", "resolve", "inside", "target", "may_read", "check_open", "checked_open"} <= {c.co_name for c in inner}
     lookups = {(c.co_name, i.argval) for c in inner for i in dis.get_instructions(c)
                if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "STORE_GLOBAL")}
     assert lookups == set()
@@ -135,7 +138,7 @@ def test_fifo_outside_is_refused(tmp_path, layers):
     target = tmp_path / "fifo"
     result = run(f"import os\nos.mkfifo({str(target)!r})\nprint('made')", layers)
     if layers == NAMESPACES:
-        require(result, "readonly_mounts")
+        require(result, "private_root")
     elif layers == SECCOMP:
         require(result, "seccomp")
     assert not result.ok and "made" not in result.output
@@ -161,7 +164,7 @@ for how in ("connect", "attach"):
 """
     result = run(code, layers)
     if layers == NAMESPACES:
-        require(result, "readonly_mounts")
+        require(result, "private_root")
     assert "connect refused" in result.output and "attach refused" in result.output, result.output
     assert not direct.exists() and not attached.exists()
 
@@ -205,31 +208,40 @@ for name, op in ops.items():
 
 @pytest.mark.parametrize("layers", [ALL, AUDIT])
 def test_output_pipes_and_dev_null_can_be_written_not_a_file_reopened_through_proc(tmp_path, layers):
+    """A file the code may read (a declared path) is not writable through ``/proc/self/fd``."""
     victim = tmp_path / "victim.txt"
     victim.write_text("original")
     code = f"""
 print("via /dev/stdout", file=open("/dev/stdout", "w"))
 open("/dev/null", "w").write("dropped")
 readable = open({str(victim)!r})
+print("read:", readable.read())
 try:
     open(f"/proc/self/fd/{{readable.fileno()}}", "w").write("pwned")
     print("WROTE")
-except PermissionError as error:
+except OSError as error:
     print("refused:", error)
 """
-    result = run(code, layers)
+    result = run_python(code, LIMITS, layers=layers, paths=[str(victim)])
     lines = result.output.strip().splitlines()
-    assert lines[0] == "via /dev/stdout" and lines[1].startswith("refused: sandbox: writing outside"), result.output
+    assert lines[:2] == ["via /dev/stdout", "read: original"], result.output
+    assert lines[2].startswith("refused:") and "WROTE" not in result.output, result.output
     assert victim.read_text() == "original"
 
 
-def test_os_open_relative_write_needs_the_mount_layer_or_an_absolute_path():
-    code = "import os\nos.close(os.open('made.txt', os.O_CREAT | os.O_WRONLY))\nprint(os.path.exists('made.txt'))"
-    alone = run(code, AUDIT)
-    assert not alone.ok and "absolute path" in alone.output
-    together = run(code)
-    require(together, "readonly_mounts")
-    assert together.ok and together.output.strip() == "True"
+def test_os_open_writes_where_its_path_lands(tmp_path):
+    """``os.open`` is judged with its ``dir_fd``: relative to the working directory it writes, relative
+    to a directory outside it is refused."""
+    code = f"""
+import os
+os.close(os.open('made.txt', os.O_CREAT | os.O_WRONLY))
+print(os.path.exists('made.txt'))
+os.open('made.txt', os.O_CREAT | os.O_WRONLY, dir_fd=os.open({str(tmp_path)!r}, os.O_RDONLY))
+"""
+    for layers in (AUDIT, ALL):
+        result = run(code, layers)
+        assert result.output.startswith("True\n") and "not allowed" in result.output, result.output
+        assert list(tmp_path.iterdir()) == []
 
 
 FORK_EXEC = """
@@ -281,24 +293,27 @@ print(sorted(errors))
 
 SETSID_CHILD = """
 import os, time
-os.posix_spawn("/bin/sh", ["/bin/sh", "-c", "echo from-the-child; exec sleep {marker}"], dict(os.environ), setsid=True)
+os.posix_spawn({python!r}, [{python!r}, "-c", "print('from-the-child', flush=True); import time; time.sleep({marker})"],
+               {{}}, setsid=True)
 time.sleep(0.5)
 print("parent done", flush=True)
 """
+#: The interpreter's own executable (what the sandbox's filesystem holds besides the standard library).
+PYTHON = interpreter(sys.executable)["executable"]
 
 
 def test_setsid_child_is_refused_with_every_guard():
     marker = f"{40 + uuid.uuid4().int % 1000 / 1000:.3f}"
-    result = run(SETSID_CHILD.format(marker=marker))
+    result = run(SETSID_CHILD.format(marker=marker, python=PYTHON))
     assert not result.ok and "posix_spawn is not allowed" in result.output
-    assert processes_running(f"sleep\0{marker}") == []
+    assert processes_running(f"time.sleep({marker})") == []
 
 
 def test_setsid_child_dies_with_the_pid_namespace():
     marker = f"{40 + uuid.uuid4().int % 1000 / 1000:.3f}"
-    result = run(SETSID_CHILD.format(marker=marker), NAMESPACES)
+    result = run(SETSID_CHILD.format(marker=marker, python=PYTHON), NAMESPACES)
     require(result, "pid_namespace")
-    leftover = processes_running(f"sleep\0{marker}")
+    leftover = processes_running(f"time.sleep({marker})")
     for pid in leftover:
         os.kill(pid, signal.SIGKILL)
     assert result.ok and "from-the-child" in result.output and "parent done" in result.output
@@ -311,9 +326,9 @@ def test_a_child_holding_the_pipe_does_not_hold_the_run():
     when its process does and keeps what was printed."""
     marker = f"{40 + uuid.uuid4().int % 1000 / 1000:.3f}"
     try:
-        result = run(SETSID_CHILD.format(marker=marker), ())
+        result = run(SETSID_CHILD.format(marker=marker, python=PYTHON), ())
     finally:
-        for pid in processes_running(f"sleep\0{marker}"):
+        for pid in processes_running(f"time.sleep({marker})"):
             os.kill(pid, signal.SIGKILL)
     assert result.guards == ()
     assert result.ok and "from-the-child" in result.output and "parent done" in result.output

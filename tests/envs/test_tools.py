@@ -32,7 +32,7 @@ def step(env, text, index=0):
 
 
 def test_python_tool_environment_runs_code_and_scores_the_answer():
-    env = PythonToolEnv({"timeout_s": 3.0})
+    env = PythonToolEnv({"timeout_s": 3.0, "sandbox": "best-effort"})  # any host: what the tool does
     env.start({"ground_truth": "42"})
     out = step(env, '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
     assert not out.done and out.observation == [{"role": "tool", "content": "42"}]
@@ -43,7 +43,7 @@ def test_python_tool_environment_runs_code_and_scores_the_answer():
 
 
 def test_tool_errors_are_observations_and_metrics():
-    env = PythonToolEnv({"timeout_s": 1.0, "cpu_s": 1})
+    env = PythonToolEnv({"timeout_s": 1.0, "cpu_s": 1, "sandbox": "best-effort"})
     env.start({"ground_truth": "1"})
     out = step(env, "<tool_call>{broken</tool_call>")
     assert "malformed tool call" in out.observation[0]["content"]
