@@ -8,6 +8,13 @@ reference generates the same number of model tokens per sequence in one turn. Bo
 tokens per second (observation tokens excluded); the target is multi-turn within 1.5x of
 single-turn (ratio single/multi <= 1.5).
 
+Each KV cache kind of ``--kv-cache`` (default both, paged first) gets its own engine and its own
+single-turn reference, side by side. Each row also reports the decode loop's counters from the
+batch stats: decode steps, batch occupancy (rows decoding / batch bucket run), extend forwards and
+their tokens, prefill tokens, host reads, graph and eager steps, time blocked waiting for
+environments. ``--profile`` writes a ``torch.profiler`` table of one multi-turn call per kind to
+``--out``'s directory.
+
 Run (GPU):  python bench/bench_multiturn.py --out bench/results/multiturn.json
 CPU smoke:  python bench/bench_multiturn.py --shape tiny --device cpu --sequences 8 --budget 64 --tool-ms 5
 """
@@ -67,6 +74,62 @@ class SlowTool:
         return Step(observation=" ".join(map(str, self.obs)), metrics={"tool_calls": 1.0})
 
 
+#: batch stats reported per run (``rollout/<name>``)
+COUNTERS = ("decode_steps", "batch_occupancy", "decode_rows_mean", "decode_batch_mean", "extend_calls",
+            "extend_tokens", "prefill_tokens", "host_syncs", "graph_steps", "eager_steps", "env_waits",
+            "env_wait_seconds", "resumed", "in_flight_peak", "observation_tokens")
+
+
+def run_kind(args, kind, engine, runner, prompts, ends) -> list[dict]:
+    """Warm-up, then ``--repeats`` multi-turn calls each with its single-turn reference, on one engine."""
+
+    def multi(seed):
+        episodes = runner.start(["tool"] * len(prompts), [{} for _ in prompts])
+        params = SamplingParams(max_new_tokens=args.budget, temperature=1.0, seed=seed, eos_token_ids=ends)
+        return engine.generate([EpisodePrompt(p, e) for p, e in zip(prompts, episodes)], params), episodes
+
+    def single(seed, tokens):
+        params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=seed)  # no EOS: exactly `tokens`
+        return engine.generate(prompts, params)
+
+    multi(0)  # warm-up: graphs, compilation
+    if args.profile:
+        profile(args, kind, lambda: multi(100))
+    rows = []
+    for r in range(args.repeats):
+        sec_m, (batch, episodes) = timed(lambda: multi(r + 1))
+        model_tokens = float(batch.response_mask.sum())
+        per_seq = max(1, round(model_tokens / len(prompts)))
+        single(0, per_seq)
+        sec_s, ref = timed(lambda: single(r + 1, per_seq))
+        ref_tokens = float(ref.response_mask.sum())
+        metrics = episode_metrics(episodes)
+        row = {"kv_cache": kind, "multi_s": sec_m, "multi_model_tokens": model_tokens,
+               "multi_tok_s": model_tokens / sec_m, "single_s": sec_s, "single_model_tokens": ref_tokens,
+               "single_tok_s": ref_tokens / sec_s, "ratio": (ref_tokens / sec_s) / (model_tokens / sec_m),
+               "turns_mean": metrics["env/turns_mean"], "env_seconds_mean": metrics["env/seconds_mean"],
+               "single_graph_steps": ref.stats.get("rollout/graph_steps", 0.0)}
+        row.update({name: float(batch.stats.get(f"rollout/{name}", 0.0)) for name in COUNTERS})
+        rows.append(row)
+    return rows
+
+
+def profile(args, kind, call) -> None:
+    """A ``torch.profiler`` table (device time first where there is a device) of ``call`` in ``--out``'s folder."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        call()
+    key = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=40)
+    folder = os.path.dirname(os.path.abspath(args.out)) if args.out else "."
+    path = os.path.join(folder, f"multiturn_profile_{kind}.txt")
+    with open(path, "w") as fh:
+        fh.write(table)
+    print(f"profile of one multi-turn call ({kind}) written to {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
@@ -79,6 +142,8 @@ def main() -> None:
     ap.add_argument("--obs-tokens", type=int, default=32)
     ap.add_argument("--tool-ms", type=float, default=50.0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kv-cache", default="paged,static", help="comma-separated KV cache kinds to run")
+    ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per kind next to --out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -86,8 +151,6 @@ def main() -> None:
     model = build(args.shape, args.device, dtype)
     vocab = SHAPES[args.shape]["vocab_size"]
     ends = tuple(range(vocab - max(1, int(vocab * args.end_fraction)), vocab))
-    engine = RolloutEngine(model, max_batch_size=args.sequences, max_seq_len=args.prompt_len + args.budget + 8,
-                           kv_cache="static")  # multi-turn episodes write observations into a slot's cache row
     prompts = make_prompts(args.sequences, 1, args.prompt_len, vocab - len(ends))
     obs = list(range(20, 20 + args.obs_tokens))
     tok = NumberTokenizer(ends[0])
@@ -95,42 +158,26 @@ def main() -> None:
                         {"tool": {"delay": args.tool_ms / 1e3, "obs": obs, "turns": args.turns}},
                         defaults=EpisodeLimits(max_turns=args.turns, timeout_s=600))
     runner = EpisodeRunner(envs, tok, max_concurrency=args.sequences, stop=())
-
-    def multi(seed):
-        episodes = runner.start(["tool"] * len(prompts), [{} for _ in prompts])
-        params = SamplingParams(max_new_tokens=args.budget, temperature=1.0, seed=seed, eos_token_ids=ends)
-        return engine.generate([EpisodePrompt(p, e) for p, e in zip(prompts, episodes)], params), episodes
-
-    def single(seed, tokens):
-        params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=seed)  # no EOS: exactly `tokens`
-        return engine.generate(prompts, params)
-
-    multi(0)  # warm-up: graphs, compilation
     rows = []
-    for r in range(args.repeats):
-        sec_m, (batch, episodes) = timed(lambda: multi(r + 1))
-        model_tokens = float(batch.response_mask.sum())
-        per_seq = max(1, round(model_tokens / len(prompts)))
-        single(0, per_seq)
-        sec_s, ref = timed(lambda: single(r + 1, per_seq))
-        ref_tokens = float(ref.response_mask.sum())
-        metrics = episode_metrics(episodes)
-        rows.append({"multi_s": sec_m, "multi_model_tokens": model_tokens, "multi_tok_s": model_tokens / sec_m,
-                     "single_s": sec_s, "single_model_tokens": ref_tokens, "single_tok_s": ref_tokens / sec_s,
-                     "ratio": (ref_tokens / sec_s) / (model_tokens / sec_m),
-                     "turns_mean": metrics["env/turns_mean"], "observation_tokens": float(batch.stats.get(
-                         "rollout/observation_tokens", 0.0)), "env_waits": batch.stats.get("rollout/env_waits", 0.0),
-                     "env_seconds_mean": metrics["env/seconds_mean"]})
+    for kind in args.kv_cache.split(","):
+        engine = RolloutEngine(model, max_batch_size=args.sequences,
+                               max_seq_len=args.prompt_len + args.budget + 8, kv_cache=kind)
+        rows += run_kind(args, kind, engine, runner, prompts, ends)
+        del engine
     runner.close()
     write_json(args.out, {"environment": environment(), "args": vars(args), "runs": rows})
     print(f"\n{args.shape} on {args.device}: {args.sequences} sequences, budget {args.budget}, up to {args.turns} turns, "
           f"tool {args.tool_ms:.0f} ms, {args.obs_tokens} observation tokens")
-    print(f"{'run':>3} {'multi tok/s':>12} {'single tok/s':>13} {'single/multi':>13} {'turns':>6} {'model tok':>10}")
-    for i, row in enumerate(rows):
-        print(f"{i:>3} {row['multi_tok_s']:>12.0f} {row['single_tok_s']:>13.0f} {row['ratio']:>13.2f} "
-              f"{row['turns_mean']:>6.2f} {row['multi_model_tokens']:>10.0f}")
-    best = min(r["ratio"] for r in rows)
-    print(f"target single/multi <= 1.5: {'met' if best <= 1.5 else 'NOT met'} (best {best:.2f})")
+    print(f"{'kv':>6} {'multi tok/s':>12} {'single tok/s':>13} {'single/multi':>13} {'turns':>6} {'steps':>6} "
+          f"{'occup':>6} {'extends':>8} {'syncs':>6} {'graph':>6} {'eager':>6} {'env wait s':>10}")
+    for row in rows:
+        print(f"{row['kv_cache']:>6} {row['multi_tok_s']:>12.0f} {row['single_tok_s']:>13.0f} {row['ratio']:>13.2f} "
+              f"{row['turns_mean']:>6.2f} {row['decode_steps']:>6.0f} {row['batch_occupancy']:>6.2f} "
+              f"{row['extend_calls']:>8.0f} {row['host_syncs']:>6.0f} {row['graph_steps']:>6.0f} "
+              f"{row['eager_steps']:>6.0f} {row['env_wait_seconds']:>10.2f}")
+    for kind in dict.fromkeys(r["kv_cache"] for r in rows):
+        best = min(r["ratio"] for r in rows if r["kv_cache"] == kind)
+        print(f"{kind}: target single/multi <= 1.5: {'met' if best <= 1.5 else 'NOT met'} (best {best:.2f})")
 
 
 if __name__ == "__main__":

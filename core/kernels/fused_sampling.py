@@ -149,16 +149,20 @@ if triton is not None:
         tl.store(sum_ptr + at, tl.sum(tl.where(ok, tl.exp(x - top), 0.0), axis=0))
 
     @triton.jit(do_not_specialize=["seed"])
-    def _draw_rows(logits_ptr, stride, vocab, chunk, inv_temp, seed, max_ptr, sum_ptr, splits, tokens_ptr,
-                   logprobs_ptr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
-        # inverse CDF: one uniform per row picks the chunk whose cumulative weight passes it, then
-        # the token inside that chunk (the only logits read again)
+    def _draw_rows(logits_ptr, stride, vocab, chunk, inv_temp, seed, uniforms_ptr, max_ptr, sum_ptr, splits,
+                   tokens_ptr, logprobs_ptr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, KEYED: tl.constexpr):
+        # inverse CDF: one uniform per row (drawn from the seed, or given: KEYED) picks the chunk whose
+        # cumulative weight passes it, then the token inside that chunk (the only logits read again)
         row = tl.program_id(0)
         part = tl.arange(0, SPLITS)
         valid = part < splits
         weight, top = _chunk_weights(max_ptr, sum_ptr, row * splits + part, valid)
         total = tl.sum(weight, axis=0)
-        target = tl.rand(seed, row) * total
+        if KEYED:
+            uniform = tl.load(uniforms_ptr + row)
+        else:
+            uniform = tl.rand(seed, row)
+        target = uniform * total
         # the first chunk whose running total passes the target (rounding: the last one with weight)
         below = tl.sum((tl.cumsum(weight, axis=0) <= target).to(tl.int32), axis=0)
         pick = tl.minimum(below, tl.max(tl.where(weight > 0, part, 0), axis=0))
@@ -194,7 +198,7 @@ def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
 @torch.library.custom_op("rlcore::sample_rows", mutates_args=())
 def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int | None = None,
                 fast_math: bool | None = None, num_warps: int | None = None,
-                method: str = "cdf") -> tuple[torch.Tensor, torch.Tensor]:
+                method: str = "cdf", uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy (``temperature <= 0``) or temperature sampling of each row (a ``torch.library`` custom
     operator, ``rlcore::sample_rows``, with a fake implementation).
 
@@ -208,6 +212,9 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
         method: ``"cdf"`` (default): one pass for each chunk's log-sum-exp, then one uniform per row
             finds its token by inverse CDF, re-reading one chunk; ``"gumbel"``: one pass adding
             Gumbel noise to every logit (one random number and two logarithms per logit).
+        uniforms: ``[B]`` float32 in ``[0, 1)``: each row's uniform for the inverse-CDF draw instead
+            of one drawn from ``seed`` (``method`` is then ``"cdf"``; a caller that keys the draws of a
+            sequence by its own position, see :func:`rlcore.rollout.sampling.keyed_uniforms`).
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)``, log-probs under ``log_softmax(logits / T)``
         (``T = 1`` when greedy), as :func:`rlcore.rollout.sampling.sample_next` defines them.
@@ -219,7 +226,7 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
     rows, vocab = logits.shape
     dev = logits.device
     greedy = temperature <= 0
-    draw = method == "cdf" and not greedy
+    draw = (method == "cdf" or uniforms is not None) and not greedy
     splits, chunk = plan(rows, vocab, -(-vocab // DRAW_CHUNK) if draw else splits)
     part = torch.empty(3, rows, splits, dtype=torch.float32, device=dev)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=dev)
@@ -235,8 +242,10 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
         width = triton.next_power_of_2(chunk)
         _chunk_stats[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, part[0], part[1],
                                      CHUNK=width, num_warps=num_warps)
-        _draw_rows[(rows,)](logits, logits.stride(0), vocab, chunk, inv_temp, seed, part[0], part[1], splits,
-                            tokens, logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), CHUNK=width,
+        keyed = uniforms is not None
+        _draw_rows[(rows,)](logits, logits.stride(0), vocab, chunk, inv_temp, seed,
+                            uniforms.float().contiguous() if keyed else part[0], part[0], part[1], splits, tokens,
+                            logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), CHUNK=width, KEYED=keyed,
                             num_warps=num_warps)
         return tokens, logprobs
     _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, seed,
@@ -248,7 +257,7 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
 
 
 @sample_rows.register_fake
-def _(logits, temperature, seed, splits=None, fast_math=None, num_warps=None, method="cdf"):
+def _(logits, temperature, seed, splits=None, fast_math=None, num_warps=None, method="cdf", uniforms=None):
     rows = logits.shape[0]
     return (logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32))
 

@@ -103,6 +103,54 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
     return tokens, logprobs
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift / multiply rounds) of ``x`` (int64 holding values below 2^32;
+    the multipliers stay below 2^31 so no product overflows)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keyed_uniforms(seed: int, keys: torch.Tensor) -> torch.Tensor:
+    """``[n]`` float32 uniforms in ``[0, 1)``, each a function of ``seed`` and its row's ``key`` only
+    (int64 >= 0), computed on ``keys``' device: a draw keyed by what it is for (a request and a
+    response column) comes out the same whatever rows and steps the sequence was decoded in."""
+    keys = keys.long()
+    x = _mix32((keys & _MASK32) ^ (int(seed) & _MASK32))
+    x = _mix32(x ^ ((keys >> 32) & _MASK32) ^ ((int(seed) >> 32) & _MASK32))
+    return (x >> 8).float() * (1.0 / (1 << 24))
+
+
+def sample_keyed(logits: torch.Tensor, params: SamplingParams,
+                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_next` by inverse CDF with one given uniform per row (``[B]``, see
+    :func:`keyed_uniforms`) instead of noise from a generator: the token whose cumulative
+    probability (over the top-k / top-p candidates when filtering) first passes it."""
+    if params.greedy:
+        return sample_next(logits, params, None)
+    scores = logits.float()
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if params.top_k > 0 or params.top_p < 1.0:
+        kept, index = filter_top_k_top_p(scores, params.top_k, params.top_p)
+    else:
+        kept, index = scores, None
+    probs = torch.softmax(kept, dim=-1)
+    cdf = probs.cumsum(-1)
+    choice = torch.searchsorted(cdf, (uniforms.float() * cdf[:, -1])[:, None], right=True)
+    # rounding: past the last candidate with any probability, take that one
+    last = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), 0).amax(-1, keepdim=True)
+    choice = torch.minimum(choice, last)
+    tokens = (choice if index is None else index.gather(-1, choice)).squeeze(-1)
+    picked = scores.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, picked - torch.logsumexp(scores, dim=-1)
+
+
 def _fused_self_check(device: torch.device) -> bool:
     """Run the fused kernel once against :func:`sample_next`; remember the verdict per device."""
     key = str(device)
@@ -131,14 +179,23 @@ class Sampler:
         self.params = params
         self.device = torch.device(device)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self.seed = seed
         self.generator = make_generator(seed, self.device)
         self.host = random.Random(seed)
         plain = params.top_k == 0 and params.top_p >= 1.0
         self.fused = bool(fused and plain and fused_sampling.available(self.device)
                           and _fused_self_check(self.device))
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, V]`` logits -> ``(tokens [B], logprobs [B])`` as :func:`sample_next` defines them."""
+    def __call__(self, logits: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, V]`` logits -> ``(tokens [B], logprobs [B])`` as :func:`sample_next` defines them.
+
+        ``keys`` (``[B]`` int64): draw each row with the uniform :func:`keyed_uniforms` gives its key
+        (inverse CDF), so that a row's token does not depend on the other rows or on earlier calls."""
+        if keys is not None and not self.params.greedy:
+            uniforms = keyed_uniforms(self.seed, keys)
+            if self.fused:
+                return fused_sampling.sample_rows(logits, self.params.temperature, 0, uniforms=uniforms)
+            return sample_keyed(logits, self.params, uniforms)
         if self.fused:
             temperature = 0.0 if self.params.greedy else self.params.temperature
             return fused_sampling.sample_rows(logits, temperature, self.host.getrandbits(31))

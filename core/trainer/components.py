@@ -21,7 +21,7 @@ from rlcore.protocols import CheckpointPolicy, DistInfo, PlacementPolicy, Placem
 from rlcore.protocols import RewardBackend, RolloutBackend, Stateful
 from rlcore.trainer import models
 from rlcore.trainer.checkpoint import RNGState
-from rlcore.trainer.generation import ActorGeneration, _engine_settings, rollout_request  # noqa: F401 - read here too
+from rlcore.trainer.generation import ActorGeneration, rollout_request  # noqa: F401 - read here too
 
 log = logging.getLogger(__name__)
 

@@ -176,14 +176,5 @@ def rollout_request(actor_cfg: Any, data_cfg: Any, ppo: Any) -> RolloutRequest:
     """What the actor's rollout asks of ``rlcore_rollout_backend`` (``actor``, ``data`` and ``ppo`` sections)."""
     return RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
                           max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
-                          engine=_engine_settings(actor_cfg.rollout_engine, data_cfg), episodes=bool(data_cfg.env_key))
+                          engine=actor_cfg.rollout_engine.engine_kwargs(), episodes=bool(data_cfg.env_key))
 
-
-def _engine_settings(engine: Any, data_cfg: Any) -> dict[str, Any]:
-    """The rollout engine's keyword arguments: ``actor.rollout_engine``, with the static KV cache for
-    multi-turn episodes (``data.env_key``: observations are written into a slot's cache row)."""
-    kwargs = engine.engine_kwargs()
-    if data_cfg.env_key and kwargs["kv_cache"] == "paged":
-        log.info("data.env_key is set: the rollout engine keeps a static KV cache (multi-turn episodes)")
-        kwargs["kv_cache"] = "static"
-    return kwargs

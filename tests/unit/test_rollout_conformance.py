@@ -17,8 +17,8 @@ def test_builtin_backends_pass_the_conformance_suite(kind):
     def build(model):
         return make_backend(model, kind, max_batch_size=8, max_seq_len=32)
 
-    # a paged engine plays no episodes (supports_episodes False); HF generate plays them turn by turn
-    assert check_rollout_backend(build, tiny_causal_lm("qwen2")) == CHECKS + (["episodes"] if kind == "hf" else [])
+    # both play episodes: HF generate turn by turn, the engine in its paged KV cache
+    assert check_rollout_backend(build, tiny_causal_lm("qwen2")) == CHECKS + ["episodes"]
 
 
 def test_the_suite_catches_a_backend_that_ignores_sync_weights():

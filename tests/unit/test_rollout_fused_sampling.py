@@ -75,3 +75,19 @@ def test_splitting_rows_does_not_change_the_draw():
         split = sample_rows(logits, temperature, 7, method=method)
         assert torch.equal(whole[0], split[0])
         assert torch.allclose(whole[1], split[1], atol=1e-5)
+
+
+def test_keyed_draws_match_the_pytorch_inverse_cdf():
+    """Given per-row uniforms, the kernel's inverse-CDF draw picks the token the PyTorch path picks
+    from the same uniforms, and the same uniforms give the same tokens whatever the row order."""
+    from rlcore.rollout.base import SamplingParams
+    from rlcore.rollout.sampling import keyed_uniforms, sample_keyed
+
+    logits = (torch.randn(5, 3000) * 2).to(DEVICE)
+    uniforms = keyed_uniforms(7, torch.arange(5, device=DEVICE) * 1000 + 3)
+    tokens, logprobs = sample_rows(logits, 0.8, 0, uniforms=uniforms)
+    ref, ref_lp = sample_keyed(logits, SamplingParams(temperature=0.8), uniforms)
+    assert torch.equal(tokens, ref)
+    assert torch.allclose(logprobs, ref_lp, atol=1e-4)
+    flipped, _ = sample_rows(logits.flip(0), 0.8, 0, uniforms=uniforms.flip(0))
+    assert torch.equal(flipped.flip(0), tokens)

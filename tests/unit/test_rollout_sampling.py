@@ -50,3 +50,19 @@ def test_same_seed_same_draw(seed):
     first, _ = sample_next(logits, params, make_generator(seed, "cpu"))
     again, _ = sample_next(logits, params, make_generator(seed, "cpu"))
     assert torch.equal(first, again)
+
+
+def test_keyed_uniforms_depend_only_on_seed_and_key_and_draw_the_softmax():
+    from rlcore.rollout.sampling import keyed_uniforms, sample_keyed
+
+    keys = torch.arange(20000)
+    u = keyed_uniforms(3, keys)
+    assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    assert torch.equal(keyed_uniforms(3, keys.flip(0)).flip(0), u)
+    assert not torch.equal(keyed_uniforms(4, keys), u)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).expand(20000, 5)
+    tokens, logprobs = sample_keyed(logits, SamplingParams(temperature=1.0, max_new_tokens=1), u)
+    freq = torch.bincount(tokens, minlength=5).float() / 20000
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.015) and freq[4] == 0
+    kept, _ = sample_keyed(logits, SamplingParams(temperature=1.0, top_k=2, max_new_tokens=1), u)
+    assert set(kept.tolist()) == {0, 1}

@@ -233,8 +233,8 @@ class RolloutEngine:
 
     @property
     def supports_episodes(self) -> bool:
-        """Prompts carrying an episode are played as multi-turn episodes with the static KV cache."""
-        return not self.paged
+        """Prompts carrying an episode are played as multi-turn episodes (paged or static KV cache)."""
+        return True
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, use_cuda_graphs: bool = True,
@@ -310,6 +310,10 @@ class RolloutEngine:
         if self.compile:
             self._mark_static()
         self._graphs = _Graphs(self) if self.use_cuda_graphs else None
+        #: running totals the schedulers report per call: decode steps replayed from a CUDA graph or run
+        #: eagerly, prefill and extend forwards and the tokens they ran
+        self.counters = dict.fromkeys(("graph_steps", "eager_steps", "prefill_calls", "prefill_tokens",
+                                       "extend_calls", "extend_tokens"), 0)
         log.info("rollout engine: %d layers, %d slots x %d tokens, %s KV cache%s, %s on %s, cuda graphs %s, "
                  "compile %s, attention %s%s", self.spec.num_layers, max_batch_size, max_seq_len, kv_cache,
                  f" ({self.pool.pages} pages of {self.page_size}, {self.kv_bytes / 2**30:.2f} GiB)" if self.paged
@@ -364,7 +368,7 @@ class RolloutEngine:
         as in the result); it should return quickly (hand the work to another thread).
 
         Prompts that carry an episode (:class:`rlcore.envs.runner.EpisodePrompt`) are played as
-        multi-turn episodes (:mod:`rlcore.rollout.engine.turns`, static KV cache only):
+        multi-turn episodes (:mod:`rlcore.rollout.engine.turns`, either KV cache):
         ``max_new_tokens`` then bounds each response with its observations; ``on_finished`` is not
         called for them."""
         from rlcore.envs.runner import episodes_of
@@ -386,9 +390,6 @@ class RolloutEngine:
         episodes, runner = episodes_of(prompts)
         if runner is None:
             run = Scheduler(self, prompts, params, on_finished)
-        elif self.paged:
-            raise ValueError("RolloutEngine: multi-turn episodes need kv_cache='static' (observations are written "
-                             "into a slot's cache row); the trainer builds its engine so when data.env_key is set")
         else:
             run = TurnScheduler(self, prompts, params, episodes, *runner.stops(), runner.decode)
         run.loop()
@@ -496,7 +497,10 @@ class RolloutEngine:
 
     def _decode(self, n: int, length: int) -> torch.Tensor:
         if self._graphs is not None:
-            return self._graphs.run(n, length)
+            logits = self._graphs.run(n, length)
+            self.counters["graph_steps" if self._graphs is not None else "eager_steps"] += 1
+            return logits
+        self.counters["eager_steps"] += 1
         return self._decode_eager(n, length)
 
     def _bucket(self, n: int) -> int:
@@ -526,6 +530,8 @@ class RolloutEngine:
         width = ids.shape[1]
         padded = any(len(p) != width for p in unique)
         chunk = max(1, self.max_prefill_tokens // width)
+        self.counters["prefill_calls"] += 1
+        self.counters["prefill_tokens"] += len(unique) * width
         if self.paged:
             logits = self._prefill_pages(slots, unique, owner, source, ids, mask, chunk, padded)
         else:
@@ -620,47 +626,81 @@ class RolloutEngine:
         for slot, page in zip(slots, fresh):
             at.append(len(self.slot_pages[slot]))
             self.slot_pages[slot].append(page)
-        dev = self.device
-        self.state.table[torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(at, device=dev)] = \
-            torch.tensor(fresh, dtype=torch.int32, device=dev)
+        where = self._to_device(torch.tensor([list(slots), at], dtype=torch.long))
+        self.state.table[where[0], where[1]] = self._to_device(torch.tensor(fresh, dtype=torch.int32))
 
-    def _extend(self, slot: int, ids: Sequence[int], column: int, position: int) -> torch.Tensor:
-        """Append ``ids`` to slot ``slot``'s sequence at cache column ``column`` and position
-        ``position`` (a prefill of these tokens only, writing their keys/values; the slot's cache is
-        kept) and make the slot continue after them. Columns from ``column`` on that the slot had
-        written before (tokens decoded past a turn's end) are dropped. Returns the ``[V]`` logits
-        of the token after ``ids``."""
-        if column + len(ids) >= self.max_seq_len:
-            raise ValueError(f"RolloutEngine: appending {len(ids)} tokens at column {column} exceeds max_seq_len "
-                             f"{self.max_seq_len}")
+    def _extend(self, rows: Sequence[int], appends: Sequence[Sequence[int]], columns: Sequence[int],
+                positions: Sequence[int], lows: Sequence[int]) -> torch.Tensor:
+        """Append ``appends[i]`` to the sequence of cache row ``rows[i]`` at cache column ``columns[i]``
+        and position ``positions[i]``, every row in one forward (:func:`rlcore.rollout.engine.llama.extend`:
+        a prefill of the new tokens only, the rows' caches kept), and make the rows continue after
+        them. A row's valid columns are then ``lows[i]`` (its first column after the prompt's left
+        padding) up to its new tokens; columns it had written from ``columns[i]`` on (tokens decoded
+        past a turn's end) are dropped. With pages the rows' pages must already cover the new columns
+        (:meth:`_set_pages`). Returns the ``[m, V]`` logits of the token after each append."""
+        lengths = [len(ids) for ids in appends]
+        ends = [c + k for c, k in zip(columns, lengths)]
+        for row, end, k in zip(rows, ends, lengths):
+            if k < 1 or end >= self.max_seq_len:
+                raise ValueError(f"RolloutEngine: appending {k} tokens to row {row} up to column {end} does not fit "
+                                 f"max_seq_len {self.max_seq_len} (or appends nothing)")
+        width = max(lengths)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, tokens in enumerate(appends):
+            ids[i, :lengths[i]] = torch.as_tensor(list(tokens), dtype=torch.long)
+        numbers = torch.tensor([list(rows), list(columns), list(positions), list(lows), ends,
+                                [p + k for p, k in zip(positions, lengths)]], dtype=torch.long)
+        ids, numbers = self._to_device(ids), self._to_device(numbers)
+        row, column, position, low, end, after = numbers.unbind(0)
         st = self.state
-        st.bias[slot, column:] = float("-inf")
-        valid = st.bias[slot, :column] == 0
-        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-        logits = llama.extend(self.weights, self.spec, self.cache, slot, tokens, column, position, valid,
-                              self.cos, self.sin)
-        st.bias[slot, column:column + len(ids)] = 0.0
-        st.positions[slot] = position + len(ids)
-        st.cache_index[slot] = column + len(ids)
+        span = torch.arange(self.max_seq_len, device=self.device)
+        st.bias[row] = torch.where((span >= low[:, None]) & (span < end[:, None]), 0.0, float("-inf")).to(self.dtype)
+        logits = llama.extend(self.weights, self.spec, self.cache, row, ids, lengths, column, position, st.bias,
+                              self.cos, self.sin, max(ends), st.table)
+        st.positions[row] = after
+        st.cache_index[row] = end
+        self.counters["extend_calls"] += 1
+        self.counters["extend_tokens"] += sum(lengths)
         return logits
 
-    def _release(self, slots: list[int]) -> None:
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device without waiting for the device (pinned, asynchronous copy)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _set_pages(self, rows: Sequence[int], page_lists: Sequence[list[int]]) -> None:
+        """Give cache rows ``rows`` the pages ``page_lists`` (in column order), table rows included."""
+        table = torch.zeros(len(rows), self.state.table.shape[1], dtype=torch.int32)
+        for i, (row, owned) in enumerate(zip(rows, page_lists)):
+            self.slot_pages[row] = list(owned)
+            table[i, :len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        index = self._to_device(torch.tensor(list(rows), dtype=torch.long))
+        self.state.table[index] = self._to_device(table)
+
+    def _release(self, slots: list[int], keep_pages: bool = False) -> list[list[int]]:
         """Freed slots keep decoding (their output is ignored) until reused: give each a valid
         key in column 0 so that attention over a short length never sees an all-masked row.
-        With pages, the slots' pages go back to the pool and their table rows to the null page
-        (which their idle steps then write to and read from). ``slots``: host indices (no device read)."""
-        rows = torch.tensor(slots, dtype=torch.long, device=self.device)
+        With pages, the slots' pages go back to the pool (or, ``keep_pages``, are returned to the
+        caller, still held: a paused multi-turn episode leaving its row) and their table rows to
+        the null page (which their idle steps then write to and read from). ``slots``: host
+        indices (no device read). Returns the page lists taken off the slots."""
+        rows = self._to_device(torch.tensor(slots, dtype=torch.long))
         self.state.bias[rows, 0] = 0.0
+        taken = []
         if self.paged:
             for slot in slots:
-                self.pool.drop(self.slot_pages[slot])
+                taken.append(self.slot_pages[slot])
+                if not keep_pages:
+                    self.pool.drop(self.slot_pages[slot])
                 self.slot_pages[slot] = []
             self.state.table[rows] = 0
+        return taken
 
     def _compact(self, live: list[int]) -> None:
         """Move live slots ``live`` (sorted) to rows ``0..len(live)-1``."""
         m = len(live)
-        perm = torch.tensor(live, dtype=torch.long, device=self.device)
+        perm = self._to_device(torch.tensor(live, dtype=torch.long))
         st = self.state
         if self.paged:  # the pages stay where they are: only the table rows move
             st.table[:m] = st.table.index_select(0, perm)

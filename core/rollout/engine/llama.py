@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from rlcore.kernels.decode_attention import gather_pages
 from rlcore.rollout.adapters import effective_weight, unwrap
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -368,45 +369,75 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
 
 
 @torch.no_grad()
-def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slot: int, ids: torch.Tensor,
-           column: int, position: int, valid: torch.Tensor, cos_table: torch.Tensor,
-           sin_table: torch.Tensor) -> torch.Tensor:
-    """Append ``ids`` to the sequence of cache row ``slot``: run them at cache columns
-    ``column..column+k-1`` and positions ``position..``, attending to the row's valid earlier
-    columns (``valid [column]`` bool) and causally to each other, and write their keys/values.
-    The history is read from the cache, not recomputed (a multi-turn observation costs a prefill
-    of its own tokens only).
+def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+           lengths: Sequence[int], columns: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
+           cos_table: torch.Tensor, sin_table: torch.Tensor, length: int,
+           table: torch.Tensor | None = None) -> torch.Tensor:
+    """Append tokens to the sequences of several cache rows in one forward (ragged appends): row
+    ``rows[i]`` gets ``ids[i, :lengths[i]]`` at cache columns ``columns[i]..`` and positions
+    ``positions[i]..``, attending to its valid earlier columns (``bias`` 0) and causally to its own
+    new tokens; their keys/values are written to the cache. The history is read from the cache,
+    not recomputed (a multi-turn observation costs a prefill of its own tokens only).
+
+    The projections and the MLP run on the packed new tokens (no padding); only the attention
+    pads the queries of each row to the longest append.
 
     Args:
-        ids: ``[k]`` token ids. cos_table, sin_table: as for :func:`prefill`.
+        cache: ``[L, 2, B, KVH, S, D]``, or with ``table`` (``[B, pages per row]`` int32) a pool of
+            pages ``[L, 2, pages, KVH, page_size, D]``; the rows' pages must cover the new columns.
+        rows: ``[m]`` int64 cache rows. ids: ``[m, K]`` token ids, right padded.
+        lengths: host ints, the new tokens of each row (``1..K``).
+        columns, positions: ``[m]`` int64, the first new column and RoPE position of each row.
+        bias: ``[B, S]`` additive key mask; columns below ``columns[i]`` with 0 are row ``i``'s history.
+        cos_table, sin_table: as for :func:`prefill`.
+        length: the columns attended (at least every row's last new column + 1).
     Returns:
-        ``[V]`` next-token logits (compute dtype) after the last of ``ids``.
+        ``[m, V]`` next-token logits (compute dtype) after the last new token of each row.
     """
-    k = ids.shape[0]
+    m, width = ids.shape
+    dev = ids.device
     dtype = weights.embed.dtype
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    pos = torch.arange(position, position + k, device=ids.device)
-    cos = cos_table[pos].to(dtype)[None, :, None]  # [1, k, 1, D]
-    sin = sin_table[pos].to(dtype)[None, :, None]
-    end = column + k
-    causal = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril_()
-    allowed = torch.cat([valid[:column].to(torch.bool)[None].expand(k, column), causal], dim=1)[None, None]
-    x = F.embedding(ids[None], weights.embed)
+    counts = torch.tensor(list(lengths), dtype=torch.long)
+    which = torch.repeat_interleave(torch.arange(m), counts)  # packed token -> its row (host, no device read)
+    offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    which, offset = which.to(dev, non_blocking=True), offset.to(dev, non_blocking=True)
+    last = (counts.cumsum(0) - 1).to(dev, non_blocking=True)
+    cols = columns[which] + offset  # [T] cache column of each new token
+    pos = positions[which] + offset
+    cos = cos_table[pos].to(dtype)[:, None]  # [T, 1, D]
+    sin = sin_table[pos].to(dtype)[:, None]
+    span = torch.arange(length, device=dev)
+    # every query row: its row's history, and its own new columns up to itself (padded queries see
+    # their row's first new column, so that no row of the mask is empty)
+    step = torch.arange(width, device=dev)
+    start = columns[:, None, None]
+    allowed = (((bias[rows, :length] == 0)[:, None, :] & (span[None, None] < start))
+               | ((span[None, None] >= start) & (span[None, None] <= start + step[None, :, None])))
+    x = F.embedding(ids[which, offset], weights.embed)  # [T, H]
+    # where each new token's key/value goes: (cache row, column) or (page, row in the page)
+    at = (rows[which], cols) if table is None else (table[rows[which], cols // cache.shape[4]].long(),
+                                                    cols % cache.shape[4])
     for index, lw in enumerate(weights.layers):
         q, key, value = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
-        q, key = q.view(1, k, heads, dim), key.view(1, k, kv_heads, dim)
+        q, key = q.view(-1, heads, dim), key.view(-1, kv_heads, dim)
         if lw.qk_norm:
             q, key = rms_norm(q, lw.qk_norm[0], spec.rms_eps), rms_norm(key, lw.qk_norm[1], spec.rms_eps)
-        q = rotate(q, cos, sin).transpose(1, 2)
-        key = rotate(key, cos, sin).transpose(1, 2)
-        cache[index, 0, slot, :, column:end] = key[0]
-        cache[index, 1, slot, :, column:end] = value.view(k, kv_heads, dim).transpose(0, 1)
-        keys, values = cache[index, 0, slot, :, :end][None], cache[index, 1, slot, :, :end][None]
+        q, key = rotate(q, cos, sin), rotate(key, cos, sin)
+        layer = cache[index]
+        layer[0, at[0], :, at[1]] = key
+        layer[1, at[0], :, at[1]] = value.view(-1, kv_heads, dim)
+        kv = layer[:, rows, :, :length] if table is None else gather_pages(layer, table[rows], m, length)
+        keys, values = kv[0], kv[1]
         if spec.group > 1:
             keys = keys.repeat_interleave(spec.group, dim=1)
             values = values.repeat_interleave(spec.group, dim=1)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
-        x = residual_linear(x, attn.transpose(1, 2).reshape(1, k, heads * dim), lw.o, lw.o_bias)
+        padded = q.new_zeros(m, width, heads, dim)
+        padded[which, offset] = q
+        attn = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=allowed[:, None])
+        attn = attn.transpose(1, 2)[which, offset].reshape(-1, heads * dim)
+        x = residual_linear(x, attn, lw.o, lw.o_bias)
         x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
-    last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
-    return F.linear(last, weights.lm_head)[0]
+    out = rms_norm(x[last], weights.norm, spec.rms_eps)
+    return F.linear(out, weights.lm_head)
+

@@ -77,8 +77,21 @@ class Scheduler:
         if engine.paged:
             engine.pool.peak = engine.pool.used
         self.bucket_steps: dict[int, int] = {}
+        self.syncs = 0  # reads of device values on the host (each waits for the device)
+        self.decode_rows = 0  # sums over decode steps: rows decoding, and the batch bucket run
+        self.decode_batch = 0
+        self.counters_at_start = dict(engine.counters)
 
     # -- host bookkeeping
+    def _read(self, tensor: torch.Tensor) -> list:
+        """``tensor.tolist()``, counted (a host read waits for the device)."""
+        self.syncs += 1
+        return tensor.tolist()
+
+    def _rows(self, values: Sequence[int]) -> torch.Tensor:
+        """Host indices as an int64 tensor on the device, without waiting for it."""
+        return self.eng._to_device(torch.tensor(list(values), dtype=torch.long))
+
     def _count(self, slot: int) -> int:
         return 1 + self.steps - self.born[slot]
 
@@ -104,8 +117,8 @@ class Scheduler:
     def _finish(self, slots: list[int]) -> None:
         if not slots:
             return
-        rows = torch.tensor(slots, dtype=torch.long, device=self.eng.device)
-        reqs = torch.tensor([self.slot_req[s] for s in slots], dtype=torch.long, device=self.eng.device)
+        rows = self._rows(slots)
+        reqs = self._rows([self.slot_req[s] for s in slots])
         self.res_tokens.index_copy_(0, reqs, self.out_tokens.index_select(0, rows))
         self.res_logprobs.index_copy_(0, reqs, self.out_logprobs.index_select(0, rows))
         self._report(rows, [self.slot_req[s] for s in slots])
@@ -140,7 +153,7 @@ class Scheduler:
             return
         eos = set(self.params.eos_token_ids)
         responses = []
-        for row in self.out_tokens.index_select(0, rows).tolist():
+        for row in self._read(self.out_tokens.index_select(0, rows)):
             end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
             responses.append(row[:end])
         self.on_finished(list(reqs), responses)
@@ -153,8 +166,8 @@ class Scheduler:
         slots = free[:take]
         reqs = [self.queue.popleft() for _ in range(take)]
         logits, width = self.eng._prefill(slots, [self.prompts[r] for r in reqs], self.params.pad_token_id)
-        tokens, logprobs = self.sample(logits)
-        rows = torch.tensor(slots, dtype=torch.long, device=self.eng.device)
+        tokens, logprobs = self._sample_admitted(logits, reqs)
+        rows = self._rows(slots)
         self.eng.state.tokens[rows] = tokens
         self.done[rows] = torch.isin(tokens, self.eos) if self.eos.numel() else False
         width_out = self.params.max_new_tokens
@@ -192,7 +205,7 @@ class Scheduler:
                 break
             if not checked and self.eos.numel():
                 checked = True
-                flags = self.done[:len(self.slot_req)].tolist()
+                flags = self._read(self.done[:len(self.slot_req)])
                 self._finish([s for s in self.live if flags[s]])
                 continue
             if len(self.live) <= 1:
@@ -219,7 +232,7 @@ class Scheduler:
         if self.eng._bucket(len(live)) >= self.eng._bucket(live[-1] + 1):
             return
         self.eng._compact(live)
-        perm = torch.tensor(live, dtype=torch.long, device=self.eng.device)
+        perm = self._rows(live)
         m, cap = len(live), len(self.slot_req)
         for buf in (self.out_tokens, self.out_logprobs, self.out_col, self.done):
             buf[:m] = buf.index_select(0, perm)
@@ -230,26 +243,45 @@ class Scheduler:
 
     def _finished(self, n: int) -> list[int]:
         """Slots done after this step: at the token limit, or (on check steps) past an EOS."""
-        limit = self.params.max_new_tokens
-        finished = [s for s in self.live if self._count(s) >= limit] if self.steps >= self.due else []
+        finished = self._at_limit() if self.steps >= self.due else []
         if self.eos.numel() and self.steps % self.eng.eos_check_interval == 0:
-            flags = self.done[:n].tolist()
+            flags = self._read(self.done[:n])
             finished = sorted(set(finished) | {s for s in self.live if flags[s]})
         return finished
+
+    def _at_limit(self) -> list[int]:
+        """The live slots whose response reached its token limit."""
+        limit = self.params.max_new_tokens
+        return [s for s in self.live if self._count(s) >= limit]
+
+    def _sample_admitted(self, logits: torch.Tensor, reqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first tokens of requests ``reqs`` from their prefill ``logits``."""
+        return self.sample(logits)
+
+    def _sample_step(self, logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens of a decode step of slots ``0..n-1``."""
+        return self.sample(logits)
+
+    def _decoding(self) -> int:
+        """Live slots whose tokens of this step are kept (a subclass's paused slots ride along)."""
+        return len(self.live)
+
+    def _pending(self) -> bool:
+        """Whether the call has work left (a subclass adds sequences waiting outside the batch)."""
+        return bool(self.queue or self.live)
 
     def _between_steps(self) -> None:
         """Called before each admission or decode step; a subclass continues paused sequences here
         (multi-turn rollouts: :mod:`rlcore.rollout.engine.turns`)."""
 
     def loop(self) -> None:
-        limit = self.params.max_new_tokens
-        while self.queue or self.live:
+        while self._pending():
             self._between_steps()
-            if not (self.queue or self.live):
-                break
             if self._should_admit():
                 self._admit()
-                self._finish([s for s in self.live if self._count(s) >= limit])
+                self._finish(self._at_limit())
+                continue
+            if not self.live:  # every sequence waits outside the batch (between steps waits for them)
                 continue
             self._maybe_compact()
             if self.eng.paged and self.steps >= self.grow_due:
@@ -259,11 +291,27 @@ class Scheduler:
             n = self.eng._bucket(self.live[-1] + 1)
             length = self.eng._length_bucket(self.max_col0 + self.steps + 1)
             logits = self.eng._decode(n, length)
-            tokens, logprobs = self.sample(logits)
+            tokens, logprobs = self._sample_step(logits, n)
             self._record(n, tokens, logprobs)
             self.steps += 1
             self.bucket_steps[n] = self.bucket_steps.get(n, 0) + 1
+            self.decode_rows += self._decoding()
+            self.decode_batch += n
             self._finish(self._finished(n))
+
+    def loop_stats(self) -> dict[str, float]:
+        """What the decode loop did: steps, prefills and extends, how full the decode batch was
+        (rows decoding per step, the batch bucket run, their ratio), host reads, and decode steps
+        replayed from a CUDA graph or run eagerly."""
+        steps = max(self.steps, 1)
+        done = {key: float(value - self.counters_at_start[key]) for key, value in self.eng.counters.items()}
+        return {"rollout/decode_steps": float(self.steps), "rollout/prefill_calls": float(self.prefills),
+                "rollout/prefill_tokens": done["prefill_tokens"], "rollout/extend_calls": done["extend_calls"],
+                "rollout/extend_tokens": done["extend_tokens"], "rollout/graph_steps": done["graph_steps"],
+                "rollout/eager_steps": done["eager_steps"], "rollout/host_syncs": float(self.syncs),
+                "rollout/decode_rows_mean": self.decode_rows / steps,
+                "rollout/decode_batch_mean": self.decode_batch / steps,
+                "rollout/batch_occupancy": self.decode_rows / max(self.decode_batch, 1)}
 
     def result(self) -> RolloutBatch:
         eng = self.eng
@@ -272,8 +320,8 @@ class Scheduler:
         width = int(mask.sum(-1).max().item()) if self.eos.numel() else self.params.max_new_tokens
         tokens = self.res_tokens.masked_fill(mask == 0, self.params.pad_token_id)[:, :width]
         logprobs = (self.res_logprobs * mask)[:, :width]
-        stats = {"rollout/decode_steps": float(self.steps), "rollout/prefill_calls": float(self.prefills),
-                 "rollout/new_tokens": float(mask.sum().item()), "rollout/kv_bytes": float(eng.kv_bytes)}
+        stats = {**self.loop_stats(), "rollout/new_tokens": float(mask.sum().item()),
+                 "rollout/kv_bytes": float(eng.kv_bytes)}
         if eng.paged:
             per_page = eng.kv_bytes / eng.pool.pages
             stats.update({"rollout/preemptions": float(self.preempted),
