@@ -173,6 +173,7 @@ class OverlapUpdate:
         every sample it trained on kept its tokens, and return what it accumulated and its metrics.
         Raises what the worker raised."""
         t0 = time.perf_counter()
+        self._progress = time.monotonic()
         self._events.put(None)
         self._join()
         if self._error is not None:
