@@ -195,7 +195,7 @@ class OverlapUpdate:
     def metrics(self) -> dict[str, float]:
         return {"update/overlapped_frac": len(self.acc.done) / max(1, self.samples),
                 "update/overlap_oom": float(self.oom), "update/overlap_discarded": float(self.discarded),
-                "time/update_overlap_s": self.acc.seconds}
+                "time/update_overlap_s": self.acc.seconds, "time/update_overlap_wait_s": self.acc.wait_s}
 
     def close(self) -> None:
         """Stop the worker (bounded); after a failed step, drop what it accumulated."""
