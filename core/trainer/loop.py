@@ -278,8 +278,8 @@ class Trainer:
         # an episode's reward is known only once it ends, so episodes are scored after the rollout
         scorer = None if episodes else self.streaming_scorer(prompts, extras)
         # ppo.overlap_update: finished groups train while the rest decode (rlcore.trainer.overlap)
-        overlap, m_overlap = overlap_update.start(self, scorer, prompts, episodes)
-        pre = None
+        overlap = overlap_update.start(self, scorer, prompts, episodes)
+        pre, m_overlap = None, {}
         try:
             with self.timer("generate"), overlap.decoding() if overlap is not None else nullcontext():
                 rollout = self.c.generation.generate(prompts, self.sampling(step, round=round),
@@ -481,6 +481,8 @@ class Trainer:
                          generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard, pre=pre)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
+        if self.ppo.overlap_update:  # 0 also where the step could not overlap (the reason was logged)
+            out["update/overlapped_frac"] = len(pre.done) / max(1, exp.size) if pre is not None else 0.0
         return out
 
     def perf_metrics(self, rollout: RolloutBatch, step_s: float) -> dict[str, float]:

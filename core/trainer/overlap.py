@@ -34,6 +34,7 @@ an out-of-memory error, ``update/overlap_discarded``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -138,10 +139,7 @@ class OverlapUpdate:
         self._progress = time.monotonic()
         self._stream = self._decode_stream = None
         if self.device.type == "cuda":
-            # lowest priority for the worker; the decode, while it runs, on the highest (the default stream's
-            # priority is already the lowest)
-            self._stream = torch.cuda.Stream(self.device, priority=1 << 10)
-            self._decode_stream = torch.cuda.Stream(self.device, priority=-(1 << 10))
+            self._stream, self._decode_stream = _streams(self.device)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the last optimizer step
         self._thread = threading.Thread(target=self._run, name="rlcore-overlap-update", daemon=True)
         self._thread.start()
@@ -227,7 +225,7 @@ class OverlapUpdate:
 
     # ---------------------------------------------------------------- the worker's thread
     def _run(self) -> None:
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+        with _on(self.device, self._stream):
             while True:
                 event = self._events.get()
                 if event is None or self._abort.is_set():
@@ -314,6 +312,24 @@ class OverlapUpdate:
             self._pending, self._pending_ids = pending.select(rest.to(pending.input_ids.device)), self._pending_ids[rest]
 
 
+@functools.lru_cache(maxsize=None)
+def _streams(device: torch.device) -> tuple[Any, Any]:
+    """The worker's and the decode's CUDA streams on ``device``, made once (not a new pool stream each step):
+    the worker's at the lowest priority (0, the default stream's: PyTorch refuses a positive one), the
+    decode's at the highest (a priority below the range is clamped to its top)."""
+    return torch.cuda.Stream(device, priority=0), torch.cuda.Stream(device, priority=-(1 << 10))
+
+
+@contextlib.contextmanager
+def _on(device: torch.device, stream: Any) -> Iterator[None]:
+    """This thread's work on ``device`` and ``stream`` (CUDA), or as it is (CPU)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
 def _cat(a: Experience, b: Experience) -> Experience:
     """The rows of ``a`` then ``b`` (same columns)."""
     joined = {}
@@ -324,22 +340,22 @@ def _cat(a: Experience, b: Experience) -> Experience:
 
 
 def start(trainer: Any, scorer: Any, prompts: Sequence[Sequence[int]],
-          episodes: Sequence[Any]) -> tuple[Optional[OverlapUpdate], dict[str, float]]:
+          episodes: Sequence[Any]) -> Optional[OverlapUpdate]:
     """The overlapped update of the rollout of ``prompts`` where ``ppo.overlap_update`` asks for it
-    and the step allows it (the reason it does not is logged once), and the metrics of a step
-    that did not overlap (``update/overlapped_frac`` 0)."""
+    and the step allows it (the reason it does not is logged once; ``Trainer.update`` then reports
+    ``update/overlapped_frac`` 0)."""
     from rlcore.trainer.loop import Sampled
     from rlcore.trainer.update import Batching, actor_micro_step, provisional_total, token_budget
 
     cfg, c = trainer.cfg, trainer.c
     if not cfg.ppo.overlap_update:
-        return None, {}
+        return None
     why = ineligible(trainer, len(prompts), scorer, episodes)
     if why is not None:
         if why not in trainer.notes:
             trainer.notes.add(why)
             log.warning("ppo.overlap_update=true, but the update runs after the rollout: %s", why)
-        return None, {"update/overlapped_frac": 0.0}
+        return None
     ppo, n = cfg.ppo, trainer.n
     actor = c.actor.model
     cut = Batching.from_config(len(prompts), ppo, int(cfg.trainer.gradient_accumulation_steps), strict=False)
@@ -361,4 +377,4 @@ def start(trainer: Any, scorer: Any, prompts: Sequence[Sequence[int]],
 
     return OverlapUpdate(scorer, prompts, n, prepare=prepare, train=train, plan=plan,
                          width=int(ppo.generation.max_new_tokens), pad_token_id=int(c.tokenizer.pad_token_id),
-                         model=actor, device=c.train_device), {}
+                         model=actor, device=c.train_device)
