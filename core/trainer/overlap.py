@@ -368,7 +368,9 @@ def start(trainer: Any, scorer: Any, prompts: Sequence[Sequence[int]],
         scores, _ = trainer.shape_scores(rollout, raw)
         batch = Sampled(rollout=rollout, scores=scores, raw_scores=raw, reward_metrics={},
                         truncated=trainer.truncated(rollout), group_ids=torch.full((len(raw),), group))
-        return trainer.experience(batch, timed=False)[0]
+        exp = trainer.experience(batch, timed=False)[0]
+        exp.rollout_logprobs = None  # the rollout's log-probs come with its end (the mismatch metrics then)
+        return exp
 
     def train(exp: Experience, idx: torch.Tensor, weight: float, stats: dict, k: int) -> torch.Tensor:
         actor.train()  # as the update trains (building a group's rows switched the policy to eval)
