@@ -40,6 +40,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -234,6 +235,8 @@ class OverlapUpdate:
                     continue  # keep draining the reports; nothing more trains
                 try:
                     self._take(*event)
+                except _Stopped:
+                    return
                 except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
                     if is_oom(error):
                         self._out_of_memory(error)
@@ -269,7 +272,7 @@ class OverlapUpdate:
         raw = []
         for i in idx:
             _, future, k = self._reported[i]
-            raw.append(float(future.result()[1][k]))
+            raw.append(float(self._result(future)[1][k]))
         resp = torch.full((self.n, self.width), self.pad, dtype=torch.long)
         mask = torch.zeros(self.n, self.width, dtype=torch.long)
         for row, i in enumerate(idx):
@@ -281,6 +284,15 @@ class OverlapUpdate:
         exp = self.prepare(rollout, torch.tensor(raw, dtype=torch.float32), group)
         self._pending = exp if self._pending is None else _cat(self._pending, exp)
         self._pending_ids = torch.cat([self._pending_ids, torch.tensor(idx, dtype=torch.long)])
+
+    def _result(self, future: Any) -> Any:
+        """``future``'s result, waited for until it comes or the worker is stopped (:meth:`close`)."""
+        while True:
+            try:
+                return future.result(timeout=0.2)
+            except FutureTimeout:
+                if self._abort.is_set():
+                    raise _Stopped() from None
 
     def _train_closed(self) -> None:
         """Forward and backward of every closed micro-batch of the pending rows (all but the open one)."""
@@ -310,6 +322,10 @@ class OverlapUpdate:
             keep[torch.cat(closed)] = False
             rest = keep.nonzero().flatten()
             self._pending, self._pending_ids = pending.select(rest.to(pending.input_ids.device)), self._pending_ids[rest]
+
+
+class _Stopped(Exception):
+    """The worker was stopped while it waited (:meth:`OverlapUpdate.close`)."""
 
 
 @functools.lru_cache(maxsize=None)

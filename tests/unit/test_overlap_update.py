@@ -113,7 +113,7 @@ class Scorer:
         return f
 
 
-def _worker(model, train, micro=2):
+def _worker(model, train, micro=2, scorer=None):
     def prepare(rollout: RolloutBatch, raw, group):
         exp = to_experience(rollout, raw, torch.device("cpu"))
         exp.old_logprobs, exp.advantages = None, exp.response_mask * (raw - raw.mean())[:, None]
@@ -121,7 +121,7 @@ def _worker(model, train, micro=2):
 
     plan = overlap.Plan(micro=micro, budget=0, packed=False, by_length=True, loss_agg="token-mean",
                         denominator=float(len(PROMPTS) * WIDTH))
-    return overlap.OverlapUpdate(Scorer(), PROMPTS, N, prepare=prepare, train=train, plan=plan, width=WIDTH,
+    return overlap.OverlapUpdate(scorer or Scorer(), PROMPTS, N, prepare=prepare, train=train, plan=plan, width=WIDTH,
                                  pad_token_id=0, model=model, device=torch.device("cpu"))
 
 
@@ -134,7 +134,7 @@ def _grad_train(model, fail_at=None, error=None):
             raise error
         loss = model(exp.input_ids[idx].float()).sum() * weight
         loss.backward()
-        stats["loss/policy"].append(float(loss))
+        stats["loss/policy"].append(float(loss.detach()))
         return torch.zeros(len(idx), WIDTH)
 
     return train, calls
@@ -250,6 +250,19 @@ def test_a_stalled_worker_does_not_hang_the_trainer(monkeypatch):
     finally:
         release.set()
         work.close()
+
+
+def test_closing_stops_a_worker_that_waits_for_scores():
+    import time
+    from concurrent.futures import Future
+
+    model = torch.nn.Linear(3 + WIDTH, 1)
+    train, calls = _grad_train(model)
+    work = _worker(model, train, scorer=lambda indices, responses: Future())  # scores that never come
+    work([0, 1], RESPONSES[:2])
+    t0 = time.monotonic()
+    work.close()
+    assert not work._thread.is_alive() and time.monotonic() - t0 < 5 and calls == []
 
 
 # --------------------------------------------------------------------------------------- the trainer
