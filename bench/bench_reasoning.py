@@ -22,7 +22,10 @@ tokenizer ``t0 .. t{V-1}`` (no download), read by both systems.
 Per system and shape the result has: seconds per step and its parts (rollout, scoring, log-probs,
 update, other), tokens/s (prompt + response tokens of the step), the response length distribution,
 the update's MFU (model FLOPs of a forward and backward pass over the step's sequences, as
-``rlcore.observe.flops`` counts them, over the update's time and the device's bf16 peak), the GPU
+``rlcore.observe.flops`` counts them, over the update's time and the device's bf16 peak; with
+``--rlcore-override ppo.overlap_update=true`` the update part is the time after the rollout, the
+share of the samples trained on during the rollout is ``update_overlapped_frac``, and the MFU counts
+the update's forward and backward time during the rollout too: :func:`update_compute_s`), the GPU
 monitor's mean and p10 utilisation over the measured steps (``rlcore.observe.gpu``), and for rlcore
 the numerics: the rollout's log-probs against the trainer's recomputation (mean/max absolute
 difference, KL estimates), for rlcore's rollout backend and for HF ``generate`` on the same
@@ -193,6 +196,15 @@ def _write(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def update_compute_s(mean: dict[str, float]) -> float:
+    """Seconds the actor's update computed: after the rollout (``time/update_actor_s``, which includes the
+    wait for the overlapped update's last micro-batches) plus, with ``ppo.overlap_update``, the forward and
+    backward that ran during the rollout (``time/update_overlap_s``, less the part already counted as
+    that wait). Without the overlap: ``time/update_actor_s``."""
+    during = max(0.0, mean.get("time/update_overlap_s", 0.0) - mean.get("time/update_overlap_wait_s", 0.0))
+    return mean.get("time/update_actor_s", 0.0) + during
+
+
 def _parts(steps: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for s in steps for k in s})
     return {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys}
@@ -359,10 +371,12 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     flops = update_flops(trainer.c.policy.config, sequences) / steps_measured
     result = {"step_s": step_s, "step_times": times, "setup_s": setup_s, "parts": parts,
               "tokens_per_step": sum(sequences) / steps_measured, "lengths": length_stats(lengths, spec["cap"]),
-              "update_mfu": flops / parts["update"] / peak if peak and parts["update"] > 0 else None,
+              "update_mfu": flops / update_compute_s(mean) / peak if peak and update_compute_s(mean) > 0 else None,
+              "update_overlapped_frac": mean.get("update/overlapped_frac"),
               "gpu": {k: v for k, v in mean.items() if k.startswith("gpu/")},
               "metrics": {k: v for k, v in mean.items() if k.startswith(("time/", "perf/", "memory/", "response/",
-                                                                            "reward/", "mismatch", "rollout"))},
+                                                                            "reward/", "mismatch", "rollout",
+                                                                            "update/"))},
               "rollout_backend": _backend_name(trainer), "engine_warmup_s": engine_warmup_s,
               "engine_settings": _engine_settings(trainer)}
     result["tokens_per_s"] = result["tokens_per_step"] / step_s

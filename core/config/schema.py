@@ -493,6 +493,13 @@ class PPOConfig:
     rollout_is: RolloutIS = RolloutIS.none
     #: Cap C of the rollout_is weights (> 0).
     rollout_is_cap: float = 2.0
+    #: Run the update's forward and backward of finished groups while the rest of the rollout decodes (on a
+    #: CUDA stream of lower priority than the decode); the optimizer step waits for the rollout's end. Only where
+    #: the update is one optimizer step computed from the rollout alone: one process, ppo_epochs=1 and one
+    #: mini-batch, no reference model or critic, adv_estimator grpo or rloo, reward.stream scoring, no dynamic
+    #: sampling, multi-turn episodes or rollout_is; otherwise the reason is logged once and the update runs after
+    #: the rollout. The same gradient up to float rounding (docs/architecture.md).
+    overlap_update: bool = False
 
 
 def trains_critic(adv_estimator: str) -> bool:

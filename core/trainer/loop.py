@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -18,6 +18,7 @@ from rlcore.observe.progress import ProgressBar
 from rlcore.protocols import DistInfo, RolloutSource
 from rlcore.rollout.base import RolloutBatch, SamplingParams
 from rlcore.trainer.checkpoint import GracefulExit, archive_previous_run
+from rlcore.trainer import overlap as overlap_update
 from rlcore.trainer.components import Components, build_components
 from rlcore.trainer.experience import (
     Experience,
@@ -29,7 +30,7 @@ from rlcore.trainer.experience import (
 from rlcore.errors import CheckpointError, TrainingError
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.scoring import rows as _rows
-from rlcore.trainer.update import NonFiniteGuard, on_policy, params_finite, ppo_update
+from rlcore.trainer.update import Accumulated, NonFiniteGuard, on_policy, params_finite, ppo_update
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class Trainer:
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
         self.guard = NonFiniteGuard(int(self.tcfg.max_nonfinite_steps))
+        #: what was logged once for the run (e.g. why ``ppo.overlap_update`` does not apply)
+        self.notes: set[str] = set()
         #: where each step's scored samples come from: generated here (:meth:`collect`), or (``split``: a
         #: plugin's :class:`~rlcore.protocols.WorldSplit` and this rank's place in it) from the rollout ranks
         self.source: RolloutSource = (InPlaceSource(self) if split is None else
@@ -182,16 +185,11 @@ class Trainer:
         rollout, scores = batch.rollout, batch.scores
         m.update(batch.metrics)
         if len(scores):
-            # 4. Old and reference log-probs, values (training layout).
-            exp = self.make_experience(rollout, scores)
-            exp.group_ids, exp.baseline = batch.group_ids.to(exp.scores.device), batch.baseline
-            if self.algo.mask_truncated:
-                exp.loss_mask = (~batch.truncated).float().to(exp.scores.device)
-            # 5. Advantages (+ KL in the reward).
-            with self.timer("advantages"):
-                m.update(compute_advantages(exp, self.algo, self.ppo, c.kl_ctrl.value, self.n))
-            # 6. PPO epochs over mini-batches.
-            m.update(self.update(exp))
+            # 4-5. Old and reference log-probs, values (training layout); advantages (+ KL in the reward).
+            exp, adv_metrics = self.experience(batch)
+            m.update(adv_metrics)
+            # 6. PPO epochs over mini-batches (with ppo.overlap_update, some micro-batches ran during the rollout).
+            m.update(self.update(exp, batch.overlap))
         else:  # dynamic sampling kept no group on some rank: nothing to learn from this step
             log.warning("step %d: no informative group to train on; the update is skipped", step)
         self.hook.rlcore_after_update(step=step, metrics=m)
@@ -312,14 +310,22 @@ class Trainer:
         # finished samples are scored while the rest decode (reward.stream), what is left once the rollout ends;
         # an episode's reward is known only once it ends, so episodes are scored after the rollout
         scorer = None if episodes else self.streaming_scorer(prompts, extras)
+        # ppo.overlap_update: finished groups train while the rest decode (rlcore.trainer.overlap)
+        overlap = overlap_update.start(self, scorer, prompts, episodes)
+        pre, m_overlap = None, {}
         try:
-            with self.timer("generate"):
-                rollout = self.c.generation.generate(prompts, self.sampling(step, round=round), on_finished=scorer)
+            with self.timer("generate"), overlap.decoding() if overlap is not None else nullcontext():
+                rollout = self.c.generation.generate(prompts, self.sampling(step, round=round),
+                                                     on_finished=overlap or scorer)
             self.hook.rlcore_after_generation(step=step, rollout=rollout)
             episode_metrics = self.end_episodes(episodes, extras)
             with self.timer("reward"):
                 raw, m_reward = scorer.finish(rollout) if scorer is not None else self.score(rollout, extras)
+            if overlap is not None:
+                pre, m_overlap = overlap.finish(rollout)
         finally:
+            if overlap is not None:
+                overlap.close()
             if scorer is not None:
                 scorer.close()
         if scorer is not None:
@@ -338,7 +344,7 @@ class Trainer:
                 baseline = b_scores.repeat_interleave(self.n)
         return Sampled(rollout=rollout, scores=scores, raw_scores=raw, reward_metrics=m_reward,
                        truncated=self.truncated(rollout), baseline=baseline,
-                       group_ids=torch.arange(len(rows)).repeat_interleave(self.n))
+                       group_ids=torch.arange(len(rows)).repeat_interleave(self.n), metrics=m_overlap, overlap=pre)
 
     def collect(self, step: int) -> "Sampled":
         """This step's scored samples. With ``algorithm.dynamic_sampling`` (DAPO), groups whose raw
@@ -487,7 +493,19 @@ class Trainer:
                                             micro, trim, **cut)
         return exp
 
-    def update(self, exp: Experience) -> dict[str, float]:
+    def experience(self, batch: "Sampled", timed: bool = True) -> tuple[Experience, dict[str, float]]:
+        """Steps 4-5 for ``batch``: its training rows with old and reference log-probs and values where the
+        update needs them, then its advantages (timed as ``advantages``: ``timed``); and their metrics."""
+        exp = self.make_experience(batch.rollout, batch.scores)
+        exp.group_ids, exp.baseline = batch.group_ids.to(exp.scores.device), batch.baseline
+        if self.algo.mask_truncated:
+            exp.loss_mask = (~batch.truncated).float().to(exp.scores.device)
+        with self.timer("advantages") if timed else nullcontext():
+            metrics = compute_advantages(exp, self.algo, self.ppo, self.c.kl_ctrl.value, self.n)
+        return exp, metrics
+
+    def update(self, exp: Experience, pre: Optional[Accumulated] = None) -> dict[str, float]:
+        """Step 6: the PPO update of ``exp``; ``pre``: its micro-batches trained during the rollout."""
         c = self.c
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
         critic = c.critic
@@ -497,9 +515,11 @@ class Trainer:
                          critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
                          grad_accum=int(self.tcfg.gradient_accumulation_steps),
                          temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
-                         generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard)
+                         generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard, pre=pre)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
+        if self.ppo.overlap_update:  # 0 also where the step could not overlap (the reason was logged)
+            out["update/overlapped_frac"] = len(pre.done) / max(1, exp.size) if pre is not None else 0.0
         return out
 
     def perf_metrics(self, rollout: RolloutBatch, step_s: float) -> dict[str, float]:
@@ -565,6 +585,7 @@ class Sampled:
     group_ids: torch.Tensor  # [B] long
     baseline: Optional[torch.Tensor] = None  # [B] ReMax greedy baseline
     metrics: dict[str, float] = field(default_factory=dict)
+    overlap: Optional[Accumulated] = None  # micro-batches trained during the rollout (ppo.overlap_update)
 
     def select_groups(self, groups: torch.Tensor, n: int) -> "Sampled":
         """The samples of the given groups (indices into this batch's groups), in that order."""

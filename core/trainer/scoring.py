@@ -109,12 +109,14 @@ class StreamingScorer:
         #: share of the samples whose streamed score was used, set by :meth:`finish`
         self.streamed_frac = 0.0
 
-    def __call__(self, indices: list[int], responses: list[list[int]]) -> None:
-        """The rollout's callback: queue these finished samples for scoring and return at once."""
+    def __call__(self, indices: list[int], responses: list[list[int]]) -> Future:
+        """The rollout's callback: queue these finished samples for scoring and return at once, with
+        the future of their ``(texts, scores [len(indices)], metrics)``."""
         indices, responses = list(indices), [list(r) for r in responses]
         future = self._pool.submit(_score, self.reward, self.tokenizer, self.request, indices, responses, self.plugin)
         with self._lock:
             self._jobs.append((indices, responses, future))
+        return future
 
     def finish(self, rollout: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Scores ``[B]`` and metrics of the finished rollout: the streamed ones where they still hold,

@@ -8,7 +8,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -56,6 +56,17 @@ def on_policy(n: int, ppo: PPOConfig, grad_accum: int) -> bool:
     return int(ppo.ppo_epochs) == 1 and Batching.from_config(n, ppo, grad_accum, strict=False).mini >= n
 
 
+def share_counts(response_mask: torch.Tensor, groups: Sequence[torch.Tensor], loss_agg: str) -> list[float]:
+    """What each micro-batch's loss is a mean over: its valid tokens (``token-mean``), or its sequences
+    that have a valid token (the per-sequence means); ``token-sum``: 1 each (sums add up)."""
+    if loss_agg == "token-sum":  # sums add up: every micro-batch's sum counts once
+        return [1.0] * len(groups)
+    counts = [response_mask[g.to(response_mask.device)].sum(-1).float().cpu() for g in groups]
+    if loss_agg != "token-mean":
+        counts = [(c > 0).float() for c in counts]
+    return [float(c.sum()) for c in counts]
+
+
 def group_weights(response_mask: torch.Tensor, groups: Sequence[torch.Tensor], loss_agg: str) -> list[float]:
     """Weight of each micro-batch's (mean) loss so that the accumulated gradient is the mini-batch's.
 
@@ -66,16 +77,58 @@ def group_weights(response_mask: torch.Tensor, groups: Sequence[torch.Tensor], l
     not depend on how the mini-batch is cut or ordered, nor on how many tokens each micro-batch
     holds; ``token-sum`` losses add up, each micro-batch's weighing 1. ``response_mask [B, R]``.
     """
-    if loss_agg == "token-sum":  # sums add up: every micro-batch's sum counts once
-        return [1.0] * len(groups)
-    counts = [response_mask[g.to(response_mask.device)].sum(-1).float().cpu() for g in groups]
-    if loss_agg != "token-mean":
-        counts = [(c > 0).float() for c in counts]
-    total = float(sum(float(c.sum()) for c in counts))
+    counts = share_counts(response_mask, groups, loss_agg)
+    if loss_agg == "token-sum":
+        return counts
+    total = float(sum(counts))
     if total <= 0:
         sizes = [len(g) for g in groups]
         return [n / max(1, sum(sizes)) for n in sizes]
-    return [float(c.sum()) / total for c in counts]
+    return [c / total for c in counts]
+
+
+def provisional_total(samples: int, max_new_tokens: int, loss_agg: str) -> float:
+    """A stand-in for :func:`group_weights`' denominator before the rollout is over (the overlapped
+    update, :mod:`rlcore.trainer.overlap`): an upper bound of the valid tokens (``token-mean``) or of
+    the sequences; the gradients accumulated with it are rescaled once the true one is known."""
+    if loss_agg == "token-sum":
+        return 1.0
+    return float(samples * (max_new_tokens if loss_agg == "token-mean" else 1))
+
+
+@dataclass
+class Accumulated:
+    """Micro-batches of one rollout whose forward and backward already ran (during the rollout:
+    :mod:`rlcore.trainer.overlap`), their gradients in ``.grad``, each loss weighed by its count
+    (:func:`share_counts`) over a provisional denominator (:func:`provisional_total`).
+
+    ``groups``: each micro-batch's sample indices (into the rollout); ``provisional``: the weight
+    each was accumulated with; ``stats``: their metrics, one value per micro-batch and name (as
+    :func:`actor_micro_loss` records them); ``logprobs``: each micro-batch's on-policy log-probs
+    ``[samples, columns]`` (response columns from the first); ``seconds``: forward and backward
+    time; ``wait_s``: time the trainer waited for them after the rollout."""
+
+    groups: list[torch.Tensor] = field(default_factory=list)
+    provisional: list[float] = field(default_factory=list)
+    stats: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    seconds: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def done(self) -> torch.Tensor:
+        """The sample indices whose gradient is accumulated."""
+        return torch.cat(self.groups) if self.groups else torch.zeros(0, dtype=torch.long)
+
+    def rescale(self, model: torch.nn.Module, weights: Sequence[float]) -> None:
+        """Turn the provisional weights into ``weights`` (the true ones of :attr:`groups`): the
+        gradient is linear in the weights, which differ from the provisional ones by one factor."""
+        provisional = float(sum(self.provisional))
+        scale = float(sum(weights)) / provisional if provisional > 0 else 1.0
+        if scale != 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
 
 
 def micro_weights(response_mask: torch.Tensor, mini_idx: torch.Tensor, micro: int, loss_agg: str) -> list[float]:
@@ -223,12 +276,22 @@ def mismatch_metrics(exp: Experience, trainer_logprobs: Optional[torch.Tensor]) 
             "rollout/logprob_abs_diff_max": float(m["abs_diff_max"]), "rollout/logprob_kl": float(m["kl"])}
 
 
+def token_budget(ppo: PPOConfig, recompute: dict[str, Any]) -> int:
+    """``ppo.max_tokens_per_micro_batch`` (0: off), lowered to what fits without checkpointing (see
+    :meth:`~rlcore.trainer.recompute.Recompute.token_budget`)."""
+    budget = int(ppo.max_tokens_per_micro_batch)
+    for policy in recompute.values():  # a budget that would need checkpointing is lowered to one that does not
+        budget = min(budget, policy.token_budget(budget)) if policy is not None else budget
+    return budget
+
+
 def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_clip: float,
                critic=None, critic_opt=None, critic_sched=None, critic_grad_clip: float = 0.0,
                ppo: PPOConfig, grad_accum: int, temperature: float, kl_loss_coef: float,
                generator: Optional[torch.Generator] = None, packed: bool = False,
                recompute: Optional[dict[str, Any]] = None,
-               guard: Optional[NonFiniteGuard] = None) -> dict[str, float]:
+               guard: Optional[NonFiniteGuard] = None,
+               pre: Optional[Accumulated] = None) -> dict[str, float]:
     """Run ``ppo.ppo_epochs`` passes over ``exp``; return averaged metrics.
 
     Each mini-batch is cut into micro-batches of ``ppo.micro_batch_size`` samples, or of at most
@@ -237,8 +300,13 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     :class:`~rlcore.trainer.recompute.Recompute` that turns activation checkpointing on for the
     micro-batches that need it. An optimizer step whose loss or gradient norm is not finite is
     skipped (``guard`` decides and stops the run after too many in a row); ``train/nonfinite_steps``
-    counts the skipped ones."""
+    counts the skipped ones. ``pre``: micro-batches whose gradients are already accumulated (the
+    overlapped update; one optimizer step over ``exp``, no critic): only the other samples run
+    here, and the step's metrics weigh both parts alike."""
     cut = Batching.from_config(exp.size, ppo, grad_accum, strict=False)
+    if pre is not None and pre.groups and (int(ppo.ppo_epochs) != 1 or cut.mini < exp.size or critic is not None):
+        raise ValueError("ppo_update: pre-accumulated micro-batches need one optimizer step over the rollout "
+                         "(ppo_epochs=1, one mini-batch) and no critic")
     stats: dict[str, list[float]] = defaultdict(list)
     spent = {"actor": 0.0, "critic": 0.0}
     recompute = recompute or {}
@@ -247,9 +315,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     if critic is not None:
         critic.train()
     lengths = exp.attention_mask.sum(-1) if ppo.group_by_length else None
-    budget = int(ppo.max_tokens_per_micro_batch)
-    for policy in recompute.values():  # a budget that would need checkpointing is lowered to one that does not
-        budget = min(budget, policy.token_budget(budget)) if policy is not None else budget
+    budget = token_budget(ppo, recompute)
     if budget:
         stats["actor/micro_batch_token_budget"].append(float(budget))
     # on-policy, the trainer's log-probs come from the update's own forward: kept for the mismatch metrics
@@ -259,50 +325,66 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
         order = torch.randperm(exp.size, generator=generator)
         for start in range(0, exp.size, cut.mini):  # every sample trains: a last, smaller step takes a remainder
             mini_idx = order[start:start + cut.mini]
+            if pre is not None and pre.groups:  # the samples whose gradient is accumulated already are left out
+                mini_idx = mini_idx[~torch.isin(mini_idx, pre.done)]
             if lengths is not None:  # similar lengths share a micro-batch (stable: ties keep the shuffle)
                 mini_idx = mini_idx[torch.sort(lengths[mini_idx.to(lengths.device)].cpu(), descending=True,
                                                stable=True).indices]
-            groups = micro_batches(exp.attention_mask, exp.response_mask, mini_idx, cut.micro, budget, packed)
-            weights = group_weights(exp.response_mask, groups, ppo.loss_agg)
-            token_weights = weights if ppo.loss_agg == "token-mean" else group_weights(exp.response_mask, groups,
-                                                                                         "token-mean")
-            micro = _accumulate(exp, groups, weights, token_weights, actor=actor, critic=critic, ppo=ppo,
-                                temperature=temperature, kl_loss_coef=kl_loss_coef, packed=packed,
+            groups, weights, token_weights = _plan(exp, mini_idx, cut.micro, budget, ppo.loss_agg, packed, pre)
+            done = len(pre.groups) if pre is not None else 0
+            if done:
+                pre.rescale(actor, weights[:done])
+                _fill_own_old(own_old, pre)
+            micro = _accumulate(exp, groups[done:], weights[done:], token_weights[done:], actor=actor, critic=critic,
+                                ppo=ppo, temperature=temperature, kl_loss_coef=kl_loss_coef, packed=packed,
                                 recompute=recompute, own_old=own_old, spent=spent)
-            t0 = time.perf_counter()
-            norms = {"actor": _grad_norm(actor, actor_grad_clip)}
-            t1 = time.perf_counter()
-            if critic is not None:
-                norms["critic"] = _grad_norm(critic, critic_grad_clip)
-            t2 = time.perf_counter()
-            losses = micro.get("loss/policy", []) + micro.get("loss/value", [])
-            finite = all(math.isfinite(v) for v in norms.values()) and _losses_finite(losses)
-            for name, values in micro.items():
-                if values:
-                    stats[name].append(_step_value(name, values, weights, token_weights))
-            where = ", ".join(f"{k} grad norm {v:.4g}" for k, v in norms.items())
-            apply = finite if guard is None else guard.allow(finite, where)
-            if not apply:
+            if done:
+                micro = {k: list(pre.stats.get(k, [])) + list(micro.get(k, [])) for k in dict.fromkeys([*pre.stats, *micro])}
+            if not _finish_step(micro, weights, token_weights, stats, spent, guard, actor=actor, actor_opt=actor_opt,
+                                actor_sched=actor_sched, actor_grad_clip=actor_grad_clip, critic=critic,
+                                critic_opt=critic_opt, critic_sched=critic_sched, critic_grad_clip=critic_grad_clip):
                 skipped += 1
-            for name, v in norms.items():
-                stats[f"{name}/grad_norm"].append(v)
-            t3 = time.perf_counter()
-            _step(actor_opt, actor_sched, apply)
-            t4 = time.perf_counter()
-            if critic is not None:
-                _step(critic_opt, critic_sched, apply)
-            spent["actor"] += (t1 - t0) + (t4 - t3)
-            spent["critic"] += (t2 - t1) + (time.perf_counter() - t4)
             stats["actor/micro_batches"].append(float(len(groups)))
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out.update(mismatch_metrics(exp, own_old if own_old is not None else exp.old_logprobs))
     out["actor/lr"] = float(actor_sched.get_last_lr()[0])
     out["actor/optimizer_steps"] = float(len(stats["actor/grad_norm"]) - skipped)
     out["train/nonfinite_steps"] = float(skipped)
-    out["time/update_actor_s"] = spent["actor"]
+    out["time/update_actor_s"] = spent["actor"] + (pre.wait_s if pre is not None else 0.0)
     if critic is not None:
         out["time/update_critic_s"] = spent["critic"]
     return out
+
+
+def _finish_step(micro: dict[str, list[float]], weights: list[float], token_weights: list[float],
+                 stats: dict[str, list[float]], spent: dict[str, float], guard: Optional[NonFiniteGuard], *,
+                 actor, actor_opt, actor_sched, actor_grad_clip: float, critic, critic_opt, critic_sched,
+                 critic_grad_clip: float) -> bool:
+    """Clip, check and apply (or skip) one optimizer step whose gradients are accumulated; its
+    per-micro-batch metrics ``micro`` go into ``stats`` weighed as the gradients were. Whether it applied."""
+    t0 = time.perf_counter()
+    norms = {"actor": _grad_norm(actor, actor_grad_clip)}
+    t1 = time.perf_counter()
+    if critic is not None:
+        norms["critic"] = _grad_norm(critic, critic_grad_clip)
+    t2 = time.perf_counter()
+    losses = micro.get("loss/policy", []) + micro.get("loss/value", [])
+    finite = all(math.isfinite(v) for v in norms.values()) and _losses_finite(losses)
+    for name, values in micro.items():
+        if values:
+            stats[name].append(_step_value(name, values, weights, token_weights))
+    where = ", ".join(f"{k} grad norm {v:.4g}" for k, v in norms.items())
+    apply = finite if guard is None else guard.allow(finite, where)
+    for name, v in norms.items():
+        stats[f"{name}/grad_norm"].append(v)
+    t3 = time.perf_counter()
+    _step(actor_opt, actor_sched, apply)
+    t4 = time.perf_counter()
+    if critic is not None:
+        _step(critic_opt, critic_sched, apply)
+    spent["actor"] += (t1 - t0) + (t4 - t3)
+    spent["critic"] += (t2 - t1) + (time.perf_counter() - t4)
+    return apply
 
 
 def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float], token_weights: list[float], *,
@@ -322,24 +404,60 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
         if critic is not None:
             set_gradient_sync(critic, last)
         idx = group.to(exp.input_ids.device)
-        mb = exp.select(idx)
-        if ppo.trim_padding:
-            mb = mb.trimmed()
-        tokens = int(mb.attention_mask.sum()) if packed else mb.attention_mask.numel()
         t0 = time.perf_counter()
-        with _recomputing(recompute.get("actor"), tokens):
-            old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, micro, packed)
-        if CHECK_FINITE:
-            _check_micro_batch(actor, mb, old, micro, k)
+        mb, old = actor_micro_step(actor, exp, idx, weight, micro, ppo=ppo, temperature=temperature,
+                                   kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k)
         if own_old is not None:
             own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
         t1 = time.perf_counter()
         if critic is not None:
-            with _recomputing(recompute.get("critic"), tokens):
+            with _recomputing(recompute.get("critic"), _tokens(mb, packed)):
                 critic_micro_loss(critic, mb, ppo, token_weights[k], micro, packed)
         spent["actor"] += t1 - t0
         spent["critic"] += time.perf_counter() - t1
     return micro
+
+
+def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, stats: dict, *, ppo: PPOConfig,
+                     temperature: float, kl_loss_coef: float, packed: bool, recompute: dict[str, Any],
+                     k: int = 0) -> tuple[Experience, torch.Tensor]:
+    """The actor's forward and backward of the samples ``idx`` of ``exp`` (cut to their columns with
+    ``ppo.trim_padding``, checkpointed as ``recompute`` decides): the micro-batch and the log-probs
+    of :func:`actor_micro_loss`. ``k``: the micro-batch's place in its step (for :data:`CHECK_FINITE`)."""
+    mb = exp.select(idx)
+    if ppo.trim_padding:
+        mb = mb.trimmed()
+    with _recomputing(recompute.get("actor"), _tokens(mb, packed)):
+        old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
+    if CHECK_FINITE:
+        _check_micro_batch(actor, mb, old, stats, k)
+    return mb, old
+
+
+def _tokens(mb: Experience, packed: bool) -> int:
+    """Tokens one forward over ``mb`` processes: the real ones packed, rows x width padded."""
+    return int(mb.attention_mask.sum()) if packed else mb.attention_mask.numel()
+
+
+def _plan(exp: Experience, mini_idx: torch.Tensor, micro: int, budget: int, loss_agg: str, packed: bool,
+          pre: Optional[Accumulated]) -> tuple[list[torch.Tensor], list[float], list[float]]:
+    """The micro-batches of ``mini_idx`` after ``pre``'s (if any), and the loss weights and token shares
+    of all of them (:func:`group_weights`)."""
+    groups = micro_batches(exp.attention_mask, exp.response_mask, mini_idx, micro, budget, packed) \
+        if len(mini_idx) else []
+    groups = (list(pre.groups) if pre is not None else []) + list(groups)
+    weights = group_weights(exp.response_mask, groups, loss_agg)
+    token_weights = weights if loss_agg == "token-mean" else group_weights(exp.response_mask, groups, "token-mean")
+    return groups, weights, token_weights
+
+
+def _fill_own_old(own_old: Optional[torch.Tensor], pre: Accumulated) -> None:
+    """The on-policy log-probs of ``pre``'s micro-batches into ``own_old`` (for the mismatch metrics)."""
+    if own_old is None:
+        return
+    for group, logp in zip(pre.groups, pre.logprobs):
+        width = min(logp.shape[1], own_old.shape[1])  # wider rows (the rollout's cap): the rest is padding
+        own_old[group.to(own_old.device), :width] = logp[:, :width].to(own_old.device, own_old.dtype)
 
 
 #: ``RLCORE_CHECK_FINITE=<directory>``: after every actor micro-batch, check its log-probs, loss and the

@@ -155,7 +155,9 @@ class _Graphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: work another thread launches meanwhile (the overlapped update, rlcore.trainer.overlap)
+        # neither breaks the capture nor is captured; only this thread's unsafe calls are refused
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = eng._decode_eager(n, length)
         log.debug("rollout engine: captured decode graph for batch bucket %d, length %d", n, length)
         return graph, logits
