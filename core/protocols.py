@@ -240,7 +240,7 @@ class RolloutSource(Protocol):
     ``async`` receives them from the rollout ranks)."""
 
     def next(self, step: int) -> Any:
-        """This rank's scored samples of optimizer step ``step``: a :class:`~rlcore.trainer.loop.Sampled`
+        """This rank's scored samples of optimizer step ``step``: a :class:`~rlcore.trainer.sampled.Sampled`
         (the rollout, its scores, truncation flags and group ids, the reward's metrics)."""
         ...
 

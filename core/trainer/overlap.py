@@ -360,7 +360,7 @@ def start(trainer: Any, scorer: Any, prompts: Sequence[Sequence[int]],
     """The overlapped update of the rollout of ``prompts`` where ``ppo.overlap_update`` asks for it
     and the step allows it (the reason it does not is logged once; ``Trainer.update`` then reports
     ``update/overlapped_frac`` 0)."""
-    from rlcore.trainer.loop import Sampled
+    from rlcore.trainer.sampled import Sampled
     from rlcore.trainer.update import Batching, actor_micro_step, provisional_total, token_budget
 
     cfg, c = trainer.cfg, trainer.c

@@ -20,7 +20,7 @@ STEP = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "col_ptr": "*
         "cos_out": "*fp32", "sin_out": "*fp32", "col_out": "*i64", "tok_ptr": "*i64", "lp_ptr": "*fp32",
         "next_ptr": "*i64", "out_tok_ptr": "*i64", "out_lp_ptr": "*fp32", "done_ptr": "*i1", "eos_ptr": "*i64"}
 SAMPLING = {"logits_ptr": "*bf16", "inv_temp": "fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "key_ptr": "*fp32",
-            "idx_ptr": "*i32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32"}
+            "idx_ptr": "*i32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32", "uniforms_ptr": "*fp32"}
 LOGPROB = {"logits_ptr": "*bf16", "labels_ptr": "*i64", "inv_temp": "fp32", "logp_ptr": "*fp32",
            "lse_ptr": "*fp32", "ent_ptr": "*fp32", "grad_out_ptr": "*fp32", "grad_ptr": "*bf16"}
 
@@ -54,7 +54,9 @@ CASES = {
                      dict(GREEDY=False, FAST=True, BLOCK=1024), 8),
     "merge_rows": ("rlcore.kernels.fused_sampling", "_merge_rows", SAMPLING, dict(SPLITS=16), 1),
     "chunk_stats": ("rlcore.kernels.fused_sampling", "_chunk_stats", SAMPLING, dict(CHUNK=2048), 4),
-    "draw_rows": ("rlcore.kernels.fused_sampling", "_draw_rows", SAMPLING, dict(SPLITS=128, CHUNK=2048), 4),
+    "draw_rows": ("rlcore.kernels.fused_sampling", "_draw_rows", SAMPLING, dict(SPLITS=128, CHUNK=2048, KEYED=False), 4),
+    "draw_rows_keyed": ("rlcore.kernels.fused_sampling", "_draw_rows", SAMPLING,
+                        dict(SPLITS=128, CHUNK=2048, KEYED=True), 4),
     "logprob_forward": ("rlcore.kernels.logprob", "_forward_rows", LOGPROB,
                         dict(WITH_ENTROPY=True, BLOCK=4096), 8),
     "logprob_backward": ("rlcore.kernels.logprob", "_backward_rows", LOGPROB, dict(BLOCK=4096), 8),

@@ -321,7 +321,7 @@ def runs(tmp_path_factory):
 
 def test_the_overlapped_update_trains_as_the_update_after_the_rollout(runs):
     (off, m_off), (on, m_on) = runs["off"], runs["on"]
-    assert off.c.generation.backends and "Engine" in type(next(iter(off.c.generation.backends.values()))).__name__
+    assert all("rollout/kv_bytes_peak" in m for m in m_off.values())  # the rollout engine (paged) generated
     for step in m_off:
         assert 0.5 < m_on[step]["update/overlapped_frac"] < 1.0  # most samples trained during the rollout
         assert m_on[step]["update/overlap_oom"] == 0.0 and m_on[step]["time/update_overlap_s"] > 0
