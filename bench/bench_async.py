@@ -63,9 +63,9 @@ def _generate(self, prompts, params):
 async_rl.RolloutWorker._generate = _generate
 
 original_update = loop.Trainer.update
-def update(self, exp):
+def update(self, exp, *args, **kwargs):
     time.sleep(TRAIN_S)
-    return original_update(self, exp)
+    return original_update(self, exp, *args, **kwargs)
 loop.Trainer.update = update
 
 from rlcore.cli import main

@@ -189,7 +189,7 @@ class Trainer:
             exp, adv_metrics = self.experience(batch)
             m.update(adv_metrics)
             # 6. PPO epochs over mini-batches (with ppo.overlap_update, some micro-batches ran during the rollout).
-            m.update(self.update(exp, batch.overlap))
+            m.update(self.update(exp) if batch.overlap is None else self.update(exp, batch.overlap))
         else:  # dynamic sampling kept no group on some rank: nothing to learn from this step
             log.warning("step %d: no informative group to train on; the update is skipped", step)
         self.hook.rlcore_after_update(step=step, metrics=m)
