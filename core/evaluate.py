@@ -95,6 +95,7 @@ class Evaluator:
     truncated = Trainer.truncated
     sampling = Trainer.sampling
     _request = Trainer._request
+    plugin_of = Trainer.plugin_of
 
     def __init__(self, cfg: DictConfig, pm: Any, dist: DistInfo):
         from rlcore.trainer.components import build_episode_runner
