@@ -440,13 +440,13 @@ class PPOConfig:
     #: flash or flex, and pass a packed-attention check at load; with sdpa/eager a packed row is one dense masked
     #: attention, quadratic in its length).
     pack_sequences: Any = "auto"
-    #: How the actor's and the reference's log-prob forwards leave the last hidden states: fused (the vocabulary
-    #: projection fused with the log-softmax, a chunk of tokens at a time, so the [tokens, vocabulary] logits and
-    #: their gradient are never held whole: less memory, so longer micro-batches without activation
-    #: checkpointing, for one more head product in the backward) | logits (the model's own logits) | auto (fused
+    #: How the actor's and the reference's log-prob forwards leave the last hidden states: logits (the model's own
+    #: logits) | fused (the vocabulary projection fused with the log-softmax, a chunk of tokens at a time, so the
+    #: [tokens, vocabulary] logits and their gradient are never held whole: less memory, for one more head product
+    #: in the backward; measured slower than the logits on an H100 at 1.5B, see docs/benchmarks.md) | auto (fused
     #: on CUDA). Models with anything between the head and the softmax (soft-capping, logit scales), LoRA on the
     #: head, FSDP-sharded heads, and an entropy bonus with a gradient use the logits.
-    logprob_head: LogprobHead = LogprobHead.auto
+    logprob_head: LogprobHead = LogprobHead.logits
     #: Passes over each rollout.
     ppo_epochs: int = 1
     #: KL strength against the reference policy.

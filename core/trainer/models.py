@@ -169,7 +169,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 
 
 
-#: the attribute of a model holding :func:`set_logprob_head`'s choice (absent: "auto"); an attribute, so copies keep it
+#: the attribute of a model holding :func:`set_logprob_head`'s choice (absent: "logits"); an attribute, so copies keep it
 _HEAD_ATTR = "_rlcore_logprob_head"
 #: models whose fused head was checked against their own logits: model -> passed
 _HEAD_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
@@ -185,7 +185,7 @@ _PLAIN_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
 def set_logprob_head(model: nn.Module, mode: str) -> None:
     """Choose how ``model``'s teacher-forced log-probs are computed (``ppo.logprob_head``):
     ``"fused"`` (the head fused with the log-softmax, :mod:`rlcore.kernels.linear_logprob`: no
-    ``[tokens, V]`` logits), ``"logits"`` (the model's own logits), ``"auto"`` (fused on CUDA)."""
+    ``[tokens, V]`` logits), ``"logits"`` (the model's own logits, the default), ``"auto"`` (fused on CUDA)."""
     if mode not in ("auto", "fused", "logits"):
         raise ValueError(f"logprob head must be auto, fused or logits, got {mode!r}")
     object.__setattr__(model, _HEAD_ATTR, mode)
@@ -197,7 +197,7 @@ def fused_head(model: nn.Module, device: torch.device) -> Optional[tuple[nn.Modu
     exactly ``decoder(...) @ W^T`` (a bias-free linear head, nothing between it and the softmax,
     weights that are plain tensors, not FSDP shards). Checked once per model against its own
     logits on a few tokens."""
-    mode = getattr(model, _HEAD_ATTR, "auto")
+    mode = getattr(model, _HEAD_ATTR, "logits")
     if mode == "logits" or (mode == "auto" and device.type != "cuda"):
         return None
     get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)

@@ -119,7 +119,9 @@ def test_an_unknown_model_class_is_checked_against_its_own_logits():
 
 def test_auto_uses_the_logits_off_cuda_and_bad_modes_are_refused():
     model = tiny_causal_lm("qwen2")
-    assert fused_head(model, torch.device("cpu")) is None  # auto: fused on CUDA only
+    assert fused_head(model, torch.device("cpu")) is None  # unset: the logits
+    set_logprob_head(model, "auto")
+    assert fused_head(model, torch.device("cpu")) is None
     with pytest.raises(ValueError, match="auto, fused or logits"):
         set_logprob_head(model, "fast")
 
@@ -136,7 +138,7 @@ def test_a_token_budget_that_would_recompute_is_lowered_to_what_fits(monkeypatch
     from rlcore.distributed.fsdp import enable_gradient_checkpointing
 
     enable_gradient_checkpointing(model)
-    policy = recompute.Recompute(model, "auto", model.config, torch.device("cpu"))
+    policy = recompute.Recompute(model, "auto", model.config, torch.device("cpu"), logits=False)
     per_token = policy.bytes_per_token
     monkeypatch.setattr(recompute, "MIN_BUDGET", 16)
     monkeypatch.setattr(recompute, "free_bytes", lambda device: int(40 * per_token / recompute.FREE_SHARE) + 1)
@@ -145,7 +147,10 @@ def test_a_token_budget_that_would_recompute_is_lowered_to_what_fits(monkeypatch
     assert policy.token_budget(0) == 0  # no budget: micro_batch_size decides
     monkeypatch.setattr(recompute, "free_bytes", lambda device: 8 * per_token)
     assert policy.token_budget(100) == 100  # under the floor: keep the budget and checkpoint
-    assert recompute.Recompute(model, False, model.config, torch.device("cpu")).token_budget(100) == 100
+    assert recompute.Recompute(model, False, model.config, torch.device("cpu"), logits=False).token_budget(100) == 100
+    # with the model's own logits (the default head) the budget stays as given
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: int(40 * per_token / recompute.FREE_SHARE) + 1)
+    assert recompute.Recompute(model, "auto", model.config, torch.device("cpu")).token_budget(100) == 100
 
     # the update cuts its mini-batch by the lowered budget, with the same gradient
     exp = _experience(model, None, seed=8, packed=False)
@@ -154,7 +159,7 @@ def test_a_token_budget_that_would_recompute_is_lowered_to_what_fits(monkeypatch
     monkeypatch.setattr(recompute, "free_bytes", lambda device: int(24 * per_token / recompute.FREE_SHARE) + 1)
 
     def policies(roles):
-        return {"actor": recompute.Recompute(roles["actor"], "auto", model.config, torch.device("cpu"))}
+        return {"actor": recompute.Recompute(roles["actor"], "auto", model.config, torch.device("cpu"), logits=False)}
 
     cut_m, cut, _ = _step(model, None, exp, packed=True, recompute_policies=policies,
                           max_tokens_per_micro_batch=10_000)
