@@ -506,9 +506,12 @@ class Trainer:
 
     def update(self, exp: Experience, pre: Optional[Accumulated] = None) -> dict[str, float]:
         """Step 6: the PPO update of ``exp``; ``pre``: its micro-batches trained during the rollout."""
+        from rlcore.observe.compile_stats import reading
+
         c = self.c
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
         critic = c.critic
+        compiled_before = reading()
         out = ppo_update(exp, actor=c.actor.model, actor_opt=c.actor.optimizer, actor_sched=c.actor.scheduler,
                          actor_grad_clip=self.cfg.actor.grad_clip, critic=critic and critic.model,
                          critic_opt=critic and critic.optimizer, critic_sched=critic and critic.scheduler,
@@ -518,6 +521,8 @@ class Trainer:
                          generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard, pre=pre)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
+        # compilation inside the update (new lengths for the compiled layers): the host works, the device waits
+        out.update(reading().since(compiled_before, "update"))
         if self.ppo.overlap_update:  # 0 also where the step could not overlap (the reason was logged)
             out["update/overlapped_frac"] = len(pre.done) / max(1, exp.size) if pre is not None else 0.0
         return out
