@@ -55,7 +55,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg, names = resolve(args)
-    preflight(cfg, names)
+    from rlcore.demo import demo_tokenizer
+
+    preflight(cfg, names, tokenizer=None if cfg.actor.model_path else demo_tokenizer)
     from rlcore.config.loader import config_warnings
 
     for warning in config_warnings(cfg):
@@ -134,6 +136,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         for key, why in inert_keys(cfg, world, ignore=preset):
             log.warning("config key '%s' has no effect in this run: %s", key, why)
         announce(cfg, args.demo, provides_data(pm))
+    from rlcore.demo import use_demo_model
+
+    use_demo_model(cfg, dist, provides_data(pm))  # the demo preset's model where actor.model_path is empty
     from rlcore.trainer.loop import Trainer
 
     trainer = Trainer(cfg, pm, dist, split)

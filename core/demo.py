@@ -185,6 +185,41 @@ def demo_model(output_dir: str, dist: Any) -> str:
     return ensure_demo_model(root)
 
 
+#: What the trainer says when the user gave data (files, a custom dataset or a dataset plugin) but no model.
+NO_MODEL_WARNING = ("actor.model_path is not set: the policy is the demo's tiny model (%s, a word tokenizer of "
+                    "the demo's 12 letters) trained on your data; set actor.model_path to a Hugging Face model "
+                    "directory to train your own")
+
+
+def use_demo_model(cfg: Any, dist: Any, provides_data: bool = False) -> None:
+    """The demo preset's model: where ``actor.model_path`` is empty, set it to the run's demo model
+    (:func:`demo_model`, built by the main rank), with a warning when the user gave data
+    (``data.train_files``, ``data.custom_cls.path`` or, ``provides_data``, a dataset plugin). Called by
+    ``rlcore train`` (every rank, and each worker it launches) before the trainer is built; the
+    trainer itself requires ``actor.model_path``."""
+    if cfg.actor.model_path:
+        return
+    path = demo_model(str(cfg.trainer.output_dir), dist)
+    if dist.is_main and (cfg.data.train_files or cfg.data.custom_cls.path or provides_data):
+        import logging
+
+        logging.getLogger("rlcore").warning(NO_MODEL_WARNING, path)
+    cfg.actor.model_path = path
+
+
+def demo_tokenizer() -> Any:
+    """The demo model's tokenizer, built in a temporary directory (removed again) and loaded as the
+    trainer loads it: what ``rlcore validate`` hands the factory hooks when ``actor.model_path`` is
+    empty (nothing is written to ``trainer.output_dir``)."""
+    import tempfile
+
+    from rlcore.trainer.models import load_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="rlcore-demo-tokenizer-") as tmp:
+        build_tokenizer(tmp)
+        return load_tokenizer(tmp)
+
+
 def _prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 5)))
 

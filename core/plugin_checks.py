@@ -101,9 +101,9 @@ def check_conflicts(pm: Any, cfg: DictConfig, world_size: int,
     backend is not built while ``reward_model.enable`` is set (it would load the reward model). The
     rollout backend needs the model: its answer is checked when the model has loaded.
 
-    :param tokenizer: loads the actor's tokenizer (the dataset and reward hooks receive it) where
-        ``actor.model_path`` is set; without it the demo's tokenizer is built in a temporary
-        directory, so nothing is written to ``trainer.output_dir``.
+    :param tokenizer: loads the tokenizer the dataset and reward hooks receive (default: the actor's,
+        from ``actor.model_path``; ``rlcore validate`` without a model gives the demo's, built in a
+        temporary directory, so nothing is written to ``trainer.output_dir``).
     """
     from rlcore.distributed.init import known_world_size
     from rlcore.errors import PreflightError, RLCoreError
@@ -187,30 +187,21 @@ def _call_alone(pm: Any, name: str, hook: str, kwargs: dict) -> Any:
 
 
 def _tokenizer_loader(cfg: DictConfig, given: Optional[Callable[[], Any]]) -> Callable[[], Any]:
-    """The tokenizer the factory hooks receive, loaded once on first use: ``given`` (the actor's)
-    where ``actor.model_path`` is set, else the demo's, built in a temporary directory."""
+    """The tokenizer the factory hooks receive, loaded once on first use: ``given``, else the actor's
+    (``actor.model_path``; a :class:`~rlcore.errors.ConfigError` naming it where it is empty)."""
     @functools.cache
     def load() -> Any:
+        if given is not None:
+            return given()
         if not cfg.actor.model_path:
-            return demo_tokenizer()
+            from rlcore.errors import ConfigError
+
+            raise ConfigError(["actor.model_path is not set: the factory hooks receive the actor's tokenizer"])
         from rlcore.trainer.models import load_tokenizer
 
-        return given() if given is not None else load_tokenizer(cfg.actor.model_path)
+        return load_tokenizer(cfg.actor.model_path)
 
     return load
-
-
-def demo_tokenizer() -> Any:
-    """The demo model's tokenizer, built in a temporary directory (removed again) and loaded as the
-    trainer loads it."""
-    import tempfile
-
-    from rlcore.demo import build_tokenizer
-    from rlcore.trainer.models import load_tokenizer
-
-    with tempfile.TemporaryDirectory(prefix="rlcore-demo-tokenizer-") as tmp:
-        build_tokenizer(tmp)
-        return load_tokenizer(tmp)
 
 
 def _implements(pm: Any, name: str, hook: str) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from rlcore.errors import RLCoreError
 
 
-def preflight(cfg, names, build_factories: bool = True):
+def preflight(cfg, names, build_factories: bool = True, tokenizer=None):
     """Every check that can run before a model loads: plugins and their settings, data files, model and
     reward-model paths, role devices, output directory, the checkpoint to resume from, the reward
     function, each plugin's own checks (``rlcore_preflight``: plugin requirements, shard sizes), rank
@@ -19,6 +19,8 @@ def preflight(cfg, names, build_factories: bool = True):
     the trainer, which builds every factory answer once, before any model loads, and checks it there
     (building them here too would build each twice). Every problem found is reported together.
 
+    :param tokenizer: loads the tokenizer the factory hooks receive (default: the actor's, from
+        ``actor.model_path``; ``rlcore validate`` without a model gives the demo preset's).
     :raises RLCoreError: the one problem found, or an :class:`~rlcore.errors.PreflightError` listing all.
     """
     from rlcore.plugin_manager import build_plugin_manager
@@ -64,7 +66,7 @@ def preflight(cfg, names, build_factories: bool = True):
     attempt(_check_environments, cfg, pm)
     attempt(_check_rank_groups, cfg)
     if not problems and build_factories:  # two plugins answering one factory hook, found as train would find it
-        attempt(check_conflicts, pm, cfg, _world_size(cfg), lambda: _tokenizer(cfg))
+        attempt(check_conflicts, pm, cfg, _world_size(cfg), tokenizer)
     if len(problems) == 1:
         raise problems[0]
     if problems:
@@ -100,15 +102,6 @@ def _check_reward_function(cfg, train_files) -> None:
     if train_files and all(info.format in ("parquet", "jsonl") and info.columns for info in train_files):
         columns = set.intersection(*(set(info.columns) for info in train_files))
         check_arguments(reward, fn.name, sorted(columns), list(fn.kwargs or {}))
-
-
-def _tokenizer(cfg):
-    """The actor's tokenizer, as the trainer loads it (the demo's when no model is given)."""
-    from rlcore.protocols import DistInfo
-    from rlcore.demo import demo_model
-    from rlcore.trainer.models import load_tokenizer
-
-    return load_tokenizer(cfg.actor.model_path or demo_model(cfg.trainer.output_dir, DistInfo()))
 
 
 def _check_environments(cfg, pm) -> None:

@@ -11,7 +11,7 @@ Fixtures:
 * ``tiny_tokenizer`` — the tokenizer of ``tiny_model_dir`` loaded as the trainer loads it
   (:func:`rlcore.trainer.models.load_tokenizer`, through ``from_pretrained``).
 
-Helpers usable outside pytest: :func:`make_tiny_model_dir`, :func:`run_cli`,
+Helpers usable outside pytest: :func:`make_tiny_model_dir`, :func:`demo_overrides`, :func:`run_cli`,
 :func:`teacher_forced_logprobs`, and :func:`check_rollout_backend`, the conformance suite any
 rollout backend plugin can run on itself.
 """
@@ -34,6 +34,18 @@ def make_tiny_model_dir(path: str, *, arch: str = "qwen2", hidden_size: int = 64
     from rlcore.demo import build_model_dir
 
     return build_model_dir(path, hidden_size=hidden_size, layers=layers, seed=seed, arch=arch)
+
+
+def demo_overrides(output_dir: str, *overrides: str) -> list[str]:
+    """The overrides of the demo run in ``output_dir`` through the Python API, as ``rlcore train`` runs it:
+    the demo preset, ``trainer.output_dir`` and the demo's model as ``actor.model_path`` (built once in
+    ``<output_dir>/_demo``, :func:`rlcore.demo.demo_model`), then ``overrides`` (which win), e.g.
+    ``Trainer(load_config([], demo_overrides(tmp_path, "trainer.max_steps=2")), pm, DistInfo())``."""
+    from rlcore.demo import DEMO_OVERRIDES, demo_model
+    from rlcore.protocols import DistInfo
+
+    return [*DEMO_OVERRIDES, f"trainer.output_dir={output_dir}",
+            f"actor.model_path={demo_model(str(output_dir), DistInfo())}", *overrides]
 
 
 def run_cli(argv: Sequence[str]) -> tuple[int, str, str]:

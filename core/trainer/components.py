@@ -14,9 +14,7 @@ from rlcore import rlmath
 from rlcore.config.schema import resolve_fsdp, trains_critic
 from rlcore.data.collate import BatchFiller
 from rlcore.data.loader import PromptLoader
-from rlcore.demo import demo_model
-from rlcore.errors import PluginError
-from rlcore.plugin_manager import provides_data
+from rlcore.errors import ConfigError, PluginError
 from rlcore.protocols import CheckpointPolicy, DistInfo, PlacementPolicy, PlacementRequest, ReshardPolicy
 from rlcore.protocols import RewardBackend, RolloutBackend, Stateful
 from rlcore.trainer import models
@@ -222,6 +220,10 @@ def build_components(cfg: DictConfig, pm: Any, dist: DistInfo) -> Components:
 
 def _build_components(cfg: DictConfig, pm: Any, dist: DistInfo, built: Built) -> Components:
     data_cfg, actor_cfg, critic_cfg = obj(cfg.data), obj(cfg.actor), obj(cfg.critic)
+    if not actor_cfg.model_path:  # `rlcore train` fills it in (the demo's model) before the trainer is built
+        raise ConfigError(["actor.model_path is not set: the trainer needs the policy's Hugging Face model "
+                           "directory (rlcore.demo.use_demo_model(cfg, dist) sets the demo's tiny model, as "
+                           "`rlcore train` does)"])
     tcfg, ppo, algo = obj(cfg.trainer), obj(cfg.ppo), obj(cfg.algorithm)
     torch.manual_seed(tcfg.seed)
 
@@ -229,12 +231,7 @@ def _build_components(cfg: DictConfig, pm: Any, dist: DistInfo, built: Built) ->
     placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement),
                                 uses_critic=trains_critic(algo.adv_estimator), built=built)
     device = placement.device_for("actor")
-    model_path = actor_cfg.model_path or demo_model(tcfg.output_dir, dist)
-    if not actor_cfg.model_path and dist.is_main and (data_cfg.train_files or data_cfg.custom_cls.path
-                                                      or provides_data(pm)):
-        log.warning("actor.model_path is not set: the policy is the demo's tiny model (%s, a word tokenizer of "
-                    "the demo's 12 letters) trained on your data; set actor.model_path to a Hugging Face model "
-                    "directory to train your own", model_path)
+    model_path = actor_cfg.model_path
     tokenizer = models.load_tokenizer(model_path)
 
     # Data, reward, checkpoint and reshard policies before the (expensive) models load: a bad input or

@@ -17,7 +17,7 @@ GRPO = ("algorithm.adv_estimator=grpo", "ppo.ppo_epochs=1", "ppo.mini_batch_size
 
 def _train(tmp_path, *overrides):
     from rlcore.config import load_config
-    from rlcore.demo import DEMO_OVERRIDES
+    from rlcore.testing import demo_overrides
     from rlcore.hookspecs import hookimpl
     from rlcore.plugin_manager import build_plugin_manager
     from rlcore.protocols import DistInfo
@@ -31,7 +31,7 @@ def _train(tmp_path, *overrides):
         def rlcore_step_end(self, step, metrics):
             self.metrics[step] = dict(metrics)
 
-    cfg = load_config([], [*DEMO_OVERRIDES, f"trainer.output_dir={tmp_path}", *GRPO, *overrides])
+    cfg = load_config([], [*demo_overrides(tmp_path), *GRPO, *overrides])
     pm = build_plugin_manager([])
     rec = Recorder()
     pm.register(rec)

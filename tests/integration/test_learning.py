@@ -3,7 +3,7 @@
 import pytest
 
 from rlcore.config import load_config
-from rlcore.demo import DEMO_OVERRIDES
+from rlcore.testing import demo_overrides
 from rlcore.plugin_manager import build_plugin_manager
 from rlcore.protocols import DistInfo
 from rlcore.trainer.loop import Trainer
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_demo(tmp_path, *overrides):
-    cfg = load_config([], list(DEMO_OVERRIDES) + [f"trainer.output_dir={tmp_path}", "trainer.progress=false",
+    cfg = load_config([], [*demo_overrides(tmp_path), "trainer.progress=false",
                                                    "trainer.gpu_monitor=false", "trainer.export_final=false",
                                                    *overrides])
     return Trainer(cfg, build_plugin_manager([]), DistInfo()).train()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlcore.config import load_config
-from rlcore.demo import DEMO_OVERRIDES
+from rlcore.testing import demo_overrides
 from rlcore.hookspecs import hookimpl
 from rlcore.plugin_manager import build_plugin_manager
 from rlcore.protocols import DistInfo
@@ -37,7 +37,7 @@ class Recorder:
 
 
 def run_demo(tmp_path, *overrides):
-    cfg = load_config([], list(DEMO_OVERRIDES) + [f"trainer.output_dir={tmp_path}", "trainer.progress=false",
+    cfg = load_config([], [*demo_overrides(tmp_path), "trainer.progress=false",
                                                    "trainer.gpu_monitor=false", "trainer.export_final=false",
                                                    *overrides])
     pm = build_plugin_manager([])

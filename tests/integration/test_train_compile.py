@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlcore.config import load_config
-from rlcore.demo import DEMO_OVERRIDES
+from rlcore.testing import demo_overrides
 from rlcore.errors import ConfigError
 from rlcore.plugin_manager import build_plugin_manager
 from rlcore.protocols import DistInfo
@@ -16,7 +16,7 @@ KEYS = ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "rew
 
 
 def steps(tmp_path, *overrides, n=2):
-    cfg = load_config([], list(DEMO_OVERRIDES) + [f"trainer.output_dir={tmp_path}", "trainer.progress=false",
+    cfg = load_config([], [*demo_overrides(tmp_path), "trainer.progress=false",
                                                    "trainer.gpu_monitor=false", "trainer.export_final=false",
                                                    "plugins=[]", *overrides])
     trainer = Trainer(cfg, build_plugin_manager([]), DistInfo())

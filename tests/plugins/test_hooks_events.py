@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-import rlcore.demo
+from rlcore.testing import demo_overrides
 from rlcore.config import load_config
 from rlcore.config.schema import TrainerConfig
 from rlcore.hookspecs import hookimpl
@@ -98,9 +98,9 @@ def test_events_reach_a_plugin_in_order(tmp_path, rlcore_pm, rlcore_register):
     from rlcore.trainer.loop import Trainer
 
     events, checkpoints = rlcore_register(EventRecorder(), "recorder"), rlcore_register(CheckpointPlugin(), "ckpt")
-    cfg = load_config([], list(rlcore.demo.DEMO_OVERRIDES) + [
-        "trainer.max_steps=2", "trainer.progress=false", f"trainer.output_dir={tmp_path}",
-        "ppo.rollout_batch_size=4", "trainer.eval_samples=8", "trainer.gpu_monitor=false"])
+    cfg = load_config([], demo_overrides(
+        tmp_path, "trainer.max_steps=2", "trainer.progress=false",
+        "ppo.rollout_batch_size=4", "trainer.eval_samples=8", "trainer.gpu_monitor=false"))
     Trainer(cfg, rlcore_pm, DistInfo()).train()
 
     names = [n for n, _ in events.calls]

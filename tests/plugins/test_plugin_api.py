@@ -14,13 +14,12 @@ import sys
 import pytest
 import torch
 
-import rlcore.demo
 from rlcore.config import load_config
 from rlcore.errors import ConfigError, PluginError
 from rlcore.hookspecs import hookimpl
 from rlcore.plugin_manager import BUILTIN_MODULES, build_plugin_manager
 from rlcore.protocols import DistInfo
-from rlcore.testing import run_cli
+from rlcore.testing import demo_overrides, run_cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -37,12 +36,17 @@ def installed(monkeypatch):
 
 
 def _config(tmp_path, *extra):
-    return load_config([], ["plugins=[everything]", "actor.rollout_backend=everything", "trainer.max_steps=2",
-                            "trainer.progress=false", "trainer.log_steps=1", "trainer.eval_samples=4",
-                            "trainer.gpu_monitor=false", "trainer.export_final=false", "trainer.resume=disable",
-                            "ppo.rollout_batch_size=4", "ppo.generation.n=2", "ppo.generation.max_new_tokens=4",
-                            "algorithm.adv_estimator=grpo", "data.max_prompt_length=8",
-                            f"trainer.output_dir={tmp_path}", *extra])
+    """The fixture plugin is the data source; the model is the demo's, set as `rlcore train` sets it."""
+    from rlcore.demo import use_demo_model
+
+    cfg = load_config([], ["plugins=[everything]", "actor.rollout_backend=everything", "trainer.max_steps=2",
+                           "trainer.progress=false", "trainer.log_steps=1", "trainer.eval_samples=4",
+                           "trainer.gpu_monitor=false", "trainer.export_final=false", "trainer.resume=disable",
+                           "ppo.rollout_batch_size=4", "ppo.generation.n=2", "ppo.generation.max_new_tokens=4",
+                           "algorithm.adv_estimator=grpo", "data.max_prompt_length=8",
+                           f"trainer.output_dir={tmp_path}", *extra])
+    use_demo_model(cfg, DistInfo(), provides_data=True)
+    return cfg
 
 
 @pytest.mark.slow
@@ -114,7 +118,7 @@ def test_a_factory_answer_missing_a_method_is_named_before_any_model_loads(insta
     pm.register_plugin(Forgetful(), "forgetful")
     with pytest.raises(PluginError, match=r"plugin 'forgetful' answered rlcore_checkpoint_policy with a Policy, "
                                           r"which lacks resume\(\)"):
-        Trainer(load_config([], list(rlcore.demo.DEMO_OVERRIDES) + [f"trainer.output_dir={tmp_path}"]), pm,
+        Trainer(load_config([], demo_overrides(tmp_path)), pm,
                 DistInfo())
 
 
@@ -198,10 +202,10 @@ def saving_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(FIXTURES)
         mp.setitem(BUILTIN_MODULES, "everything", "rlcore_everything:EverythingPlugin")
-        cfg = _config(tmp_path, "plugin_config.everything.save_every=2")
-        pm = build_plugin_manager(list(cfg.plugins))
         logging.getLogger("rlcore").addHandler(handler)
         try:
+            cfg = _config(tmp_path, "plugin_config.everything.save_every=2")
+            pm = build_plugin_manager(list(cfg.plugins))
             trainer = Trainer(cfg, pm, DistInfo())
             trainer.train()
         finally:

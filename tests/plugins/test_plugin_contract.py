@@ -11,7 +11,7 @@ import torch
 
 import rlcore
 from rlcore.config import load_config
-from rlcore.demo import DEMO_OVERRIDES
+from rlcore.testing import demo_overrides
 from rlcore.hookspecs import hookimpl
 from rlcore.plugin_manager import BUILTIN_MODULES, build_plugin_manager
 from rlcore.protocols import DistInfo
@@ -25,7 +25,7 @@ SMALL = ("trainer.max_steps=1", "trainer.progress=false", "trainer.gpu_monitor=f
 
 
 def small_config(tmp_path, *extra):
-    return load_config([], list(DEMO_OVERRIDES) + list(SMALL) + [f"trainer.output_dir={tmp_path}", *extra])
+    return load_config([], demo_overrides(tmp_path, *SMALL, *extra))
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlcore.config import load_config
-from rlcore.demo import DEMO_OVERRIDES
+from rlcore.testing import demo_overrides
 from rlcore.errors import ConfigError, RLCoreError
 from rlcore.plugin_manager import build_plugin_manager
 from rlcore.preflight import preflight
@@ -14,7 +14,7 @@ from rlcore.trainer.loop import Trainer
 
 
 def demo_config(tmp_path, *overrides):
-    return load_config([], list(DEMO_OVERRIDES) + [f"trainer.output_dir={tmp_path}", "trainer.progress=false",
+    return load_config([], [*demo_overrides(tmp_path), "trainer.progress=false",
                                                    "trainer.gpu_monitor=false", "trainer.export_final=false",
                                                    "plugins=[]", *overrides])
 

@@ -144,6 +144,7 @@ def test_iterable_custom_dataset_too_small_fails_before_the_models_load(tmp_path
     from rlcore.config.loader import load_config
     from rlcore.plugin_manager import build_plugin_manager
     from rlcore.trainer import models
+    from rlcore.demo import demo_model
     from rlcore.trainer.components import build_components
 
     mod = tmp_path / "few.py"
@@ -162,6 +163,7 @@ def test_iterable_custom_dataset_too_small_fails_before_the_models_load(tmp_path
 
     monkeypatch.setattr(models, "load_causal_lm", forbidden)
     cfg = load_config(overrides=[f"data.custom_cls.path={mod}", "data.custom_cls.name=Few",
-                                 "ppo.rollout_batch_size=8", f"trainer.output_dir={tmp_path / 'run'}"])
+                                 "ppo.rollout_batch_size=8", f"trainer.output_dir={tmp_path / 'run'}",
+                                 f"actor.model_path={demo_model(str(tmp_path / 'run'), DistInfo())}"])
     with pytest.raises(DataError, match="no full batch of 8 prompts"):
         build_components(cfg, build_plugin_manager([]), DistInfo())

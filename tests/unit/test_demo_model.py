@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlcore.protocols import DistInfo
-from rlcore.trainer.components import demo_model
+from rlcore.demo import demo_model
 
 
 def test_building_thedemo_model_leaves_the_global_rng_alone(tmp_path):

@@ -109,3 +109,17 @@ def test_no_rlcore_module_imports_itself_through_others():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+#: The core: the trainer and the start-up checks. The demo is a preset applied where presets are
+#: applied (the command line, :mod:`rlcore.cli`); the core knows nothing of it.
+CORE = ("rlcore.trainer", "rlcore.preflight", "rlcore.plugin_checks")
+
+
+def test_the_core_does_not_import_the_demo():
+    found = modules()
+    known = set(found)
+    core = [name for name in found if any(name == c or name.startswith(c + ".") for c in CORE)]
+    assert "rlcore.trainer.components" in core and "rlcore.preflight" in core
+    importers = sorted(name for name in core if "rlcore.demo" in imports(found[name], known))
+    assert not importers, f"core modules importing rlcore.demo: {importers}"

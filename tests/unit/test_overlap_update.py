@@ -284,12 +284,12 @@ GRPO = ("algorithm.adv_estimator=grpo", "ppo.ppo_epochs=1", "ppo.mini_batch_size
 
 def train(tmp_path, *overrides):
     from rlcore.config import load_config
-    from rlcore.demo import DEMO_OVERRIDES
+    from rlcore.testing import demo_overrides
     from rlcore.plugin_manager import build_plugin_manager
     from rlcore.protocols import DistInfo
     from rlcore.trainer.loop import Trainer
 
-    cfg = load_config([], list(DEMO_OVERRIDES) + [f"trainer.output_dir={tmp_path}", "trainer.progress=false",
+    cfg = load_config([], [*demo_overrides(tmp_path), "trainer.progress=false",
                                                    "trainer.gpu_monitor=false", "trainer.export_final=false",
                                                    "plugins=[]", *GRPO, *overrides])
     pm = build_plugin_manager([])

@@ -95,8 +95,8 @@ def test_bad_placement_fails_before_any_model_loads(monkeypatch):
 
     monkeypatch.setattr(models, "load_tokenizer", forbidden)
     monkeypatch.setattr(models, "load_causal_lm", forbidden)
-    monkeypatch.setattr("rlcore.trainer.components.demo_model", forbidden)
-    cfg = load_config(overrides=["placement.rank_groups.actor=[1]", "placement.rank_groups.reward=[0]"])
+    cfg = load_config(overrides=["placement.rank_groups.actor=[1]", "placement.rank_groups.reward=[0]",
+                                 "actor.model_path=never-loaded"])
     with pytest.raises(PlacementError, match="Only the 'reward' role"):
         build_components(cfg, build_plugin_manager([]), DistInfo(rank=0, world_size=2))
 
