@@ -79,14 +79,18 @@ PEER_LOST = re.compile(r"connection (closed|reset) by peer|broken pipe|BridgeErr
 
 def first_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The rank whose failure most likely caused the others: one that died of a signal (not the
-    launcher's stop signals) first, then one whose error is not the loss of a peer, then the
-    earliest (torchrun's timestamps have one-second steps: a tie goes to the lowest rank)."""
+    launcher's stop signals) first, then one that exited with an error of its own rather than being
+    stopped by the launcher (SIGTERM/SIGINT: torchrun stops the others once one fails), then one whose
+    error is not the loss of a peer, then the earliest (torchrun's timestamps have one-second steps: a
+    tie goes to the lowest rank)."""
     stops = (signal.SIGTERM, signal.SIGINT)
 
     def key(item: tuple[int, Any]) -> tuple:
         rank, f = item
-        killed = int(f.exitcode) < 0 and -int(f.exitcode) not in stops
-        return (not killed, bool(PEER_LOST.search(failure_detail(f.message))), int(f.timestamp), rank)
+        signalled = int(f.exitcode) < 0
+        killed = signalled and -int(f.exitcode) not in stops
+        stopped = signalled and not killed
+        return (not killed, stopped, bool(PEER_LOST.search(failure_detail(f.message))), int(f.timestamp), rank)
 
     return min(failures.items(), key=key)
 

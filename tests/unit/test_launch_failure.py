@@ -41,6 +41,10 @@ def test_the_rank_that_died_is_blamed_not_the_one_that_lost_it(tmp_path):
     lost = _failure(tmp_path, 0, 1, "BridgeError: waiting for rollout rank 0 failed", timestamp=100)
     assert failure_report({0: lost, 1: own}).startswith("distributed training failed: rank 1 exited with code 2: "
                                                         "RewardError: reward 'x' raised")
+    # a rank the launcher stopped (SIGTERM, once another failed) is not the cause, even in the same second
+    stopped = _failure(tmp_path, 0, -15, timestamp=100)
+    failed = _failure(tmp_path, 1, 2, timestamp=100)
+    assert failure_report({0: stopped, 1: failed}).startswith("distributed training failed: rank 1 exited with code 2")
     # nothing to tell them apart: the earliest, then the lowest rank
     a, b = _failure(tmp_path, 0, 1, timestamp=101), _failure(tmp_path, 1, 1, timestamp=100)
     assert "rank 1 exited" in failure_report({0: a, 1: b})
