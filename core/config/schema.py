@@ -182,7 +182,8 @@ def resolve_fsdp(global_cfg: FSDPConfig, role_cfg: RoleFSDPConfig) -> FSDPConfig
 
 @dataclass
 class ModelRoleConfig:
-    #: A Hugging Face model directory. Empty = the demo's tiny model.
+    #: A Hugging Face model directory. Empty: `rlcore train` uses the demo's tiny model (the demo preset); a Trainer
+    #: built in Python needs it set.
     model_path: Optional[str] = None
     #: Where the role lives: auto | cpu | cuda | cuda:N (the placement policy validates it).
     device: str = "auto"
