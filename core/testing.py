@@ -48,6 +48,33 @@ def demo_overrides(output_dir: str, *overrides: str) -> list[str]:
             f"actor.model_path={demo_model(str(output_dir), DistInfo())}", *overrides]
 
 
+def train_demo(output_dir: str, *overrides: str) -> tuple[Any, dict[int, dict[str, float]], list[Any]]:
+    """Train the demo run in ``output_dir`` (:func:`demo_overrides`, then ``overrides``) through the
+    Python API; return the trainer, each step's metrics as ``rlcore_step_end`` saw them, and the rollout
+    backends the run used (recorded at the first step's end: the run closes them when it ends)."""
+    from rlcore.config import load_config
+    from rlcore.hookspecs import hookimpl
+    from rlcore.plugin_manager import build_plugin_manager
+    from rlcore.protocols import DistInfo
+    from rlcore.trainer.loop import Trainer
+
+    steps: dict[int, dict[str, float]] = {}
+    backends: list[Any] = []
+
+    class StepRecorder:
+        @hookimpl
+        def rlcore_step_end(self, step: int, metrics: dict[str, float]) -> None:
+            steps[step] = dict(metrics)
+            if not backends:
+                backends.extend(trainer.c.generation.backends.values())
+
+    pm = build_plugin_manager([])
+    pm.register(StepRecorder())
+    trainer = Trainer(load_config([], demo_overrides(output_dir, *overrides)), pm, DistInfo())
+    trainer.train()
+    return trainer, steps, backends
+
+
 def run_cli(argv: Sequence[str]) -> tuple[int, str, str]:
     """Run ``rlcore`` in this process; return ``(exit_code, stdout, stderr)``."""
     from rlcore.cli import main

@@ -16,35 +16,15 @@ GRPO = ("algorithm.adv_estimator=grpo", "ppo.ppo_epochs=1", "ppo.mini_batch_size
 
 
 def _train(tmp_path, *overrides):
-    from rlcore.config import load_config
-    from rlcore.testing import demo_overrides
-    from rlcore.hookspecs import hookimpl
-    from rlcore.plugin_manager import build_plugin_manager
-    from rlcore.protocols import DistInfo
-    from rlcore.trainer.loop import Trainer
+    from rlcore.testing import train_demo
 
-    class Recorder:
-        def __init__(self):
-            self.metrics = {}
-
-        @hookimpl
-        def rlcore_step_end(self, step, metrics):
-            self.metrics[step] = dict(metrics)
-
-    cfg = load_config([], [*demo_overrides(tmp_path), *GRPO, *overrides])
-    pm = build_plugin_manager([])
-    rec = Recorder()
-    pm.register(rec)
-    trainer = Trainer(cfg, pm, DistInfo())
-    trainer.train()
-    return trainer, rec.metrics
+    return train_demo(tmp_path, *GRPO, *overrides)
 
 
 def test_the_overlapped_update_beside_cuda_graphs_trains_as_the_update_after_the_rollout(tmp_path):
-    off, m_off = _train(tmp_path / "off", "ppo.overlap_update=false")
-    on, m_on = _train(tmp_path / "on", "ppo.overlap_update=true")
-    backend = next(iter(on.c.generation.backends.values()))
-    assert getattr(backend, "use_cuda_graphs", False)
+    off, m_off, _ = _train(tmp_path / "off", "ppo.overlap_update=false")
+    on, m_on, backends = _train(tmp_path / "on", "ppo.overlap_update=true")
+    assert backends and getattr(backends[0], "use_cuda_graphs", False)  # recorded before the run closed them
     assert all(m["update/overlapped_frac"] > 0 and m["update/overlap_oom"] == 0 for m in m_on.values())
     for step in m_off:
         for key in ("loss/policy", "entropy/mean", "actor/grad_norm"):

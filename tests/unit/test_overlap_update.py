@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from rlcore.config.schema import PPOConfig
-from rlcore.hookspecs import hookimpl
 from rlcore.rollout.base import RolloutBatch
 from rlcore.rollout.tiny import tiny_causal_lm
 from rlcore.trainer import overlap
@@ -268,36 +267,17 @@ def test_closing_stops_a_worker_that_waits_for_scores():
 # --------------------------------------------------------------------------------------- the trainer
 
 
-class Recorder:
-    def __init__(self):
-        self.metrics: dict[int, dict] = {}
-
-    @hookimpl
-    def rlcore_step_end(self, step, metrics):
-        self.metrics[step] = dict(metrics)
-
-
 GRPO = ("algorithm.adv_estimator=grpo", "ppo.ppo_epochs=1", "ppo.mini_batch_size=0", "ppo.kl_coeff=0",
         "ppo.generation.max_new_tokens=12", "ppo.rollout_batch_size=8", "trainer.max_steps=2",
         "trainer.eval_samples=0")
 
 
 def train(tmp_path, *overrides):
-    from rlcore.config import load_config
-    from rlcore.testing import demo_overrides
-    from rlcore.plugin_manager import build_plugin_manager
-    from rlcore.protocols import DistInfo
-    from rlcore.trainer.loop import Trainer
+    from rlcore.testing import train_demo
 
-    cfg = load_config([], [*demo_overrides(tmp_path), "trainer.progress=false",
-                                                   "trainer.gpu_monitor=false", "trainer.export_final=false",
-                                                   "plugins=[]", *GRPO, *overrides])
-    pm = build_plugin_manager([])
-    rec = Recorder()
-    pm.register(rec)
-    trainer = Trainer(cfg, pm, DistInfo())
-    trainer.train()
-    return trainer, rec.metrics
+    trainer, metrics, _ = train_demo(tmp_path, "trainer.progress=false", "trainer.gpu_monitor=false",
+                                     "trainer.export_final=false", "plugins=[]", *GRPO, *overrides)
+    return trainer, metrics
 
 
 def _weights(trainer):
