@@ -2,6 +2,9 @@
 under several compilations of the decoder layers, and say which ones give non-finite gradients.
 
     python bench/probes/nonfinite_micro_batch.py SAVED.pt --shape qwen2.5-1.5b --variants eager,compiled,strict
+
+A variant name containing ``logits`` uses the logits head (else the trainer's ``auto``); one ending in
+``-gc`` turns activation checkpointing on.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def main() -> None:
         model = random_model(args.shape, torch.bfloat16, dev, seed=args.seed)
         model.train()
         models.set_logprob_head(model, "logits" if "logits" in variant else "auto")
+        if variant.endswith("-gc"):  # activation checkpointing on, as gradient_checkpointing=true/auto trains
+            fsdp.enable_gradient_checkpointing(model)
         if variant.startswith("compiled") or variant.startswith("strict"):
             if variant.startswith("strict"):
                 fsdp.layer_compile_options = lambda: {k: v for k, v in plain().items() if "mix_order" not in k}
