@@ -76,8 +76,8 @@ class SlowTool:
 
 #: batch stats reported per run (``rollout/<name>``)
 COUNTERS = ("decode_steps", "batch_occupancy", "decode_rows_mean", "decode_batch_mean", "extend_calls",
-            "extend_tokens", "prefill_tokens", "host_syncs", "graph_steps", "eager_steps", "env_waits",
-            "env_wait_seconds", "resumed", "in_flight_peak", "observation_tokens")
+            "extend_tokens", "prefill_tokens", "host_syncs", "graph_steps", "eager_steps", "graph_captures",
+            "graph_capture_s", "env_waits", "env_wait_seconds", "resumed", "in_flight_peak", "observation_tokens")
 
 
 def run_kind(args, kind, engine, runner, prompts, ends) -> list[dict]:

@@ -78,7 +78,9 @@ HEADS = ("logits", "fused", "liger")
 #: variant suffixes: ``<variant>+<head>`` picks the head, ``...+recompute`` adds
 #: gradient_checkpointing=auto with the trainer's token-budget rule (rlcore.trainer.recompute), ``...+keep``
 #: keeps the budget as given (checkpointing what does not fit, as before the rule)
-MODIFIERS = ("recompute", "keep")
+#: ``...+masked`` runs the forwards on the rows as they come, with their attention mask (before
+#: rlcore.trainer.aligned moved each row's tokens to its first column and dropped the mask)
+MODIFIERS = ("recompute", "keep", "masked")
 
 
 def parse_variant(name: str) -> tuple[str, str, set[str]]:
@@ -161,6 +163,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     trim, group, kernels, compiled, packed, budget = VARIANTS[base]
     times, last, metrics = [], [], {}
     models.LOGPROB_KERNELS = kernels
+    models.ALIGN_ROWS = "masked" not in mods
     fused_impl = linear_logprob.linear_token_logprobs
     if head == "liger":
         linear_logprob.linear_token_logprobs = liger_token_logprobs
@@ -201,6 +204,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
             del m, opt
     finally:
         models.LOGPROB_KERNELS = True
+        models.ALIGN_ROWS = True
         linear_logprob.linear_token_logprobs = fused_impl
         recompute_module.MIN_BUDGET = floor
     return times[1:], last, metrics

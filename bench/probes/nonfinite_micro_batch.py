@@ -4,7 +4,8 @@ under several compilations of the decoder layers, and say which ones give non-fi
     python bench/probes/nonfinite_micro_batch.py SAVED.pt --shape qwen2.5-1.5b --variants eager,compiled,strict
 
 A variant name containing ``logits`` uses the logits head (else the trainer's ``auto``); one ending in
-``-gc`` turns activation checkpointing on.
+``-gc`` turns activation checkpointing on; one containing ``masked`` runs the forward on the rows as they
+come, with their attention mask (as before rlcore.trainer.aligned).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
         model = random_model(args.shape, torch.bfloat16, dev, seed=args.seed)
         model.train()
         models.set_logprob_head(model, "logits" if "logits" in variant else "auto")
+        models.ALIGN_ROWS = "masked" not in variant  # masked: the rows as they come, with their mask
         if variant.endswith("-gc"):  # activation checkpointing on, as gradient_checkpointing=true/auto trains
             fsdp.enable_gradient_checkpointing(model)
         if variant.startswith("compiled") or variant.startswith("strict"):

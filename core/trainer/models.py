@@ -14,6 +14,7 @@ from torch import nn
 from rlcore import rlmath
 from rlcore.errors import ConfigError
 from rlcore.kernels import logprob as logprob_kernels
+from rlcore.trainer.aligned import align_left, safe_masked_width
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,10 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+#: move each row's tokens to its first column and run the training forwards without an attention mask
+#: (:mod:`rlcore.trainer.aligned`); off: the rows as they come, with their mask (for side-by-side benchmarks)
+ALIGN_ROWS = True
+
 #: use the one-pass kernels of :mod:`rlcore.kernels.logprob` where they run (CUDA); off: the reference
 #: (:func:`rlcore.rlmath.logprobs_from_logits`) everywhere
 LOGPROB_KERNELS = True
@@ -193,13 +198,18 @@ def set_logprob_head(model: nn.Module, mode: str) -> None:
 
 def fused_head(model: nn.Module, device: torch.device) -> Optional[tuple[nn.Module, torch.Tensor]]:
     """``(decoder, head weight)`` when ``model``'s log-probs may be computed from its last hidden
-    states (:func:`set_logprob_head`), else ``None``: a Hugging Face causal LM whose logits are
-    exactly ``decoder(...) @ W^T`` (a bias-free linear head, nothing between it and the softmax,
-    weights that are plain tensors, not FSDP shards). Checked once per model against its own
-    logits on a few tokens."""
+    states by the fused head (:func:`set_logprob_head`), else ``None`` (see :func:`split_head`)."""
     mode = getattr(model, _HEAD_ATTR, "logits")
     if mode == "logits" or (mode == "auto" and device.type != "cuda"):
         return None
+    return split_head(model, device)
+
+
+def split_head(model: nn.Module, device: torch.device) -> Optional[tuple[nn.Module, torch.Tensor]]:
+    """``(decoder, head weight)`` when ``model``'s logits are exactly ``decoder(...) @ W^T``: a Hugging
+    Face causal LM with a bias-free linear head, nothing between it and the softmax, weights that are
+    plain tensors (not FSDP shards, which only the model's own forward gathers); else ``None``.
+    Checked once per model against its own logits on a few tokens."""
     get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
     if get_decoder is None or get_head is None:
         return None
@@ -214,8 +224,8 @@ def fused_head(model: nn.Module, device: torch.device) -> Optional[tuple[nn.Modu
     if model not in _HEAD_CHECKED:
         _HEAD_CHECKED[model] = _head_matches_logits(model, decoder, head.weight, device)
         if not _HEAD_CHECKED[model]:
-            log.warning("ppo.logprob_head: %s's logits are not its decoder's last hidden states times its "
-                        "head; computing log-probs from its logits", type(model).__name__)
+            log.warning("%s's logits are not its decoder's last hidden states times its head; computing "
+                        "log-probs from its logits", type(model).__name__)
     return (decoder, head.weight) if _HEAD_CHECKED[model] else None
 
 
@@ -251,6 +261,12 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     ``packed=True`` (needs ``response_mask [B, R]``): one forward over the samples' real tokens packed
     into one row (:mod:`rlcore.trainer.packing`), logits only where they predict a response token;
     positions outside ``response_mask`` are 0.
+
+    Otherwise each row's tokens are moved to its first column and the forward runs without an attention
+    mask (:mod:`rlcore.trainer.aligned`: the kernels' causal path, no fully masked rows); the head runs
+    on the response positions' hidden states only where the model's logits are its decoder's output
+    times its head (:func:`split_head`), else on the window of positions the rows need. Response
+    positions past a row's end (right padding) hold finite values of no meaning, as before.
     """
     temp = temperature if temperature > 0 else 1.0
     fused = None
@@ -270,30 +286,72 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         logp, ent = token_logprobs(out.logits, rows.labels[None].long(), float(temp), bool(with_entropy),
                                   entropy_grad)
         return rows.unpack(logp[0]), (rows.unpack(ent[0]) if ent is not None else None)
+    aligned = align_left(input_ids, attention_mask) if ALIGN_ROWS else None
+    if aligned is None:  # some row's tokens have holes: the masked forward
+        return _masked_logprobs(model, fused, input_ids, attention_mask, response_len, temp, with_entropy,
+                                entropy_grad, response_mask)
+    pos = aligned.response_positions(response_len)
+    labels = input_ids[:, -response_len:].long()
     if fused is not None:
-        width = input_ids.shape[1]
+        keep = (response_mask.bool() if response_mask is not None
+                else attention_mask[:, -response_len:].bool())
+        rows, cols = keep.nonzero(as_tuple=True)
+        logp, ent = _fused_logprobs(*fused, aligned.forward_kwargs(), rows, pos[rows, cols], labels[rows, cols],
+                                    float(temp), bool(with_entropy))
+        shape = (input_ids.shape[0], response_len)
+        logp = logp.new_zeros(shape).index_put((rows, cols), logp)
+        return logp, (ent.new_zeros(shape).index_put((rows, cols), ent) if ent is not None else None)
+    split = split_head(model, input_ids.device)
+    if split is not None:  # the head on the response positions' hidden states only
+        decoder, weight = split
+        hidden = decoder(**aligned.forward_kwargs(), use_cache=False).last_hidden_state
+        picked = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits = torch.nn.functional.linear(picked, weight)
+    else:  # the model's own logits over the window of positions every row needs
+        low, high = torch.stack([pos.min(), pos.max()]).tolist()
+        window = torch.arange(low, high + 1, device=pos.device)
+        out = model(**aligned.forward_kwargs(), use_cache=False, logits_to_keep=window)
+        logits = out.logits.gather(1, (pos - low)[..., None].expand(-1, -1, out.logits.shape[-1]))
+    return token_logprobs(logits, labels, float(temp), bool(with_entropy), entropy_grad)
+
+
+def _masked_logprobs(model, fused, input_ids, attention_mask, response_len, temp, with_entropy, entropy_grad,
+                     response_mask):
+    """:func:`response_logprobs` of rows whose tokens are not contiguous: the forward with their mask,
+    at a width the cuDNN attention backward computes (:func:`rlcore.trainer.aligned.safe_masked_width`)."""
+    input_ids, attention_mask = _masked_width(input_ids, attention_mask)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
+    width = input_ids.shape[1]
+    if fused is not None:
         keep = (response_mask.bool() if response_mask is not None
                 else attention_mask[:, width - response_len:].bool())
         rows, cols = keep.nonzero(as_tuple=True)
-        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
         logp, ent = _fused_logprobs(*fused, kwargs, rows, cols + (width - response_len - 1),
                                     input_ids[:, width - response_len:][rows, cols].long(), float(temp),
                                     bool(with_entropy))
         shape = (input_ids.shape[0], response_len)
         logp = logp.new_zeros(shape).index_put((rows, cols), logp)
         return logp, (ent.new_zeros(shape).index_put((rows, cols), ent) if ent is not None else None)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                use_cache=False, logits_to_keep=response_len + 1)
+    out = model(**kwargs, use_cache=False, logits_to_keep=response_len + 1)
     logits = out.logits[:, -(response_len + 1):-1]
     labels = input_ids[:, -response_len:]
     return token_logprobs(logits, labels.long(), float(temp), bool(with_entropy), entropy_grad)
+
+
+def _masked_width(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows widened on the left with padding to :func:`~rlcore.trainer.aligned.safe_masked_width`."""
+    extra = safe_masked_width(input_ids.shape[1]) - input_ids.shape[1]
+    if not extra:
+        return input_ids, attention_mask
+    pad = torch.nn.functional.pad
+    return pad(input_ids, (extra, 0)), pad(attention_mask, (extra, 0))
 
 
 def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     response_len: int, *, response_mask: Optional[torch.Tensor] = None,
                     packed: bool = False) -> torch.Tensor:
     """Values of the states before each response token. ``[B, T] -> [B, R]``; ``packed`` as in
-    :func:`response_logprobs`."""
+    :func:`response_logprobs`; rows moved left and no attention mask as there (:mod:`rlcore.trainer.aligned`)."""
     if packed:
         if response_mask is None:
             raise ValueError("response_values: packed=True needs the response_mask")
@@ -302,8 +360,14 @@ def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: 
         rows = pack(input_ids, attention_mask, response_mask)
         values = critic(**rows.forward_kwargs(critic))
         return rows.unpack(values[0, rows.index].float())
-    values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
-    return values[:, -(response_len + 1):-1].float()
+    aligned = align_left(input_ids, attention_mask) if ALIGN_ROWS else None
+    if aligned is None:
+        input_ids, attention_mask = _masked_width(input_ids, attention_mask)
+        values = critic(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids(attention_mask))
+        return values[:, -(response_len + 1):-1].float()
+    values = critic(**aligned.forward_kwargs())
+    return values.gather(1, aligned.response_positions(response_len)).float()
 
 
 def build_optimizer(model: nn.Module, role_cfg: Any, total_steps: int):

@@ -15,7 +15,8 @@ Only the logits that predict a response token are computed (``logits_to_keep`` g
 positions), so the packed forward also skips the prompt positions' vocabulary projection. The
 packed row is filled up to a multiple of :data:`PACK_MULTIPLE` tokens with a sequence of its own
 (token 0, positions from 0, no logits), so that compiled layers see one alignment of the row's
-length and do not recompile for another.
+length and do not recompile for another; and never to a length 64 past a multiple of 128, where the
+cuDNN attention backward fails under a mask (:mod:`rlcore.trainer.aligned`).
 :func:`rlcore.trainer.packing_check.packing_isolates` checks on the real model that packed sequences
 do not see each other; ``ppo.pack_sequences=auto`` packs only where it passes and the attention is variable-length
 (flash or flex): with ``sdpa``/``eager`` the packed row's mask is dense, so a packed forward costs
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from rlcore.trainer.aligned import safe_masked_width
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,8 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: t
     labels = input_ids[:, prompt_cols:][rows, cols]
     used = lengths[lengths > 0]
     ids, pos = input_ids[keep], positions[keep]
-    fill = -ids.numel() % max(1, int(multiple_of))
+    step = max(1, int(multiple_of))
+    fill = safe_masked_width(ids.numel() + (-ids.numel() % step), step) - ids.numel()
     if fill:
         ids = torch.cat([ids, ids.new_zeros(fill)])
         pos = torch.cat([pos, torch.arange(fill, dtype=pos.dtype, device=pos.device)])

@@ -128,7 +128,10 @@ class _Graphs:
         key = (n, length, self.engine.state.share_active)
         if key not in self.graphs:
             try:
+                start = time.perf_counter()
                 self.graphs[key] = self._capture(n, length)
+                self.engine.counters["graph_captures"] += 1
+                self.engine.counters["graph_capture_s"] += time.perf_counter() - start
             except RuntimeError as error:  # capture refused (driver, allocator): run eagerly instead
                 log.warning("rollout engine: CUDA graph capture failed (%s); decoding without graphs", error)
                 self.engine._graphs = None
@@ -313,9 +316,10 @@ class RolloutEngine:
             self._mark_static()
         self._graphs = _Graphs(self) if self.use_cuda_graphs else None
         #: running totals the schedulers report per call: decode steps replayed from a CUDA graph or run
-        #: eagerly, prefill and extend forwards and the tokens they ran
+        #: eagerly, prefill and extend forwards and the tokens they ran, decode graphs captured (on first
+        #: use of a batch and length bucket) and the seconds that took
         self.counters = dict.fromkeys(("graph_steps", "eager_steps", "prefill_calls", "prefill_tokens",
-                                       "extend_calls", "extend_tokens"), 0)
+                                       "extend_calls", "extend_tokens", "graph_captures", "graph_capture_s"), 0)
         log.info("rollout engine: %d layers, %d slots x %d tokens, %s KV cache%s, %s on %s, cuda graphs %s, "
                  "compile %s, attention %s%s", self.spec.num_layers, max_batch_size, max_seq_len, kv_cache,
                  f" ({self.pool.pages} pages of {self.page_size}, {self.kv_bytes / 2**30:.2f} GiB)" if self.paged

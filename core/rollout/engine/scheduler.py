@@ -301,14 +301,15 @@ class Scheduler:
 
     def loop_stats(self) -> dict[str, float]:
         """What the decode loop did: steps, prefills and extends, how full the decode batch was
-        (rows decoding per step, the batch bucket run, their ratio), host reads, and decode steps
-        replayed from a CUDA graph or run eagerly."""
+        (rows decoding per step, the batch bucket run, their ratio), host reads, decode steps
+        replayed from a CUDA graph or run eagerly, and the graphs captured during the call."""
         steps = max(self.steps, 1)
         done = {key: float(value - self.counters_at_start[key]) for key, value in self.eng.counters.items()}
         return {"rollout/decode_steps": float(self.steps), "rollout/prefill_calls": float(self.prefills),
                 "rollout/prefill_tokens": done["prefill_tokens"], "rollout/extend_calls": done["extend_calls"],
                 "rollout/extend_tokens": done["extend_tokens"], "rollout/graph_steps": done["graph_steps"],
                 "rollout/eager_steps": done["eager_steps"], "rollout/host_syncs": float(self.syncs),
+                "rollout/graph_captures": done["graph_captures"], "rollout/graph_capture_s": done["graph_capture_s"],
                 "rollout/decode_rows_mean": self.decode_rows / steps,
                 "rollout/decode_batch_mean": self.decode_batch / steps,
                 "rollout/batch_occupancy": self.decode_rows / max(self.decode_batch, 1)}
