@@ -225,3 +225,29 @@ def test_preemptions_reach_the_step_metrics(qwen2):
     trainer.truncated = lambda rollout: Trainer.truncated(trainer, rollout)
     metrics = Trainer.rollout_metrics(trainer, batch, torch.zeros(len(batch.response_ids)))
     assert metrics["rollout/preemptions"] == batch.stats["rollout/preemptions"]
+
+
+@needs_kernel
+def test_extend_through_the_paged_kernel_equals_the_gathered_sdpa_extend(qwen2):
+    """Ragged observation appends with the Triton engine: each new token a query of the paged decode
+    kernel (its row's pages, its own key mask) gives the logits and the cache of gathering the rows'
+    keys/values into one masked SDPA call."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+    appends = [[15, 16, 2, 3], [4], [17, 6, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44]]
+    kwargs = dict(max_batch_size=3, max_seq_len=96, device=DEVICE, page_size=16, attention_tuning={"block_n": 16},
+                  compile=False)
+    results = []
+    for kind in ("sdpa", "triton"):
+        engine = RolloutEngine(qwen2, attention=kind, **kwargs)
+        assert engine.paged and engine.attention == kind
+        engine._prefill([0, 1, 2], prompts, 0)
+        engine._set_pages([0, 1, 2], [engine.slot_pages[s] + engine.pool.take(3 - len(engine.slot_pages[s]))
+                                      for s in range(3)])
+        logits = engine._extend([0, 1, 2], appends, [18, 18, 18], [3, 2, 18], [15, 16, 0])
+        results.append((logits.float(), engine))
+    (want, sdpa), (got, triton) = results
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for row in range(3):  # the new keys/values landed in each row's pages alike
+        mine = decode_attention.gather_pages(triton.cache[0], triton.state.table[row:row + 1], 1, 36)
+        theirs = decode_attention.gather_pages(sdpa.cache[0], sdpa.state.table[row:row + 1], 1, 36)
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)

@@ -662,7 +662,7 @@ class RolloutEngine:
         span = torch.arange(self.max_seq_len, device=self.device)
         st.bias[row] = torch.where((span >= low[:, None]) & (span < end[:, None]), 0.0, float("-inf")).to(self.dtype)
         logits = llama.extend(self.weights, self.spec, self.cache, row, ids, lengths, column, position, st.bias,
-                              self.cos, self.sin, max(ends), st.table)
+                              self.cos, self.sin, max(ends), st.table, self.attention, self.attention_tuning)
         st.positions[row] = after
         st.cache_index[row] = end
         self.counters["extend_calls"] += 1

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlcore.kernels.decode_attention import gather_pages
+from rlcore.kernels.decode_attention import attend, gather_pages
 from rlcore.rollout.adapters import effective_weight, unwrap
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -372,7 +372,7 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
 def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
            lengths: Sequence[int], columns: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor,
            cos_table: torch.Tensor, sin_table: torch.Tensor, length: int,
-           table: torch.Tensor | None = None) -> torch.Tensor:
+           table: torch.Tensor | None = None, attention: str = "sdpa", tuning: dict | None = None) -> torch.Tensor:
     """Append tokens to the sequences of several cache rows in one forward (ragged appends): row
     ``rows[i]`` gets ``ids[i, :lengths[i]]`` at cache columns ``columns[i]..`` and positions
     ``positions[i]..``, attending to its valid earlier columns (``bias`` 0) and causally to its own
@@ -391,6 +391,12 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
         bias: ``[B, S]`` additive key mask; columns below ``columns[i]`` with 0 are row ``i``'s history.
         cos_table, sin_table: as for :func:`prefill`.
         length: the columns attended (at least every row's last new column + 1).
+        attention: ``"triton"`` with ``table``: each new token attends as a query of the paged decode
+            kernel (:func:`rlcore.kernels.decode_attention.attend`) with its row's pages and a key mask
+            of its own (its history and its row's new tokens up to itself): no gather of the rows'
+            keys/values, no repeat of the key/value heads. Otherwise (``"sdpa"``) the rows' keys and
+            values are gathered and one masked SDPA call runs per layer.
+        tuning: the decode kernel's tuning (``attention="triton"``).
     Returns:
         ``[m, V]`` next-token logits (compute dtype) after the last new token of each row.
     """
@@ -414,6 +420,11 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
     start = columns[:, None, None]
     allowed = (((bias[rows, :length] == 0)[:, None, :] & (span[None, None] < start))
                | ((span[None, None] >= start) & (span[None, None] <= start + step[None, :, None])))
+    paged_kernel = attention == "triton" and table is not None
+    if paged_kernel:  # one query row per new token: its row's pages, its own key mask
+        token_table = table[rows[which]]
+        token_bias = torch.where(allowed[which, offset], 0.0, float("-inf")).to(bias.dtype)
+        tuning = {k: v for k, v in (tuning or {}).items() if k != "rope_rows"}  # a decode-step setting
     x = F.embedding(ids[which, offset], weights.embed)  # [T, H]
     # where each new token's key/value goes: (cache row, column) or (page, row in the page)
     at = (rows[which], cols) if table is None else (table[rows[which], cols // cache.shape[4]].long(),
@@ -427,6 +438,12 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
         layer = cache[index]
         layer[0, at[0], :, at[1]] = key
         layer[1, at[0], :, at[1]] = value.view(-1, kv_heads, dim)
+        if paged_kernel:
+            attn = attend(q.view(-1, kv_heads, spec.group, dim), layer, token_bias, length,
+                          pages=(token_table, cache.shape[4]), **tuning)
+            x = residual_linear(x, attn, lw.o, lw.o_bias)
+            x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
+            continue
         kv = layer[:, rows, :, :length] if table is None else gather_pages(layer, table[rows], m, length)
         keys, values = kv[0], kv[1]
         if spec.group > 1:
