@@ -150,7 +150,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     from rlcore.config.schema import PPOConfig
     from rlcore.distributed.fsdp import compile_layers, enable_gradient_checkpointing
     from rlcore.kernels import linear_logprob
-    from rlcore.trainer import models
+    from rlcore.trainer import aligned as aligned_rows, models
     from rlcore.trainer import recompute as recompute_module
     from rlcore.trainer.recompute import Recompute
     from rlcore.trainer.update import ppo_update
@@ -163,7 +163,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     trim, group, kernels, compiled, packed, budget = VARIANTS[base]
     times, last, metrics = [], [], {}
     models.LOGPROB_KERNELS = kernels
-    models.ALIGN_ROWS = "masked" not in mods
+    aligned_rows.ENABLED = "masked" not in mods
     fused_impl = linear_logprob.linear_token_logprobs
     if head == "liger":
         linear_logprob.linear_token_logprobs = liger_token_logprobs
@@ -204,7 +204,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
             del m, opt
     finally:
         models.LOGPROB_KERNELS = True
-        models.ALIGN_ROWS = True
+        aligned_rows.ENABLED = True
         linear_logprob.linear_token_logprobs = fused_impl
         recompute_module.MIN_BUDGET = floor
     return times[1:], last, metrics

@@ -22,7 +22,7 @@ import_rlcore()
 
 def nonfinite_grads(width: int, aligned: bool, seed: int = 0) -> int:
     from rlcore.rollout.tiny import tiny_causal_lm
-    from rlcore.trainer import models
+    from rlcore.trainer import aligned as aligned_rows, models
 
     model = tiny_causal_lm("qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                            intermediate_size=512, max_position_embeddings=4096, vocab_size=512)
@@ -32,12 +32,12 @@ def nonfinite_grads(width: int, aligned: bool, seed: int = 0) -> int:
     mask = torch.ones(6, width, dtype=torch.long)
     for row in range(6):
         mask[row, :int(torch.randint(1, 60, (1,), generator=g))] = 0
-    models.ALIGN_ROWS = aligned
+    aligned_rows.ENABLED = aligned
     try:
         logp, _ = models.response_logprobs(model, ids.cuda(), mask.cuda(), width // 2)
         (logp.float() * torch.randn(logp.shape, generator=g).cuda()).sum().backward()
     finally:
-        models.ALIGN_ROWS = True
+        aligned_rows.ENABLED = True
     return sum(not bool(torch.isfinite(p.grad).all()) for p in model.parameters())
 
 

@@ -36,7 +36,7 @@ def main() -> None:
 
     from rlcore.config.schema import PPOConfig
     from rlcore.distributed import fsdp
-    from rlcore.trainer import models
+    from rlcore.trainer import aligned as aligned_rows, models
     from rlcore.trainer.experience import Experience
     from rlcore.trainer.update import actor_micro_loss
 
@@ -51,7 +51,7 @@ def main() -> None:
         model = random_model(args.shape, torch.bfloat16, dev, seed=args.seed)
         model.train()
         models.set_logprob_head(model, "logits" if "logits" in variant else "auto")
-        models.ALIGN_ROWS = "masked" not in variant  # masked: the rows as they come, with their mask
+        aligned_rows.ENABLED = "masked" not in variant  # masked: the rows as they come, with their mask
         if variant.endswith("-gc"):  # activation checkpointing on, as gradient_checkpointing=true/auto trains
             fsdp.enable_gradient_checkpointing(model)
         if variant.startswith("compiled") or variant.startswith("strict"):

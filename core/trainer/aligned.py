@@ -27,6 +27,10 @@ from typing import Optional
 
 import torch
 
+#: move rows left and drop the mask in the training forwards (off: the rows as they come, with their
+#: mask; for side-by-side benchmarks and probes)
+ENABLED = True
+
 #: aligned rows are widened to a multiple of this many columns (compiled layers see one alignment of
 #: the length, as trimmed rows do: :data:`rlcore.trainer.experience.TRIM_MULTIPLE`)
 ALIGN_MULTIPLE = 8

@@ -14,6 +14,7 @@ from torch import nn
 from rlcore import rlmath
 from rlcore.errors import ConfigError
 from rlcore.kernels import logprob as logprob_kernels
+from rlcore.trainer import aligned as aligned_rows
 from rlcore.trainer.aligned import align_left, safe_masked_width
 
 log = logging.getLogger(__name__)
@@ -142,10 +143,6 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only (left padding gets position 0). ``[B, T] -> [B, T]``."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-
-#: move each row's tokens to its first column and run the training forwards without an attention mask
-#: (:mod:`rlcore.trainer.aligned`); off: the rows as they come, with their mask (for side-by-side benchmarks)
-ALIGN_ROWS = True
 
 #: use the one-pass kernels of :mod:`rlcore.kernels.logprob` where they run (CUDA); off: the reference
 #: (:func:`rlcore.rlmath.logprobs_from_logits`) everywhere
@@ -286,7 +283,7 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         logp, ent = token_logprobs(out.logits, rows.labels[None].long(), float(temp), bool(with_entropy),
                                   entropy_grad)
         return rows.unpack(logp[0]), (rows.unpack(ent[0]) if ent is not None else None)
-    aligned = align_left(input_ids, attention_mask) if ALIGN_ROWS else None
+    aligned = align_left(input_ids, attention_mask) if aligned_rows.ENABLED else None
     if aligned is None:  # some row's tokens have holes: the masked forward
         return _masked_logprobs(model, fused, input_ids, attention_mask, response_len, temp, with_entropy,
                                 entropy_grad, response_mask)
@@ -360,7 +357,7 @@ def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: 
         rows = pack(input_ids, attention_mask, response_mask)
         values = critic(**rows.forward_kwargs(critic))
         return rows.unpack(values[0, rows.index].float())
-    aligned = align_left(input_ids, attention_mask) if ALIGN_ROWS else None
+    aligned = align_left(input_ids, attention_mask) if aligned_rows.ENABLED else None
     if aligned is None:
         input_ids, attention_mask = _masked_width(input_ids, attention_mask)
         values = critic(input_ids=input_ids, attention_mask=attention_mask,

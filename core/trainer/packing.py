@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from rlcore.trainer import aligned
 from rlcore.trainer.aligned import safe_masked_width
 
 log = logging.getLogger(__name__)
@@ -134,9 +135,13 @@ def sequence_lengths(attention_mask: torch.Tensor, response_mask: torch.Tensor) 
 
 
 def group_cost(prompt: Sequence[int], response: Sequence[int], packed: bool) -> int:
-    """Tokens one forward over these samples processes: their sum packed, else rows x padded width."""
+    """Tokens one forward over these samples processes: their sum packed, else rows x padded width (the
+    longest sample when the rows are moved left, :mod:`rlcore.trainer.aligned`; else the longest prompt
+    plus the longest response)."""
     if packed:
         return int(sum(prompt) + sum(response))
+    if aligned.ENABLED:
+        return len(prompt) * max((p + r for p, r in zip(prompt, response)), default=0)
     return len(prompt) * (max(prompt, default=0) + max(response, default=0))
 
 

@@ -161,3 +161,15 @@ def test_packed_rows_never_fill_to_64_past_a_multiple_of_128():
         rows = pack(ids, mask, torch.ones(1, 2))
         length = rows.input_ids.shape[1]
         assert length >= n and length % 8 == 0 and length % 128 != 64
+
+
+def test_token_budgets_count_the_aligned_width(monkeypatch):
+    from rlcore.trainer import aligned
+    from rlcore.trainer.packing import group_cost
+
+    # a long prompt with a short response beside a short prompt with a long response: aligned, the
+    # rows are as wide as the longest sample, not the longest prompt plus the longest response
+    assert group_cost([100, 10], [10, 100], packed=False) == 2 * 110
+    monkeypatch.setattr(aligned, "ENABLED", False)
+    assert group_cost([100, 10], [10, 100], packed=False) == 2 * 200
+    assert group_cost([100, 10], [10, 100], packed=True) == 220
