@@ -17,6 +17,7 @@ from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
 from rlcore.errors import TrainingError
 from rlcore.trainer.experience import Experience
+from rlcore.trainer import aligned
 from rlcore.trainer.models import response_logprobs, response_values
 from rlcore.trainer.packing import micro_batches
 
@@ -435,8 +436,13 @@ def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, s
 
 
 def _tokens(mb: Experience, packed: bool) -> int:
-    """Tokens one forward over ``mb`` processes: the real ones packed, rows x width padded."""
-    return int(mb.attention_mask.sum()) if packed else mb.attention_mask.numel()
+    """Tokens one forward over ``mb`` processes: the real ones packed, rows x width padded (the longest
+    row's tokens when the rows are moved left, :mod:`rlcore.trainer.aligned`)."""
+    if packed:
+        return int(mb.attention_mask.sum())
+    if aligned.ENABLED:
+        return len(mb.attention_mask) * int(mb.attention_mask.sum(-1).max()) if len(mb.attention_mask) else 0
+    return mb.attention_mask.numel()
 
 
 def _plan(exp: Experience, mini_idx: torch.Tensor, micro: int, budget: int, loss_agg: str, packed: bool,
