@@ -5,7 +5,7 @@ under several compilations of the decoder layers, and say which ones give non-fi
 
 A variant name containing ``logits`` uses the logits head (else the trainer's ``auto``); one ending in
 ``-gc`` turns activation checkpointing on; one containing ``masked`` runs the forward on the rows as they
-come, with their attention mask (as before rlcore.trainer.aligned).
+come, with their attention mask (as before rlcore.trainer.aligned), ``raw`` too at their own width.
 """
 
 from __future__ import annotations
@@ -47,11 +47,14 @@ def main() -> None:
                      scores=torch.zeros(len(saved["input_ids"]), device=dev),
                      advantages=saved["advantages"].to(dev))
     plain = fsdp.layer_compile_options
+    safe_width = models.safe_masked_width
     for variant in args.variants.split(","):
         model = random_model(args.shape, torch.bfloat16, dev, seed=args.seed)
         model.train()
         models.set_logprob_head(model, "logits" if "logits" in variant else "auto")
         aligned_rows.ENABLED = "masked" not in variant  # masked: the rows as they come, with their mask
+        # raw: at their own width, even 64 past a multiple of 128 (before rlcore.trainer.aligned.safe_masked_width)
+        models.safe_masked_width = (lambda width, multiple_of=8: width) if "raw" in variant else safe_width
         if variant.endswith("-gc"):  # activation checkpointing on, as gradient_checkpointing=true/auto trains
             fsdp.enable_gradient_checkpointing(model)
         if variant.startswith("compiled") or variant.startswith("strict"):
