@@ -373,10 +373,13 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
               "tokens_per_step": sum(sequences) / steps_measured, "lengths": length_stats(lengths, spec["cap"]),
               "update_mfu": flops / update_compute_s(mean) / peak if peak and update_compute_s(mean) > 0 else None,
               "update_overlapped_frac": mean.get("update/overlapped_frac"),
+              # optimizer steps skipped for a non-finite loss or gradient norm, warm-up steps included
+              "nonfinite_steps": [float(m.get("train/nonfinite_steps", 0.0)) for m in steps],
+              "grad_norms": [float(m.get("actor/grad_norm", float("nan"))) for m in steps],
               "gpu": {k: v for k, v in mean.items() if k.startswith("gpu/")},
               "metrics": {k: v for k, v in mean.items() if k.startswith(("time/", "perf/", "memory/", "response/",
                                                                             "reward/", "mismatch", "rollout",
-                                                                            "update/"))},
+                                                                            "update/", "train/"))},
               "rollout_backend": _backend_name(trainer), "engine_warmup_s": engine_warmup_s,
               "engine_settings": _engine_settings(trainer)}
     result["tokens_per_s"] = result["tokens_per_step"] / step_s

@@ -542,6 +542,11 @@ class Trainer:
             pass
         if c.train_device.type == "cuda":
             out["memory/peak_gb"] = torch.cuda.max_memory_allocated(c.train_device) / 2**30
+            # allocations that found no free block, emptied the allocator's cache and retried (each one
+            # waits for the device): a step near the card's memory shows them as idle time
+            retries = int(torch.cuda.memory_stats(c.train_device).get("num_alloc_retries", 0))
+            out["memory/alloc_retries"] = float(retries - getattr(self, "_alloc_retries_seen", 0))
+            self._alloc_retries_seen = retries
         return out
 
     def progress(self, start: int) -> ProgressBar:
