@@ -44,8 +44,10 @@ def nonfinite_grads(width: int, aligned: bool, seed: int = 0) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--widths", default="192,704,1280,1344")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", "--out", dest="json", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (the cuDNN attention kernel)")
     rows = []
     for width in map(int, args.widths.split(",")):
         row = {"width": width, "aligned_nonfinite": nonfinite_grads(width, True),

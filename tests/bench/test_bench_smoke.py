@@ -113,7 +113,8 @@ def test_model_check_smoke(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-@pytest.mark.parametrize("script", ["check_decode_attention.py", "bench_decode_parts.py", "probes/probe_attention.py"])
+@pytest.mark.parametrize("script", ["check_decode_attention.py", "bench_decode_parts.py", "probes/probe_attention.py",
+                                    "probes/cudnn_masked_nan.py"])
 def test_cuda_only_scripts_say_they_need_cuda(tmp_path, script):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script),
                            "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
