@@ -262,8 +262,9 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     Otherwise each row's tokens are moved to its first column and the forward runs without an attention
     mask (:mod:`rlcore.trainer.aligned`: the kernels' causal path, no fully masked rows); the head runs
     on the response positions' hidden states only where the model's logits are its decoder's output
-    times its head (:func:`split_head`), else on the window of positions the rows need. Response
-    positions past a row's end (right padding) hold finite values of no meaning, as before.
+    times its head (:func:`split_head`; with ``response_mask``, on its tokens only, 0 elsewhere), else
+    on the window of positions the rows need. Response positions past a row's end (right padding)
+    hold finite values of no meaning, as before.
     """
     temp = temperature if temperature > 0 else 1.0
     fused = None
@@ -302,6 +303,15 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     if split is not None:  # the head on the response positions' hidden states only
         decoder, weight = split
         hidden = decoder(**aligned.forward_kwargs(), use_cache=False).last_hidden_state
+        if response_mask is not None:  # only the response tokens themselves: no logits for the padding
+            rows, cols = response_mask.bool().nonzero(as_tuple=True)
+            if len(rows):
+                logits = torch.nn.functional.linear(hidden[rows, pos[rows, cols]], weight)[None]
+                logp, ent = token_logprobs(logits, labels[rows, cols][None], float(temp), bool(with_entropy),
+                                           entropy_grad)
+                shape = (input_ids.shape[0], response_len)
+                logp = logp[0].new_zeros(shape).index_put((rows, cols), logp[0])
+                return logp, (ent[0].new_zeros(shape).index_put((rows, cols), ent[0]) if ent is not None else None)
         picked = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
         logits = torch.nn.functional.linear(picked, weight)
     else:  # the model's own logits over the window of positions every row needs

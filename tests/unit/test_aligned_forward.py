@@ -173,3 +173,25 @@ def test_token_budgets_count_the_aligned_width(monkeypatch):
     monkeypatch.setattr(aligned, "ENABLED", False)
     assert group_cost([100, 10], [10, 100], packed=False) == 2 * 200
     assert group_cost([100, 10], [10, 100], packed=True) == 220
+
+
+def test_with_a_response_mask_the_head_runs_on_the_response_tokens_only(monkeypatch):
+    model = tiny_causal_lm("qwen2")
+    exp = ragged_experience(model, batch=8, seed=15)
+    want = _masked_reference(model, exp.input_ids, exp.attention_mask, exp.response_len).detach()
+    rows = []
+    real = torch.nn.functional.linear
+    head = model.get_output_embeddings().weight
+
+    def counting(x, w, *args, **kwargs):
+        if w.data_ptr() == head.data_ptr():
+            rows.append(x.shape[:-1].numel())
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counting)
+    got, ent = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len, with_entropy=True,
+                                 response_mask=exp.response_mask)
+    m = exp.response_mask.bool()
+    assert rows == [int(m.sum())]  # one head product, over the response tokens alone
+    torch.testing.assert_close(got[m], want[m], rtol=1e-5, atol=1e-5)
+    assert (got[~m] == 0).all() and (ent[~m] == 0).all() and torch.isfinite(ent).all()
