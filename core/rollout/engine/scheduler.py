@@ -20,6 +20,7 @@ its request returns to the front of the queue and is sampled afresh when it is a
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -81,6 +82,8 @@ class Scheduler:
         self.decode_rows = 0  # sums over decode steps: rows decoding, and the batch bucket run
         self.decode_batch = 0
         self.counters_at_start = dict(engine.counters)
+        # host seconds of the loop's parts (a part that reads the device includes the wait for it)
+        self.host_s = dict.fromkeys(("between", "admit", "launch", "finish"), 0.0)
 
     # -- host bookkeeping
     def _read(self, tensor: torch.Tensor) -> list:
@@ -275,11 +278,16 @@ class Scheduler:
         (multi-turn rollouts: :mod:`rlcore.rollout.engine.turns`)."""
 
     def loop(self) -> None:
+        clock, host = time.perf_counter, self.host_s
         while self._pending():
+            t0 = clock()
             self._between_steps()
+            t1 = clock()
+            host["between"] += t1 - t0
             if self._should_admit():
                 self._admit()
                 self._finish(self._at_limit())
+                host["admit"] += clock() - t1
                 continue
             if not self.live:  # every sequence waits outside the batch (between steps waits for them)
                 continue
@@ -297,12 +305,18 @@ class Scheduler:
             self.bucket_steps[n] = self.bucket_steps.get(n, 0) + 1
             self.decode_rows += self._decoding()
             self.decode_batch += n
+            t2 = clock()
+            host["launch"] += t2 - t1
             self._finish(self._finished(n))
+            host["finish"] += clock() - t2
 
     def loop_stats(self) -> dict[str, float]:
         """What the decode loop did: steps, prefills and extends, how full the decode batch was
         (rows decoding per step, the batch bucket run, their ratio), host reads, decode steps
-        replayed from a CUDA graph or run eagerly, and the graphs captured during the call."""
+        replayed from a CUDA graph or run eagerly, the graphs captured during the call, and the host
+        seconds of the loop's parts (``rollout/host_{between,admit,launch,finish}_s``: resuming paused
+        sequences and waiting for them, admitting requests, launching decode steps, finding and
+        finishing the done ones; a part that reads the device includes its wait)."""
         steps = max(self.steps, 1)
         done = {key: float(value - self.counters_at_start[key]) for key, value in self.eng.counters.items()}
         return {"rollout/decode_steps": float(self.steps), "rollout/prefill_calls": float(self.prefills),
@@ -312,7 +326,8 @@ class Scheduler:
                 "rollout/graph_captures": done["graph_captures"], "rollout/graph_capture_s": done["graph_capture_s"],
                 "rollout/decode_rows_mean": self.decode_rows / steps,
                 "rollout/decode_batch_mean": self.decode_batch / steps,
-                "rollout/batch_occupancy": self.decode_rows / max(self.decode_batch, 1)}
+                "rollout/batch_occupancy": self.decode_rows / max(self.decode_batch, 1),
+                **{f"rollout/host_{part}_s": seconds for part, seconds in self.host_s.items()}}
 
     def result(self) -> RolloutBatch:
         eng = self.eng
