@@ -499,7 +499,8 @@ class PPOConfig:
     #: the update is one optimizer step computed from the rollout alone: one process, ppo_epochs=1 and one
     #: mini-batch, no reference model or critic, adv_estimator grpo or rloo, reward.stream scoring, no dynamic
     #: sampling, multi-turn episodes or rollout_is; otherwise the reason is logged once and the update runs after
-    #: the rollout. The same gradient up to float rounding (docs/architecture.md).
+    #: the rollout. The same gradient up to float rounding (docs/architecture.md). Measured slower than off on
+    #: the 1.5B reasoning benchmark (docs/benchmarks.md).
     overlap_update: bool = False
 
 
