@@ -124,7 +124,8 @@ def batched_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response_len:
                      micro: int, response_mask: Optional[torch.Tensor] = None, *, max_tokens: int = 0,
                      packed: bool = False) -> torch.Tensor:
     """Log-probs ``[B, R]`` chunk by chunk; with ``response_mask`` each chunk is cut to its used
-    columns (:func:`used_columns`) and the unused response columns are 0. ``max_tokens > 0``: chunks
+    columns (:func:`used_columns`), the unused response columns are 0, and the other positions outside
+    the mask carry no meaning (0 where the head runs on the response tokens only). ``max_tokens > 0``: chunks
     of at most that many tokens instead of ``micro`` samples; ``packed``: each chunk one packed row
     (both need ``response_mask``)."""
     out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
@@ -137,7 +138,9 @@ def batched_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response_len:
             continue
         c_ids, c_mask, kept = _trim(ids[idx], mask[idx], c_resp)
         kept = kept or response_len
-        out[idx, :kept] = response_logprobs(model, c_ids, c_mask, kept, temperature)[0].float()
+        # with the response mask the head runs on the response tokens only (0 elsewhere)
+        out[idx, :kept] = response_logprobs(model, c_ids, c_mask, kept, temperature,
+                                            response_mask=None if c_resp is None else c_resp[:, :kept])[0].float()
     return out
 
 
