@@ -80,7 +80,9 @@ HEADS = ("logits", "fused", "liger")
 #: keeps the budget as given (checkpointing what does not fit, as before the rule)
 #: ``...+masked`` runs the forwards on the rows as they come, with their attention mask (before
 #: rlcore.trainer.aligned moved each row's tokens to its first column and dropped the mask)
-MODIFIERS = ("recompute", "keep", "masked")
+#: ``...+greedy`` fills padded token-budget micro-batches greedily to the budget (before the least-padding
+#: cut, rlcore.trainer.packing.least_padding_groups)
+MODIFIERS = ("recompute", "keep", "masked", "greedy")
 
 
 def parse_variant(name: str) -> tuple[str, str, set[str]]:
@@ -150,7 +152,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     from rlcore.config.schema import PPOConfig
     from rlcore.distributed.fsdp import compile_layers, enable_gradient_checkpointing
     from rlcore.kernels import linear_logprob
-    from rlcore.trainer import aligned as aligned_rows, models
+    from rlcore.trainer import aligned as aligned_rows, models, packing
     from rlcore.trainer import recompute as recompute_module
     from rlcore.trainer.recompute import Recompute
     from rlcore.trainer.update import ppo_update
@@ -164,6 +166,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     times, last, metrics = [], [], {}
     models.LOGPROB_KERNELS = kernels
     aligned_rows.ENABLED = "masked" not in mods
+    packing.LEAST_PADDING = "greedy" not in mods
     fused_impl = linear_logprob.linear_token_logprobs
     if head == "liger":
         linear_logprob.linear_token_logprobs = liger_token_logprobs
@@ -205,6 +208,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     finally:
         models.LOGPROB_KERNELS = True
         aligned_rows.ENABLED = True
+        packing.LEAST_PADDING = True
         linear_logprob.linear_token_logprobs = fused_impl
         recompute_module.MIN_BUDGET = floor
     return times[1:], last, metrics

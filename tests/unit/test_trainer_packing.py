@@ -95,13 +95,43 @@ def test_isolation_check_catches_a_model_that_mixes_packed_sequences(monkeypatch
     assert packing_check.resolve_packing(False, [model]) is False
 
 
-def test_token_groups():
+def test_token_groups(monkeypatch):
     prompt, response = [4, 4, 2, 2, 1], [6, 4, 4, 1, 1]  # totals 10, 8, 6, 3, 2
     assert packing.token_groups(prompt, response, 15, packed=True) == [[0], [1, 2], [3, 4]]
-    # padded: rows x (widest prompt + widest response)
+    # padded: rows x the longest sample (rows moved left), filled greedily...
+    monkeypatch.setattr(packing, "LEAST_PADDING", False)
     assert packing.token_groups(prompt, response, 15, packed=False) == [[0], [1], [2, 3], [4]]
+    # ...or cut where the padding saved pays for a micro-batch: as few micro-batches, 30 tokens, not 32
+    monkeypatch.setattr(packing, "LEAST_PADDING", True)
+    assert packing.token_groups(prompt, response, 15, packed=False) == [[0], [1], [2], [3, 4]]
+    monkeypatch.setattr(packing, "MICRO_BATCH_COST_TOKENS", 0)  # free micro-batches: no padding at all
+    assert packing.token_groups(prompt, response, 15, packed=False) == [[0], [1], [2], [3], [4]]
     assert packing.token_groups(prompt, response, 5, packed=True) == [[0], [1], [2], [3, 4]]  # longer: alone
     assert packing.split_to([[0, 1, 2, 3, 4]], 3, prompt, response, True) == [[0], [1], [2, 3, 4]]
+
+
+@pytest.mark.parametrize("rows_left", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_least_padding_groups_beat_the_greedy_cut_within_the_budget(seed, rows_left, monkeypatch):
+    from rlcore.trainer import aligned
+
+    monkeypatch.setattr(aligned, "ENABLED", rows_left)  # the width: the longest sample, or prompt + response
+    g = torch.Generator().manual_seed(seed)
+    n = 40
+    prompt = torch.randint(8, 200, (n,), generator=g).tolist()
+    response = sorted(torch.randint(1, 900, (n,), generator=g).tolist(), reverse=seed % 2 == 0)
+    budget = 2000
+
+    def objective(groups):
+        assert sorted(i for grp in groups for i in grp) == list(range(n))  # every sample once, in order
+        assert all(grp == list(range(grp[0], grp[-1] + 1)) for grp in groups)
+        costs = [packing.group_cost([prompt[i] for i in grp], [response[i] for i in grp], False) for grp in groups]
+        assert all(c <= budget or len(grp) == 1 for c, grp in zip(costs, groups))
+        return sum(costs) + packing.MICRO_BATCH_COST_TOKENS * len(groups)
+
+    best = objective(packing.token_groups(prompt, response, budget, packed=False))
+    monkeypatch.setattr(packing, "LEAST_PADDING", False)
+    assert best <= objective(packing.token_groups(prompt, response, budget, packed=False))
 
 
 def test_weights_count_tokens_and_sequences_with_tokens():
