@@ -151,6 +151,9 @@ def group_cost(prompt: Sequence[int], response: Sequence[int], packed: bool) -> 
 #: the budget
 LEAST_PADDING = True
 MICRO_BATCH_COST_TOKENS = 2048
+#: the most samples :func:`least_padding_groups` puts in one micro-batch (bounds its search; a budget
+#: holds that many only for very short samples)
+MAX_GROUP_ROWS = 1024
 
 
 def token_groups(prompt: Sequence[int], response: Sequence[int], max_tokens: int, packed: bool) -> list[list[int]]:
@@ -190,7 +193,7 @@ def least_padding_groups(prompt: Sequence[int], response: Sequence[int], max_tok
             longest = max(longest, prompt[j] + response[j])
             top_prompt, top_response = max(top_prompt, prompt[j]), max(top_response, response[j])
             tokens = (i - j) * (longest if rows_left else top_prompt + top_response)
-            if tokens > max_tokens and j < i - 1:
+            if (tokens > max_tokens and j < i - 1) or i - j > MAX_GROUP_ROWS:
                 break
             total = best[j] + tokens + MICRO_BATCH_COST_TOKENS
             if total < best[i]:
