@@ -245,3 +245,19 @@ def test_repeated_prompts_sample_independently(qwen2):
     assert len({tuple(r) for r in got.response_ids.tolist()}) > 1  # one shared prefill, different draws
     want = teacher_forced_logprobs(qwen2, got, 1.0)
     assert torch.allclose(got.logprobs, want, atol=1e-4)
+
+
+def test_the_decode_loop_reports_its_host_seconds_by_part(qwen2):
+    """The batch stats split the call's host time into the loop's parts; together they fit in the call,
+    launching decode steps is one of them, and admitting requests happens more than once with few slots."""
+    import time
+
+    engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=24, admit_fraction=0.0, eos_check_interval=2)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    start = time.perf_counter()
+    got = engine.generate(PROMPTS, params)
+    wall = time.perf_counter() - start
+    parts = {k: got.stats[f"rollout/host_{k}_s"] for k in ("between", "admit", "launch", "finish")}
+    assert all(v >= 0 for v in parts.values()) and parts["launch"] > 0 and parts["admit"] > 0
+    assert sum(parts.values()) <= wall
+    assert got.stats["rollout/graph_captures"] == 0  # no CUDA graphs on CPU
