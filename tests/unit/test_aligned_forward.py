@@ -65,7 +65,7 @@ def test_rows_with_a_hole_or_no_token_are_not_aligned():
     assert align_left(ids, empty) is None
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "gpt2"])
 def test_the_training_forward_passes_no_mask_and_gives_the_masked_forwards_logprobs(family, monkeypatch):
     model = tiny_causal_lm(family)
     exp = ragged_experience(model, batch=8, seed=5)
