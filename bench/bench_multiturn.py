@@ -147,6 +147,10 @@ def main() -> None:
     ap.add_argument("--eos-check-interval", default="8",
                     help="comma list: decode steps between reads of the turn-end flags (each read waits for the "
                          "device); one run per value, to weigh those waits against the steps decoded past a turn's end")
+    ap.add_argument("--turn-ends", default="wait", choices=["wait", "lagged", "wait,lagged", "lagged,wait"],
+                    help="how the loop reads turn ends: waiting for the device at each check, or from a copy "
+                         "read once the device has passed it (RolloutEngine(lagged_turn_ends=True)); "
+                         "both: one run each")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per kind next to --out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -165,19 +169,22 @@ def main() -> None:
     rows = []
     for kind in args.kv_cache.split(","):
         for interval in map(int, str(args.eos_check_interval).split(",")):
-            engine = RolloutEngine(model, max_batch_size=args.sequences, eos_check_interval=interval,
-                                   max_seq_len=args.prompt_len + args.budget + 8, kv_cache=kind)
-            rows += [{**row, "eos_check_interval": interval} for row in run_kind(args, kind, engine, runner, prompts,
-                                                                                 ends)]
-            del engine
+            for turn_ends in args.turn_ends.split(","):
+                engine = RolloutEngine(model, max_batch_size=args.sequences, eos_check_interval=interval,
+                                       max_seq_len=args.prompt_len + args.budget + 8, kv_cache=kind,
+                                       lagged_turn_ends=turn_ends == "lagged")
+                rows += [{**row, "eos_check_interval": interval, "turn_ends": turn_ends}
+                         for row in run_kind(args, kind, engine, runner, prompts, ends)]
+                del engine
     runner.close()
     write_json(args.out, {"environment": environment(), "args": vars(args), "runs": rows})
     print(f"\n{args.shape} on {args.device}: {args.sequences} sequences, budget {args.budget}, up to {args.turns} turns, "
           f"tool {args.tool_ms:.0f} ms, {args.obs_tokens} observation tokens")
-    print(f"{'kv':>6} {'check':>5} {'multi tok/s':>12} {'single tok/s':>13} {'single/multi':>13} {'turns':>6} {'steps':>6} "
-          f"{'occup':>6} {'extends':>8} {'syncs':>6} {'graph':>6} {'eager':>6} {'env wait s':>10}")
+    print(f"{'kv':>6} {'check':>5} {'ends':>6} {'multi tok/s':>12} {'single tok/s':>13} {'single/multi':>13} "
+          f"{'turns':>6} {'steps':>6} {'occup':>6} {'extends':>8} {'syncs':>6} {'graph':>6} {'eager':>6} {'env wait s':>10}")
     for row in rows:
-        print(f"{row['kv_cache']:>6} {row['eos_check_interval']:>5} {row['multi_tok_s']:>12.0f} "
+        print(f"{row['kv_cache']:>6} {row['eos_check_interval']:>5} {row['turn_ends']:>6} "
+              f"{row['multi_tok_s']:>12.0f} "
               f"{row['single_tok_s']:>13.0f} {row['ratio']:>13.2f} "
               f"{row['turns_mean']:>6.2f} {row['decode_steps']:>6.0f} {row['batch_occupancy']:>6.2f} "
               f"{row['extend_calls']:>8.0f} {row['host_syncs']:>6.0f} {row['graph_steps']:>6.0f} "

@@ -268,6 +268,10 @@ class RolloutEngineConfig:
     admit_fraction: float = 0.125
     #: Decode steps between host reads of the finished flags.
     eos_check_interval: int = 8
+    #: Multi-turn calls read the turn-end flags and the rows' tokens from a copy taken every eos_check_interval
+    #: steps without waiting for the device, once the device has passed it (turns end a few steps later, the
+    #: episodes are the same); off: each check waits for the device. Not yet measured on a GPU.
+    lagged_turn_ends: bool = False
     #: Bound on prompts x width per prefill call (activation memory).
     max_prefill_tokens: int = 65536
     #: On CUDA, sample unfiltered steps (no top-k/top-p) with the one-pass Triton kernel.
@@ -309,6 +313,7 @@ class RolloutEngineConfig:
         tuning = {k: v for k, v in dataclasses.asdict(self.attention_tuning).items() if v is not None}
         return dict(use_cuda_graphs=self.use_cuda_graphs, graph_batch_buckets=list(self.graph_batch_buckets),
                     admit_fraction=self.admit_fraction, eos_check_interval=self.eos_check_interval,
+                    lagged_turn_ends=self.lagged_turn_ends,
                     max_prefill_tokens=self.max_prefill_tokens, fused_sampling=self.fused_sampling,
                     compile=self.compile, compile_mode=str(self.compile_mode), attention=str(self.attention),
                     attention_length_step=self.attention_length_step, rope_in_attention=self.rope_in_attention,

@@ -165,3 +165,34 @@ def test_the_trainer_builds_a_paged_engine_for_episodes():
     cfg = load_config([], ["data.env_key=env"])
     request = rollout_request(obj(cfg.actor), obj(cfg.data), obj(cfg.ppo))
     assert request.engine["kv_cache"] == "paged"
+
+
+@pytest.mark.parametrize("lag", [0, 3], ids=["read-at-once", "read-3-polls-late"])
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_lagged_turn_ends_give_the_same_episodes(tok_model, monkeypatch, kind, lag):
+    """Turn ends read from a snapshot without waiting for the device (``lagged_turn_ends``), even a
+    snapshot the loop finds ready only a few steps later: the same sampled episodes (tokens, masks,
+    log-probs) as reading the flags at each check, with fewer reads that wait."""
+    from rlcore.rollout.engine import turns
+
+    tok, model = tok_model
+    ready = turns._Snapshot.ready
+    polls: dict[int, int] = {}
+
+    def late(snapshot):
+        polls[id(snapshot)] = polls.get(id(snapshot), 0) + 1
+        return polls[id(snapshot)] > lag and ready(snapshot)
+
+    monkeypatch.setattr(turns._Snapshot, "ready", late)
+    plain = engines(model, eos_check_interval=2)[kind == "paged"]
+    lagged = engines(model, eos_check_interval=2, lagged_turn_ends=True)[kind == "paged"]
+    want, want_eps = play(plain, tok, temperature=1.0, max_new_tokens=32)
+    got, eps = play(lagged, tok, temperature=1.0, max_new_tokens=32)
+    assert max(e.turns for e in eps) > 1, "the test needs episodes of several turns"
+    assert [e.turns for e in eps] == [e.turns for e in want_eps]
+    assert torch.equal(got.response_ids, want.response_ids)
+    assert torch.equal(got.response_mask, want.response_mask) and torch.equal(got.attention, want.attention)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    assert got.stats["rollout/host_syncs"] < want.stats["rollout/host_syncs"]
+    if lag:
+        assert got.stats["rollout/decode_steps"] >= want.stats["rollout/decode_steps"]  # turns ended later

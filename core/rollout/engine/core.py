@@ -187,6 +187,10 @@ class RolloutEngine:
         admit_fraction: refill free slots once at least this fraction of the batch is free
             (or when nothing is running), so prefill runs in groups, not one prompt a step.
         eos_check_interval: decode steps between host reads of the finished flags.
+        lagged_turn_ends: multi-turn calls read the turn-end flags and the rows' tokens without waiting
+            for the device: a copy to pinned memory and an event every ``eos_check_interval`` steps,
+            read once the device has passed it (turns end a few steps later; the tokens decoded past
+            a turn's end are dropped, as between checks). Off: each check waits for the device.
         max_prefill_tokens: bound on ``prompts x width`` per prefill call (activation memory).
         fused_sampling: on CUDA, sample unfiltered (no top-k/top-p) steps with the one-pass
             Triton kernel (:mod:`rlcore.kernels.fused_sampling`), checked once against PyTorch.
@@ -251,7 +255,7 @@ class RolloutEngine:
                  attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True,
                  mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
                  kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION,
-                 kv_reserve_bytes: int = 0):
+                 kv_reserve_bytes: int = 0, lagged_turn_ends: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 2:
@@ -290,6 +294,7 @@ class RolloutEngine:
                                       for k in range(1, -(-self.max_seq_len // step) + 1)})
         self.admit_fraction = float(admit_fraction)
         self.eos_check_interval = max(1, int(eos_check_interval))
+        self.lagged_turn_ends = bool(lagged_turn_ends)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.fused_sampling = bool(fused_sampling)
         self.attention_tuning = decode.check_attention_tuning(attention_tuning)

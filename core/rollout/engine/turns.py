@@ -4,7 +4,11 @@ after the observation with its KV cache kept.
 :class:`TurnScheduler` extends the continuous-batching :class:`~rlcore.rollout.engine.scheduler.Scheduler`:
 
 * a turn ends at EOS or a stop string (one-token stop strings are flagged on the device with
-  EOS; longer ones are found in the turn's text on the steps that read the flags);
+  EOS; longer ones are found in the turn's text on the steps that read the flags); with the
+  engine's ``lagged_turn_ends`` the flags and the rows' tokens are read from a copy taken without
+  waiting for the device (:class:`_Snapshot`), once the device has passed it, for the slots that
+  still serve the same request (the turn then ends some steps later; the tokens decoded past its
+  end are dropped as between checks, and keyed draws keep the episodes the same);
 * the episode then *pauses*: its turn goes to the episode's environment through the
   :class:`~rlcore.envs.runner.EpisodeRunner` (a future, answered on the runner's thread) and the
   other slots keep decoding. With the paged KV cache the paused episode leaves the decode batch:
@@ -68,6 +72,28 @@ class _Pause:
     pages: list[int] = field(default_factory=list)
 
 
+class _Snapshot:
+    """The turn-end flags and output tokens of slots ``0..n-1`` after decode step ``steps``, copied to
+    the host without waiting (pinned memory and an event on CUDA; at once elsewhere), with the
+    requests and birth steps the slots held then (a slot read later must still hold them)."""
+
+    def __init__(self, sched: "TurnScheduler", n: int):
+        pinned = sched.eng.device.type == "cuda"
+        self.n, self.steps = n, sched.steps
+        self.reqs, self.born = list(sched.slot_req[:n]), list(sched.born[:n])
+        self.flags = torch.empty(n, dtype=torch.bool, pin_memory=pinned)
+        self.tokens = torch.empty(n, sched.out_tokens.shape[1], dtype=torch.long, pin_memory=pinned)
+        self.flags.copy_(sched.done[:n], non_blocking=pinned)
+        self.tokens.copy_(sched.out_tokens[:n], non_blocking=pinned)
+        self.event = None
+        if pinned:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+
 class TurnScheduler(Scheduler):
     """One multi-turn ``generate`` call (see the module docstring).
 
@@ -104,6 +130,10 @@ class TurnScheduler(Scheduler):
         self.in_flight_peak = 0  # most requests admitted and not finished at once (decoding or paused)
         self.closing: list[concurrent.futures.Future] = []  # last turns of finished episodes, still with their environment
         self.row_key = torch.zeros(cap, dtype=torch.long, device=dev)  # request x response width, per row
+        # lagged turn ends (engine.lagged_turn_ends): the copy in flight, and the rows it found done
+        self.lagged = bool(getattr(engine, "lagged_turn_ends", False))
+        self.snapshot: Optional[_Snapshot] = None
+        self.seen: dict[int, tuple[list[int], int]] = {}  # slot -> (its tokens then, their count)
         if not engine.paged:  # paused rows pinned to their turn's last column
             self.pinned = torch.zeros(cap, dtype=torch.bool, device=dev)
             self.pin_at = torch.zeros(2, cap, dtype=torch.long, device=dev)  # cache column, position
@@ -199,6 +229,8 @@ class TurnScheduler(Scheduler):
         return [s for s in self.live if s not in pinned and self._count(s) >= self.limit[self.slot_req[s]]]
 
     def _finished(self, n: int) -> list[int]:
+        if self.lagged:
+            return self._finished_lagged(n)
         finished = super()._finished(n)
         if self.stop_texts and self.steps % self.eng.eos_check_interval == 0:
             pinned = self._pinned_rows()
@@ -212,16 +244,43 @@ class TurnScheduler(Scheduler):
                         finished.append(s)
         return sorted(set(finished) - self._pinned_rows())
 
+    def _finished_lagged(self, n: int) -> list[int]:
+        """:meth:`_finished` without waiting for the device: the slots at their token limit, and those a
+        snapshot taken some steps ago found at a turn's end (a slot still serving the same request
+        since); a new snapshot is taken every ``eos_check_interval`` steps once the last was read."""
+        finished = self._at_limit() if self.steps >= self.due else []
+        snap, found = self.snapshot, []
+        if snap is not None and snap.ready():
+            self.snapshot = None
+            flags, pinned = snap.flags.tolist(), self._pinned_rows()
+            for s in self.live:
+                if s >= snap.n or s in pinned or self.slot_req[s] != snap.reqs[s] or self.born[s] != snap.born[s]:
+                    continue
+                count = min(1 + snap.steps - snap.born[s], snap.tokens.shape[1])
+                if not flags[s] and not self.stop_texts:
+                    continue
+                row = snap.tokens[s].tolist()
+                if flags[s] or find_turn_end(row, self.turn_start[self.slot_req[s]], count, set(), self.stop_texts,
+                                             self.decode_text) is not None:
+                    self.seen[s] = (row, count)
+                    found.append(s)
+        if self.snapshot is None and self.live and self.steps % self.eng.eos_check_interval == 0:
+            self.snapshot = _Snapshot(self, n)
+        return sorted(set(finished) | set(found))
+
     def _finish(self, slots: list[int]) -> None:
         slots = [s for s in slots if s not in self._pinned_rows()]
+        seen, self.seen = self.seen, {}
         if not slots:
             return
-        rows = self._read(self.out_tokens[self._rows(slots)])
+        fresh = [s for s in slots if s not in seen]  # rows not read by a snapshot: read them now
+        read = dict(zip(fresh, self._read(self.out_tokens[self._rows(fresh)]))) if fresh else {}
         over, pausing = [], []
-        for s, row in zip(slots, rows):
+        for s in slots:
             req = self.slot_req[s]
             limit = self.limit[req]
-            count = min(self._count(s), limit)
+            row, count = seen[s] if s in seen else (read[s], self._count(s))
+            count = min(count, limit)
             end = find_turn_end(row, self.turn_start[req], count, self.end_ids, self.stop_texts, self.decode_text)
             truncated = end is None
             if truncated:
