@@ -28,12 +28,19 @@ def small_config(tmp_path, *extra):
     return load_config([], demo_overrides(tmp_path, *SMALL, *extra))
 
 
+def _fixture_plugin(monkeypatch, name: str, target: str):
+    """Register the fixture plugin module of ``target`` (``module[:object]``) as built-in plugin ``name``;
+    a generator: its module is forgotten after the test."""
+    module = target.split(":")[0]
+    monkeypatch.syspath_prepend(FIXTURES)
+    monkeypatch.setitem(BUILTIN_MODULES, name, target)
+    yield __import__(module)
+    sys.modules.pop(module, None)
+
+
 @pytest.fixture
 def api_1_0(monkeypatch):
-    monkeypatch.syspath_prepend(FIXTURES)
-    monkeypatch.setitem(BUILTIN_MODULES, "api-1-0", "rlcore_api_1_0:Api10Plugin")
-    yield
-    sys.modules.pop("rlcore_api_1_0", None)
+    yield from _fixture_plugin(monkeypatch, "api-1-0", "rlcore_api_1_0:Api10Plugin")
 
 
 def test_the_plugin_api_version_is_published():
@@ -107,14 +114,10 @@ def test_base_classes_give_the_methods_added_later(api_1_0, rlcore_pm, rlcore_re
 
 @pytest.fixture
 def counting(monkeypatch):
-    monkeypatch.syspath_prepend(FIXTURES)
-    monkeypatch.setitem(BUILTIN_MODULES, "counting", "rlcore_counting")
-    import rlcore_counting
-
-    rlcore_counting.BUILT.clear()
-    rlcore_counting.CLOSED.clear()
-    yield rlcore_counting
-    sys.modules.pop("rlcore_counting", None)
+    for module in _fixture_plugin(monkeypatch, "counting", "rlcore_counting"):
+        module.BUILT.clear()
+        module.CLOSED.clear()
+        yield module
 
 
 def test_train_builds_each_factory_once_and_closes_every_instance(counting, tmp_path):
@@ -281,10 +284,7 @@ def test_a_resume_step_that_is_no_step_is_named(api_1_0, tmp_path, monkeypatch):
 
 @pytest.fixture
 def everything(monkeypatch):
-    monkeypatch.syspath_prepend(FIXTURES)
-    monkeypatch.setitem(BUILTIN_MODULES, "everything", "rlcore_everything:EverythingPlugin")
-    yield
-    sys.modules.pop("rlcore_everything", None)
+    yield from _fixture_plugin(monkeypatch, "everything", "rlcore_everything:EverythingPlugin")
 
 
 @pytest.mark.parametrize("command", ["validate", "train"])
