@@ -15,6 +15,7 @@ length, head dim). Key validity lives in an additive bias ``[B, S]`` (0 or ``-in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -420,11 +421,14 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
     start = columns[:, None, None]
     allowed = (((bias[rows, :length] == 0)[:, None, :] & (span[None, None] < start))
                | ((span[None, None] >= start) & (span[None, None] <= start + step[None, :, None])))
-    paged_kernel = attention == "triton" and table is not None
-    if paged_kernel:  # one query row per new token: its row's pages, its own key mask
-        token_table = table[rows[which]]
-        token_bias = torch.where(allowed[which, offset], 0.0, float("-inf")).to(bias.dtype)
-        tuning = {k: v for k, v in (tuning or {}).items() if k != "rope_rows"}  # a decode-step setting
+    if attention == "triton" and table is not None:  # one query row per new token: its row's pages, its own key mask
+        attend_new = functools.partial(
+            _attend_paged, table=table[rows[which]], page_size=cache.shape[4], length=length, spec=spec,
+            bias=torch.where(allowed[which, offset], 0.0, float("-inf")).to(bias.dtype),
+            tuning={k: v for k, v in (tuning or {}).items() if k != "rope_rows"})  # rope_rows: a decode-step setting
+    else:
+        attend_new = functools.partial(_attend_gathered, rows=rows, table=table, length=length, width=width,
+                                       which=which, offset=offset, allowed=allowed, spec=spec)
     x = F.embedding(ids[which, offset], weights.embed)  # [T, H]
     # where each new token's key/value goes: (cache row, column) or (page, row in the page)
     at = (rows[which], cols) if table is None else (table[rows[which], cols // cache.shape[4]].long(),
@@ -438,23 +442,33 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
         layer = cache[index]
         layer[0, at[0], :, at[1]] = key
         layer[1, at[0], :, at[1]] = value.view(-1, kv_heads, dim)
-        if paged_kernel:
-            attn = attend(q.view(-1, kv_heads, spec.group, dim), layer, token_bias, length,
-                          pages=(token_table, cache.shape[4]), **tuning)
-            x = residual_linear(x, attn, lw.o, lw.o_bias)
-            x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
-            continue
-        kv = layer[:, rows, :, :length] if table is None else gather_pages(layer, table[rows], m, length)
-        keys, values = kv[0], kv[1]
-        if spec.group > 1:
-            keys = keys.repeat_interleave(spec.group, dim=1)
-            values = values.repeat_interleave(spec.group, dim=1)
-        padded = q.new_zeros(m, width, heads, dim)
-        padded[which, offset] = q
-        attn = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=allowed[:, None])
-        attn = attn.transpose(1, 2)[which, offset].reshape(-1, heads * dim)
-        x = residual_linear(x, attn, lw.o, lw.o_bias)
+        x = residual_linear(x, attend_new(q, layer), lw.o, lw.o_bias)
         x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
     out = rms_norm(x[last], weights.norm, spec.rms_eps)
     return F.linear(out, weights.lm_head)
+
+
+def _attend_paged(q: torch.Tensor, layer: torch.Tensor, *, table: torch.Tensor, page_size: int, length: int,
+                  spec: DecoderSpec, bias: torch.Tensor, tuning: dict) -> torch.Tensor:
+    """:func:`extend`'s attention through the paged decode kernel: new token ``t`` (``q [T, heads, D]``)
+    reads the pages ``table[t]`` of its row under its own key mask ``bias[t]``. Returns ``[T, heads·D]``."""
+    return attend(q.view(-1, spec.num_kv_heads, spec.group, spec.head_dim), layer, bias, length,
+                  pages=(table, page_size), **tuning)
+
+
+def _attend_gathered(q: torch.Tensor, layer: torch.Tensor, *, rows: torch.Tensor, table: torch.Tensor | None,
+                     length: int, width: int, which: torch.Tensor, offset: torch.Tensor, allowed: torch.Tensor,
+                     spec: DecoderSpec) -> torch.Tensor:
+    """:func:`extend`'s attention with the rows' keys/values gathered (pages or cache rows, each key/value
+    head repeated for its query heads) and the new tokens padded per row: one masked SDPA call."""
+    heads, dim = spec.num_heads, spec.head_dim
+    kv = layer[:, rows, :, :length] if table is None else gather_pages(layer, table[rows], len(rows), length)
+    keys, values = kv[0], kv[1]
+    if spec.group > 1:
+        keys = keys.repeat_interleave(spec.group, dim=1)
+        values = values.repeat_interleave(spec.group, dim=1)
+    padded = q.new_zeros(len(rows), width, heads, dim)
+    padded[which, offset] = q
+    attn = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=allowed[:, None])
+    return attn.transpose(1, 2)[which, offset].reshape(-1, heads * dim)
 
