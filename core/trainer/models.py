@@ -296,9 +296,7 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         rows, cols = keep.nonzero(as_tuple=True)
         logp, ent = _fused_logprobs(*fused, aligned.forward_kwargs(), rows, pos[rows, cols], labels[rows, cols],
                                     float(temp), bool(with_entropy))
-        shape = (input_ids.shape[0], response_len)
-        logp = logp.new_zeros(shape).index_put((rows, cols), logp)
-        return logp, (ent.new_zeros(shape).index_put((rows, cols), ent) if ent is not None else None)
+        return _spread((logp, ent), (input_ids.shape[0], response_len), rows, cols)
     split = split_head(model, input_ids.device)
     if split is not None:  # the head on the response positions' hidden states only
         decoder, weight = split
@@ -309,9 +307,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                 logits = torch.nn.functional.linear(hidden[rows, pos[rows, cols]], weight)[None]
                 logp, ent = token_logprobs(logits, labels[rows, cols][None], float(temp), bool(with_entropy),
                                            entropy_grad)
-                shape = (input_ids.shape[0], response_len)
-                logp = logp[0].new_zeros(shape).index_put((rows, cols), logp[0])
-                return logp, (ent[0].new_zeros(shape).index_put((rows, cols), ent[0]) if ent is not None else None)
+                return _spread((logp[0], None if ent is None else ent[0]), (input_ids.shape[0], response_len),
+                               rows, cols)
         picked = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
         logits = torch.nn.functional.linear(picked, weight)
     else:  # the model's own logits over the window of positions every row needs
@@ -320,6 +317,13 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         out = model(**aligned.forward_kwargs(), use_cache=False, logits_to_keep=window)
         logits = out.logits.gather(1, (pos - low)[..., None].expand(-1, -1, out.logits.shape[-1]))
     return token_logprobs(logits, labels, float(temp), bool(with_entropy), entropy_grad)
+
+
+def _spread(values: tuple[torch.Tensor, Optional[torch.Tensor]], shape: tuple[int, int], rows: torch.Tensor,
+            cols: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(log-probs, entropy or None)`` of the tokens at ``(rows, cols)`` into ``shape``, 0 elsewhere
+    (the autograd graph kept)."""
+    return tuple(v if v is None else v.new_zeros(shape).index_put((rows, cols), v) for v in values)
 
 
 def _masked_logprobs(model, fused, input_ids, attention_mask, response_len, temp, with_entropy, entropy_grad,
@@ -336,9 +340,7 @@ def _masked_logprobs(model, fused, input_ids, attention_mask, response_len, temp
         logp, ent = _fused_logprobs(*fused, kwargs, rows, cols + (width - response_len - 1),
                                     input_ids[:, width - response_len:][rows, cols].long(), float(temp),
                                     bool(with_entropy))
-        shape = (input_ids.shape[0], response_len)
-        logp = logp.new_zeros(shape).index_put((rows, cols), logp)
-        return logp, (ent.new_zeros(shape).index_put((rows, cols), ent) if ent is not None else None)
+        return _spread((logp, ent), (input_ids.shape[0], response_len), rows, cols)
     out = model(**kwargs, use_cache=False, logits_to_keep=response_len + 1)
     logits = out.logits[:, -(response_len + 1):-1]
     labels = input_ids[:, -response_len:]
