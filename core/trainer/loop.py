@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlcore.contract import check_resume_step
 from rlcore.distributed.init import all_gather_object, all_reduce_mean
 from rlcore.observe.progress import ProgressBar
+from rlcore.observe.step_perf import StepPerf
 from rlcore.protocols import DistInfo, RolloutSource
 from rlcore.rollout.base import RolloutBatch, SamplingParams
 from rlcore.trainer.checkpoint import GracefulExit, archive_previous_run
@@ -86,6 +87,8 @@ class Trainer:
         # Shuffles mini-batches; registered so a checkpoint restores its stream.
         self._gen = self.c.rng.register("update", torch.Generator().manual_seed(int(self.tcfg.seed)))
         self.guard = NonFiniteGuard(int(self.tcfg.max_nonfinite_steps))
+        #: the step's throughput, MFU and memory metrics
+        self.perf = StepPerf(self.c.policy.config, self.c.train_device, dist.world_size)
         #: what was logged once for the run (e.g. why ``ppo.overlap_update`` does not apply)
         self.notes: set[str] = set()
         #: where each step's scored samples come from: generated here (:meth:`collect`), or (``split``: a
@@ -528,26 +531,7 @@ class Trainer:
         return out
 
     def perf_metrics(self, rollout: RolloutBatch, step_s: float) -> dict[str, float]:
-        c = self.c
-        tokens = float(rollout.prompt_mask.sum() + rollout.response_mask.sum())
-        out = {"perf/tokens_per_s": tokens * self.dist.world_size / step_s, "perf/tokens_per_s_per_gpu": tokens / step_s}
-        try:
-            from rlcore.observe.flops import estimate_flops, peak_flops
-
-            peak = peak_flops(c.train_device)
-            if peak:
-                seq = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
-                out["perf/mfu"] = estimate_flops(c.policy.config, tokens, seq) / step_s / peak
-        except ImportError:
-            pass
-        if c.train_device.type == "cuda":
-            out["memory/peak_gb"] = torch.cuda.max_memory_allocated(c.train_device) / 2**30
-            # allocations that found no free block, emptied the allocator's cache and retried (each one
-            # waits for the device): a step near the card's memory shows them as idle time
-            retries = int(torch.cuda.memory_stats(c.train_device).get("num_alloc_retries", 0))
-            out["memory/alloc_retries"] = float(retries - getattr(self, "_alloc_retries_seen", 0))
-            self._alloc_retries_seen = retries
-        return out
+        return self.perf.metrics(rollout.prompt_mask, rollout.response_mask, step_s)
 
     def progress(self, start: int) -> ProgressBar:
         """The progress bar (main rank, ``trainer.progress``); closes on exit."""
