@@ -655,10 +655,9 @@ TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo"
 
 def convert_trl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
     """Convert a TRL ``GRPOConfig`` as saved by TRL (``to_json_string``, or a TrlParser YAML)."""
+    # TRL stores every field of TrainingArguments; nested dicts (e.g. model_init_kwargs) are kept whole
     flat = apply_overrides(flatten(cfg), list(overrides or []))
     check_numbers(flat, "trl")
-    # TRL stores every field of TrainingArguments; nested dicts (e.g. model_init_kwargs) are kept whole
-    flat = {k: v for k, v in flat.items()}
     conv = Conversion("trl")
     get = flat.get
     handled: set[str] = set()
@@ -669,6 +668,49 @@ def convert_trl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
     conv.values["ppo.kl_estimator"] = "k3"
     if not get("beta"):
         conv.values["algorithm.use_reference"] = False
+    _trl_loss(conv, flat, take, drop, handled)
+    _trl_batches(conv, flat, take, drop, handled)
+    sched = get("lr_scheduler_type")
+    if sched is not None:  # rlcore's schedules are transformers' (constant + warmup steps: constant_with_warmup)
+        if sched in _HF_SCHEDULES:
+            take("lr_scheduler_type", "actor.lr_scheduler", "constant" if sched == "constant_with_warmup" else sched)
+        else:
+            drop("lr_scheduler_type", f"schedule {sched!r} has no rlcore counterpart ({', '.join(_HF_SCHEDULES)})")
+    knobs.trl_optimizer(conv, flat, take, handled)
+    if "top_k" in flat:
+        take("top_k", "ppo.generation.top_k", max(0, int(get("top_k") or 0)))
+    _trl_steps(conv, flat, take, drop, handled)
+    if get("bf16"):
+        take("bf16", "fsdp.param_dtype", "bf16")
+    elif "bf16" in flat:
+        handled.add("bf16")
+        conv.mapped["bf16"] = "(off: fsdp.param_dtype default)"
+    _trl_peft(conv, flat, take, drop, handled)
+    for src, key in TRL_MAP.items():
+        if src in flat and src not in handled:
+            value = get(src)
+            if value is None:
+                handled.add(src)
+                conv.mapped[src] = f"(null: rlcore's default {key})"
+                continue
+            take(src, key, value)
+    if "actor.lora.rank" in conv.values and not (get("use_peft") or "use_peft" not in flat):
+        conv.values.pop("actor.lora.rank")
+        for k in ("actor.lora.alpha", "actor.lora.dropout"):
+            conv.values.pop(k, None)
+    if conv.values.get("ppo.kl_coeff") == 0:
+        conv.values["algorithm.use_reference"] = False
+    if conv.values.get("ppo.cliprange_high") is None:
+        conv.values.pop("ppo.cliprange_high", None)
+    for src in flat:
+        if src not in handled and src not in conv.mapped:
+            conv.skip(src, flat[src], _trl_reason(src))
+    return conv
+
+
+def _trl_loss(conv: Conversion, flat: dict, take, drop, handled: set[str]) -> None:
+    """TRL's loss type, importance-sampling level and reward scaling."""
+    get = flat.get
     loss_type = get("loss_type")
     if loss_type is not None:
         if loss_type in TRL_LOSS_TYPES:
@@ -697,7 +739,11 @@ def convert_trl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
             take("scale_rewards", "algorithm.norm_adv_by_std", False)
         else:
             drop("scale_rewards", f"{scale!r}: rlcore scales advantages by the group's std or not at all")
-    # batch sizes: TRL counts completions per device; one generation feeds steps_per_generation steps
+
+
+def _trl_batches(conv: Conversion, flat: dict, take, drop, handled: set[str]) -> None:
+    """Batch sizes: TRL counts completions per device; one generation feeds ``steps_per_generation`` steps."""
+    get = flat.get
     per_dev = get("per_device_train_batch_size")
     n = int(get("num_generations") or 8)
     accum = int(get("gradient_accumulation_steps") or 1)
@@ -712,20 +758,14 @@ def convert_trl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
         if completions % n:
             conv.notes.append(f"per_device_train_batch_size x steps_per_generation = {completions} completions is "
                               f"not a multiple of num_generations={n}: rounded down")
-    gbs = get("generation_batch_size")
-    if gbs is not None:
+    if get("generation_batch_size") is not None:
         drop("generation_batch_size", "rlcore sizes the rollout by ppo.rollout_batch_size (from "
                                       "per_device_train_batch_size x steps_per_generation)")
-    sched = get("lr_scheduler_type")
-    if sched is not None:  # rlcore's schedules are transformers' (constant + warmup steps: constant_with_warmup)
-        if sched in _HF_SCHEDULES:
-            take("lr_scheduler_type", "actor.lr_scheduler", "constant" if sched == "constant_with_warmup" else sched)
-        else:
-            drop("lr_scheduler_type", f"schedule {sched!r} has no rlcore counterpart ({', '.join(_HF_SCHEDULES)})")
-    knobs.trl_optimizer(conv, flat, take, handled)
-    top_k = get("top_k")
-    if "top_k" in flat:
-        take("top_k", "ppo.generation.top_k", max(0, int(top_k or 0)))
+
+
+def _trl_steps(conv: Conversion, flat: dict, take, drop, handled: set[str]) -> None:
+    """``max_steps`` and the save/eval intervals with their strategies."""
+    get = flat.get
     steps = get("max_steps")
     if steps is not None:
         if int(steps) > 0:
@@ -749,11 +789,11 @@ def convert_trl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
             if strat in flat:
                 handled.add(strat)
                 conv.mapped[strat] = key
-    if get("bf16"):
-        take("bf16", "fsdp.param_dtype", "bf16")
-    elif "bf16" in flat:
-        handled.add("bf16")
-        conv.mapped["bf16"] = "(off: fsdp.param_dtype default)"
+
+
+def _trl_peft(conv: Conversion, flat: dict, take, drop, handled: set[str]) -> None:
+    """``use_peft`` and the LoRA target modules (rank, alpha and dropout go through ``TRL_MAP``)."""
+    get = flat.get
     if "use_peft" in flat:
         handled.add("use_peft")
         conv.mapped["use_peft"] = "actor.lora.rank"
@@ -766,28 +806,6 @@ def convert_trl(cfg: dict, overrides: Optional[list[str]] = None) -> Conversion:
         if tm is not None:
             take("lora_target_modules", "actor.lora.target_modules",
                  _ALL_LINEAR if tm == "all-linear" else list(tm) if isinstance(tm, list) else [tm])
-    elif "lora_r" in flat and "use_peft" not in flat:
-        pass
-    for src, key in TRL_MAP.items():
-        if src in flat and src not in handled:
-            value = get(src)
-            if value is None:
-                handled.add(src)
-                conv.mapped[src] = f"(null: rlcore's default {key})"
-                continue
-            take(src, key, value)
-    if "actor.lora.rank" in conv.values and not (get("use_peft") or "use_peft" not in flat):
-        conv.values.pop("actor.lora.rank")
-        for k in ("actor.lora.alpha", "actor.lora.dropout"):
-            conv.values.pop(k, None)
-    if conv.values.get("ppo.kl_coeff") == 0:
-        conv.values["algorithm.use_reference"] = False
-    if conv.values.get("ppo.cliprange_high") is None:
-        conv.values.pop("ppo.cliprange_high", None)
-    for src in flat:
-        if src not in handled and src not in conv.mapped:
-            conv.skip(src, flat[src], _trl_reason(src))
-    return conv
 
 
 def _trl_reason(key: str) -> str:
