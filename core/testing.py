@@ -121,104 +121,133 @@ def check_rollout_backend(make_backend: Callable[[Any], Any], model: Any, *, voc
 
     :raises RolloutConformanceError: naming the first check that fails and what differed.
     """
-    import torch
-
-    from rlcore.contract import rollout_problems
     from rlcore.protocols import RolloutBackend
     from rlcore.rollout.base import SamplingParams
-    from rlcore.trainer.models import response_logprobs
 
-    def fail(check: str, why: str) -> None:
-        raise RolloutConformanceError(f"rollout backend {type(backend).__name__}: check '{check}' failed: {why}")
+    backend = make_backend(model)
+    kit = _BackendChecks(backend, model, int(vocab_size or model.config.vocab_size), atol)
+    if not isinstance(backend, RolloutBackend):
+        kit.fail("protocol", "it lacks generate() or sync_weights()")
+    passed = ["protocol"]
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, pad_token_id=kit.pad)
+    batch = kit.shapes(greedy)
+    passed.append("shapes")
+    kit.masks(batch, "masks")
+    passed.append("masks")
+    kit.eos(batch, greedy)
+    passed.append("eos")
+    sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=1234, pad_token_id=kit.pad)
+    first = kit.seeds(sampled)
+    passed.append("seeds")
+    for name, got in (("greedy", batch), ("sampled", first)):
+        kit.logprobs(name, got)
+    passed.append("logprobs")
+    kit.sync_weights(batch, greedy)
+    passed.append("sync_weights")
+    if getattr(backend, "supports_episodes", False):
+        _check_episodes(kit.generated, kit.fail, kit.prompts, greedy, kit.vocab)
+        passed.append("episodes")
+    return passed
 
-    def generated(check: str, prompts: Sequence[Sequence[int]], params: Any) -> Any:
+
+class _BackendChecks:
+    """The checks of :func:`check_rollout_backend` on one backend, each a method that raises
+    :class:`RolloutConformanceError` naming itself."""
+
+    pad = 0
+
+    def __init__(self, backend: Any, model: Any, vocab: int, atol: float):
+        self.backend, self.model, self.vocab, self.atol = backend, model, vocab, atol
+        prompts = [[5, 9, 14, 3], [7], [11, 12, 13], [4, 4, 8, 21, 6, 2]]
+        self.prompts = [[t % vocab or 1 for t in p] for p in prompts]
+
+    def fail(self, check: str, why: str) -> None:
+        raise RolloutConformanceError(f"rollout backend {type(self.backend).__name__}: check '{check}' failed: {why}")
+
+    def generated(self, check: str, prompts: Sequence[Sequence[int]], params: Any) -> Any:
         """``backend.generate``, its batch held to the plugin boundary's rules."""
-        batch = backend.generate(prompts, params)
-        problems = rollout_problems(batch, prompts, params.max_new_tokens, vocab)
+        from rlcore.contract import rollout_problems
+
+        batch = self.backend.generate(prompts, params)
+        problems = rollout_problems(batch, prompts, params.max_new_tokens, self.vocab)
         if problems:
-            fail(check, "the batch breaks the contract: " + "; ".join(problems))
+            self.fail(check, "the batch breaks the contract: " + "; ".join(problems))
         return batch
 
-    vocab = int(vocab_size or model.config.vocab_size)
-    pad = 0
-    prompts = [[5, 9, 14, 3], [7], [11, 12, 13], [4, 4, 8, 21, 6, 2]]
-    prompts = [[t % vocab or 1 for t in p] for p in prompts]
-    passed: list[str] = []
-    backend = make_backend(model)
-    if not isinstance(backend, RolloutBackend):
-        fail("protocol", "it lacks generate() or sync_weights()")
-    passed.append("protocol")
+    def teacher_forced(self, batch: Any, temperature: float) -> Any:
+        import torch
 
-    def teacher_forced(batch: Any, temperature: float) -> torch.Tensor:
+        from rlcore.trainer.models import response_logprobs
+
         ids, mask = batch.sequences()
-        device = next(model.parameters()).device
+        device = next(self.model.parameters()).device
         with torch.no_grad():
-            out = response_logprobs(model, ids.to(device), mask.to(device), batch.response_ids.shape[1],
+            out = response_logprobs(self.model, ids.to(device), mask.to(device), batch.response_ids.shape[1],
                                     temperature)[0].float().cpu()
         return out * batch.response_mask.cpu()
 
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, pad_token_id=pad)
-    batch = generated("shapes", prompts, greedy)
-    b, r = batch.response_ids.shape
-    if b != len(prompts) or batch.prompt_ids.shape[0] != b or not 0 < r <= max_new_tokens:
-        fail("shapes", f"{len(prompts)} prompts gave prompts {tuple(batch.prompt_ids.shape)}, responses {(b, r)}")
-    for i, p in enumerate(prompts):
-        row = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
-        if row != p or batch.prompt_mask[i, -len(p):].sum() != len(p):
-            fail("shapes", f"prompt row {i} is {row}, expected {p} left padded")
-    if batch.logprobs.shape != (b, r) or batch.response_mask.shape != (b, r):
-        fail("shapes", f"logprobs {tuple(batch.logprobs.shape)} / response_mask {tuple(batch.response_mask.shape)}")
-    passed.append("shapes")
+    def shapes(self, greedy: Any) -> Any:
+        prompts = self.prompts
+        batch = self.generated("shapes", prompts, greedy)
+        b, r = batch.response_ids.shape
+        if b != len(prompts) or batch.prompt_ids.shape[0] != b or not 0 < r <= greedy.max_new_tokens:
+            self.fail("shapes", f"{len(prompts)} prompts gave prompts {tuple(batch.prompt_ids.shape)}, "
+                                f"responses {(b, r)}")
+        for i, p in enumerate(prompts):
+            row = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+            if row != p or batch.prompt_mask[i, -len(p):].sum() != len(p):
+                self.fail("shapes", f"prompt row {i} is {row}, expected {p} left padded")
+        if batch.logprobs.shape != (b, r) or batch.response_mask.shape != (b, r):
+            self.fail("shapes", f"logprobs {tuple(batch.logprobs.shape)} / response_mask "
+                                f"{tuple(batch.response_mask.shape)}")
+        return batch
 
-    def check_masks(batch: Any, check: str) -> None:
+    def masks(self, batch: Any, check: str) -> None:
         mask = batch.response_mask.cpu().long()
         if (mask[:, 1:] > mask[:, :-1]).any():
-            fail(check, "a response mask has a one after a zero")
+            self.fail(check, "a response mask has a one after a zero")
         off = mask == 0
-        if (batch.response_ids.cpu()[off] != pad).any() or (batch.logprobs.cpu()[off] != 0).any():
-            fail(check, "masked response positions must hold the pad id and log-prob 0")
+        if (batch.response_ids.cpu()[off] != self.pad).any() or (batch.logprobs.cpu()[off] != 0).any():
+            self.fail(check, "masked response positions must hold the pad id and log-prob 0")
 
-    check_masks(batch, "masks")
-    passed.append("masks")
+    def eos(self, batch: Any, greedy: Any) -> None:
+        full = batch.response_ids.cpu()
+        b, r = full.shape
+        eos = int(full[0, min(2, r - 1)])
+        stopped = self.generated("eos", self.prompts, dataclasses.replace(greedy, eos_token_ids=(eos,)))
+        self.masks(stopped, "eos")
+        for i in range(b):
+            ids, keep = stopped.response_ids[i].cpu(), stopped.response_mask[i].cpu().bool()
+            row = ids[keep].tolist()
+            hits = (full[i] == eos).nonzero()
+            expected = full[i, :int(hits[0]) + 1].tolist() if len(hits) else full[i].tolist()
+            if row != expected:
+                self.fail("eos", f"row {i} with EOS id {eos}: kept {row}, expected {expected}")
 
-    full = batch.response_ids.cpu()
-    eos = int(full[0, min(2, r - 1)])
-    stopped = generated("eos", prompts, dataclasses.replace(greedy, eos_token_ids=(eos,)))
-    check_masks(stopped, "eos")
-    for i in range(b):
-        ids, keep = stopped.response_ids[i].cpu(), stopped.response_mask[i].cpu().bool()
-        row = ids[keep].tolist()
-        hits = (full[i] == eos).nonzero()
-        expected = full[i, :int(hits[0]) + 1].tolist() if len(hits) else full[i].tolist()
-        if row != expected:
-            fail("eos", f"row {i} with EOS id {eos}: kept {row}, expected {expected}")
-    passed.append("eos")
+    def seeds(self, sampled: Any) -> Any:
+        import torch
 
-    sampled = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=1234, pad_token_id=pad)
-    first, second = generated("seeds", prompts, sampled), generated("seeds", prompts, sampled)
-    if not torch.equal(first.response_ids.cpu(), second.response_ids.cpu()):
-        fail("seeds", "the same seed gave different samples")
-    passed.append("seeds")
+        first, second = self.generated("seeds", self.prompts, sampled), self.generated("seeds", self.prompts, sampled)
+        if not torch.equal(first.response_ids.cpu(), second.response_ids.cpu()):
+            self.fail("seeds", "the same seed gave different samples")
+        return first
 
-    for name, got, temperature in (("greedy", batch, 1.0), ("sampled", first, 1.0)):
-        diff = float((got.logprobs.float().cpu() - teacher_forced(got, temperature)).abs().max())
-        if diff > atol:
-            fail("logprobs", f"{name} log-probs differ from teacher forcing by {diff:.2e} (> {atol})")
-    passed.append("logprobs")
+    def logprobs(self, name: str, batch: Any) -> None:
+        diff = float((batch.logprobs.float().cpu() - self.teacher_forced(batch, 1.0)).abs().max())
+        if diff > self.atol:
+            self.fail("logprobs", f"{name} log-probs differ from teacher forcing by {diff:.2e} (> {self.atol})")
 
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.5)
-    backend.sync_weights()
-    after = generated("sync_weights", prompts, greedy)
-    diff = float((after.logprobs.float().cpu() - teacher_forced(after, 1.0)).abs().max())
-    if diff > atol or torch.allclose(after.logprobs.float().cpu(), batch.logprobs.float().cpu()):
-        fail("sync_weights", f"after the weights changed, log-probs differ from teacher forcing by {diff:.2e}")
-    passed.append("sync_weights")
-    if getattr(backend, "supports_episodes", False):
-        _check_episodes(generated, fail, prompts, greedy, vocab)
-        passed.append("episodes")
-    return passed
+    def sync_weights(self, before: Any, greedy: Any) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.mul_(1.5)
+        self.backend.sync_weights()
+        after = self.generated("sync_weights", self.prompts, greedy)
+        diff = float((after.logprobs.float().cpu() - self.teacher_forced(after, 1.0)).abs().max())
+        if diff > self.atol or torch.allclose(after.logprobs.float().cpu(), before.logprobs.float().cpu()):
+            self.fail("sync_weights", f"after the weights changed, log-probs differ from teacher forcing by {diff:.2e}")
 
 
 class _KitEpisodes:
