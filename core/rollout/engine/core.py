@@ -170,6 +170,24 @@ class _Graphs:
         self.pool = None
 
 
+def _check_settings(max_batch_size: int, max_seq_len: int, attention: str, compile_mode: str, mlp_transposed,
+                    kv_cache: str, page_size: int, kv_pages, kv_memory_fraction: float) -> None:
+    """:class:`RolloutEngine`'s arguments checked before anything is built.
+
+    :raises ValueError: naming the argument."""
+    if max_batch_size < 1:
+        raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
+    if max_seq_len < 2:
+        raise ValueError(f"RolloutEngine: max_seq_len must be >= 2, got {max_seq_len}")
+    _check_attention(attention)
+    _check_compile_mode(compile_mode)
+    _check_mlp_transposed(mlp_transposed)
+    _check_kv_cache(kv_cache)
+    check_page_size(page_size)
+    _check_kv_pages(kv_pages)
+    _check_kv_memory_fraction(kv_memory_fraction)
+
+
 class RolloutEngine:
     """Generate with a paged KV cache, compiled CUDA-graph decode steps and continuous batching.
 
@@ -256,17 +274,8 @@ class RolloutEngine:
                  mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
                  kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION,
                  kv_reserve_bytes: int = 0, lagged_turn_ends: bool = False):
-        if max_batch_size < 1:
-            raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
-        if max_seq_len < 2:
-            raise ValueError(f"RolloutEngine: max_seq_len must be >= 2, got {max_seq_len}")
-        _check_attention(attention)
-        _check_compile_mode(compile_mode)
-        _check_mlp_transposed(mlp_transposed)
-        _check_kv_cache(kv_cache)
-        check_page_size(page_size)
-        _check_kv_pages(kv_pages)
-        _check_kv_memory_fraction(kv_memory_fraction)
+        _check_settings(max_batch_size, max_seq_len, attention, compile_mode, mlp_transposed, kv_cache, page_size,
+                        kv_pages, kv_memory_fraction)
         model = unwrap(model)  # a LoRA (peft) model: its decoder, read with the adapters merged
         self.paged = kv_cache == "paged"
         self.page_size = int(page_size)
