@@ -77,7 +77,8 @@ class SlowTool:
 #: batch stats reported per run (``rollout/<name>``)
 COUNTERS = ("decode_steps", "batch_occupancy", "decode_rows_mean", "decode_batch_mean", "extend_calls",
             "extend_tokens", "prefill_tokens", "host_syncs", "graph_steps", "eager_steps", "graph_captures",
-            "graph_capture_s", "env_waits", "env_wait_seconds", "resumed", "in_flight_peak", "observation_tokens",
+            "graph_capture_s", "extend_graph_calls", "extend_graph_captures",
+            "env_waits", "env_wait_seconds", "resumed", "in_flight_peak", "observation_tokens",
             "host_between_s", "host_admit_s", "host_launch_s", "host_finish_s")
 
 

@@ -4,6 +4,11 @@ The seed's health rule: during training utilisation stays within 85-95% with no 
 70%. :func:`summarize` turns samples into ``gpu/util_mean``, ``gpu/util_p10``, the longest dip
 under 70% and a ``gpu/healthy`` flag (mean >= 85 and p10 >= 70). Without a GPU or NVML the
 monitor is disabled: ``available`` is False and summaries are empty.
+
+Each reading carries the phase the monitor was in (:meth:`GPUMonitor.set_phase`): ``generate``,
+``train``, or :data:`OUTSIDE` for readings taken between training steps (evaluation, checkpoint
+saves, a benchmark's warm-up or CUDA graph capture). The health summary covers the in-step readings
+only; the outside ones are reported apart (``gpu/util_mean_outside``, ``gpu/outside_s``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ log = logging.getLogger(__name__)
 
 HEALTHY_MEAN = 85.0
 DIP_UNDER = 70.0
+
+#: phase of readings taken during a rollout
+GENERATE = "generate"
+#: phase of readings taken in a training step outside its rollout (the monitor's default)
+TRAIN = "train"
+#: phase of readings taken between training steps: left out of the health summary, reported apart
+OUTSIDE = "outside"
 
 
 @dataclass(frozen=True)
@@ -41,31 +53,56 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
 
 
-def longest_run_below(values: Sequence[float], threshold: float) -> int:
-    """Length of the longest run of consecutive values under ``threshold``."""
+def longest_run_below(values: Sequence[float], threshold: float,
+                      breaks: Optional[Sequence[bool]] = None) -> int:
+    """Length of the longest run of consecutive values under ``threshold``.
+
+    :param breaks: per value, True where the value is not counted and ends the current run (a
+        reading taken outside a training step); None: every value counts.
+    """
     best = run = 0
-    for v in values:
+    for i, v in enumerate(values):
+        if breaks is not None and breaks[i]:
+            run = 0
+            continue
         run = run + 1 if v < threshold else 0
         best = max(best, run)
     return best
 
 
-def summarize(util: Sequence[float], mem_used_gb: Sequence[float], interval_s: float) -> dict[str, float]:
-    """Summary metrics of one device's utilisation (%) and memory (GB) samples taken every ``interval_s``."""
+def summarize(util: Sequence[float], mem_used_gb: Sequence[float], interval_s: float,
+              phases: Optional[Sequence[str]] = None) -> dict[str, float]:
+    """Summary metrics of one device's utilisation (%) and memory (GB) samples taken every ``interval_s``.
+
+    :param phases: the phase of each ``util`` sample; those tagged :data:`OUTSIDE` are left out of
+        the utilisation and health keys, and end a dip (a run of low readings never joins across
+        them). None: every sample is in a step.
+    :returns: ``{}`` without samples. When every sample is outside a step, only
+        ``gpu/mem_used_gb_max`` (which always covers every sample): the utilisation and health keys
+        are left out rather than summarising nothing.
+    :raises ValueError: ``phases`` is not as long as ``util``.
+    """
     if not util:
         return {}
-    mean = sum(util) / len(util)
-    p10 = percentile(util, 10)
-    return {
+    if phases is not None and len(phases) != len(util):
+        raise ValueError(f"summarize: {len(phases)} phases for {len(util)} utilisation samples")
+    outside = [p == OUTSIDE for p in phases] if phases is not None else [False] * len(util)
+    out = {"gpu/mem_used_gb_max": float(max(mem_used_gb)) if mem_used_gb else 0.0}
+    in_step = [u for u, o in zip(util, outside) if not o]
+    if not in_step:
+        return out
+    mean = sum(in_step) / len(in_step)
+    p10 = percentile(in_step, 10)
+    out.update({
         "gpu/util_mean": mean,
         "gpu/util_p10": p10,
-        "gpu/util_min": float(min(util)),
-        "gpu/dip_frac": sum(u < DIP_UNDER for u in util) / len(util),
-        "gpu/longest_dip_s": longest_run_below(util, DIP_UNDER) * interval_s,
-        "gpu/mem_used_gb_max": float(max(mem_used_gb)) if mem_used_gb else 0.0,
-        "gpu/samples": float(len(util)),
+        "gpu/util_min": float(min(in_step)),
+        "gpu/dip_frac": sum(u < DIP_UNDER for u in in_step) / len(in_step),
+        "gpu/longest_dip_s": longest_run_below(util, DIP_UNDER, outside) * interval_s,
+        "gpu/samples": float(len(in_step)),
         "gpu/healthy": 1.0 if (mean >= HEALTHY_MEAN and p10 >= DIP_UNDER) else 0.0,
-    }
+    })
+    return out
 
 
 #: share of a rollout's readings, at its end, that make its tail (``gpu/util_mean_generate_tail``)
@@ -74,7 +111,8 @@ TAIL_SHARE = 0.25
 
 def phase_summary(readings: dict[str, list[list[float]]]) -> dict[str, float]:
     """Per phase, its readings in order (each a list over devices): ``gpu/util_mean_<phase>`` and
-    ``gpu/util_p10_<phase>``, and for ``generate`` the mean of its last :data:`TAIL_SHARE` of readings
+    ``gpu/util_p10_<phase>`` (only the mean for :data:`OUTSIDE`: it is not held to the health rule),
+    and for ``generate`` the mean of its last :data:`TAIL_SHARE` of readings
     (``gpu/util_mean_generate_tail``: the long tail of a rollout, few sequences left)."""
     out: dict[str, float] = {}
     for phase, rows in readings.items():
@@ -82,8 +120,9 @@ def phase_summary(readings: dict[str, list[list[float]]]) -> dict[str, float]:
         if not values:
             continue
         out[f"gpu/util_mean_{phase}"] = sum(values) / len(values)
-        out[f"gpu/util_p10_{phase}"] = percentile(values, 10)
-        if phase == "generate":
+        if phase != OUTSIDE:
+            out[f"gpu/util_p10_{phase}"] = percentile(values, 10)
+        if phase == GENERATE:
             tail = [u for row in rows[len(rows) - max(1, round(len(rows) * TAIL_SHARE)):] for u in row]
             out["gpu/util_mean_generate_tail"] = sum(tail) / len(tail)
     return out
@@ -159,10 +198,12 @@ class GPUMonitor:
     :param devices: NVML indices to watch; None = this process's CUDA device, or every GPU when
         the process has no CUDA context.
     :param reader_factory: builds the reader (tests pass a fake); default NVML.
+    :param phase: the phase of the first readings (see :meth:`set_phase`); the default :data:`TRAIN`
+        counts every reading in the health summary until the phase is changed.
     """
 
     def __init__(self, interval_s: float = 0.5, devices: Optional[Sequence[int]] = None,
-                 reader_factory: Optional[Callable[[], object]] = None):
+                 reader_factory: Optional[Callable[[], object]] = None, phase: str = TRAIN):
         self.interval_s = float(interval_s)
         self.devices = devices
         self._factory = reader_factory
@@ -171,7 +212,7 @@ class GPUMonitor:
         self._util: list[list[float]] = []
         self._mem: list[list[float]] = []
         self._phases: list[str] = []  # the phase of each reading (see set_phase)
-        self.phase = "train"
+        self.phase = str(phase)
         self._mark = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -233,23 +274,30 @@ class GPUMonitor:
             close()
 
     def set_phase(self, name: str) -> None:
-        """Tag the readings from now on with ``name`` (the trainer's ``generate`` or ``train``)."""
+        """Tag the readings from now on with ``name``: the trainer's ``generate`` or ``train`` inside
+        a step, :data:`OUTSIDE` between steps (left out of the health summary)."""
         self.phase = str(name)
 
     def _summary(self, start: int) -> dict[str, float]:
         with self._lock:
+            phases = self._phases[start:]
             util = [u for dev in self._util for u in dev[start:]]
             mem = [m for dev in self._mem for m in dev[start:]]
+            # reading k of every device was taken in phase k (devices pooled one after another)
+            tags = [p for dev in self._util for p in phases[:max(0, len(dev) - start)]]
             per_phase: dict[str, list[list[float]]] = {}
-            for k, phase in enumerate(self._phases[start:], start):
+            for k, phase in enumerate(phases, start):
                 per_phase.setdefault(phase, []).append([dev[k] for dev in self._util if k < len(dev)])
-        out = summarize(util, mem, self.interval_s)
+        out = summarize(util, mem, self.interval_s, tags)
         if out:
             out.update(phase_summary(per_phase))
+            out["gpu/outside_s"] = phases.count(OUTSIDE) * self.interval_s
         return out
 
     def summary(self) -> dict[str, float]:
-        """Summary over the whole run (every watched device pooled); {} when unavailable."""
+        """Summary over the whole run (every watched device pooled); {} when unavailable. The health
+        keys cover the readings inside steps; without any, only ``gpu/mem_used_gb_max`` and the
+        outside readings' ``gpu/util_mean_outside`` and ``gpu/outside_s`` (see :func:`summarize`)."""
         return self._summary(0) if self.available else {}
 
     def interval_summary(self) -> dict[str, float]:

@@ -196,3 +196,20 @@ def test_lagged_turn_ends_give_the_same_episodes(tok_model, monkeypatch, kind, l
     assert got.stats["rollout/host_syncs"] < want.stats["rollout/host_syncs"]
     if lag:
         assert got.stats["rollout/decode_steps"] >= want.stats["rollout/decode_steps"]  # turns ended later
+
+
+@pytest.mark.skipif(not __import__("rlcore.kernels.decode_attention", fromlist=["x"]).available(
+    "cuda" if torch.cuda.is_available() else "cpu"), reason="needs Triton and CUDA or TRITON_INTERPRET=1")
+def test_episodes_with_the_extend_as_captured_are_the_static_caches(tok_model):
+    """The Triton engine's extends through the padded forward a CUDA graph holds (run without capture
+    here) give the static cache's sampled episodes."""
+    from rlcore.rollout.engine import extend
+
+    tok, model = tok_model
+    static, paged = engines(model, attention="triton", compile=False, attention_tuning={"block_n": 16})
+    paged._extend_graphs = extend.ExtendGraphs(paged, capture=False)
+    want, _ = play(static, tok, temperature=1.0)
+    got, _ = play(paged, tok, temperature=1.0)
+    assert got.stats["rollout/extend_graph_calls"] == got.stats["rollout/extend_calls"] > 0
+    assert torch.equal(got.response_ids, want.response_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)

@@ -120,3 +120,96 @@ def test_readings_are_summarised_per_phase_with_the_rollout_tail_apart():
     assert out["gpu/util_mean_train"] == pytest.approx(70.0)
     assert out["gpu/util_p10_train"] == pytest.approx(62.0)
     assert out["gpu/samples"] == 10
+
+
+def _sample(mon: GPUMonitor, reader: FakeReader, utils) -> None:
+    for u in utils:
+        reader.utils = [u]
+        mon.sample_once()
+
+
+def test_readings_outside_steps_stay_out_of_the_step_health_summary():
+    reader = FakeReader([90.0])
+    mon = GPUMonitor(0.5, reader_factory=lambda: reader)
+    mon._reader = reader  # sampled by hand below, no thread
+    _sample(mon, reader, [95.0] * 10)  # step 1
+    mon.interval_summary()
+    mon.set_phase(gpu.OUTSIDE)  # a CUDA graph capture before the measured step: 9.5 s near idle
+    _sample(mon, reader, [0.0] * 19)
+    mon.set_phase(gpu.TRAIN)
+    _sample(mon, reader, [95.0] * 10)  # step 2, the measured one
+    out = mon.interval_summary()
+    assert out["gpu/util_p10"] == pytest.approx(95.0) and out["gpu/util_mean"] == pytest.approx(95.0)
+    assert out["gpu/util_min"] == 95.0 and out["gpu/dip_frac"] == 0.0 and out["gpu/longest_dip_s"] == 0.0
+    assert out["gpu/healthy"] == 1.0 and out["gpu/samples"] == 10
+    assert out["gpu/util_p10_train"] == pytest.approx(95.0)
+    assert out["gpu/util_mean_outside"] == 0.0 and out["gpu/outside_s"] == pytest.approx(9.5)
+    assert "gpu/util_p10_outside" not in out
+    assert out["gpu/mem_used_gb_max"] == pytest.approx(40.95)  # memory keeps every reading
+    whole = mon.summary()
+    assert whole["gpu/util_p10"] == pytest.approx(95.0) and whole["gpu/samples"] == 20
+    assert whole["gpu/outside_s"] == pytest.approx(9.5)
+
+
+def test_a_dip_does_not_join_across_readings_outside_steps():
+    reader = FakeReader([90.0])
+    mon = GPUMonitor(0.5, reader_factory=lambda: reader)
+    mon._reader = reader
+    _sample(mon, reader, [95.0, 20.0, 20.0])  # a step ending low
+    mon.set_phase(gpu.OUTSIDE)
+    _sample(mon, reader, [10.0] * 4)
+    mon.set_phase(gpu.TRAIN)
+    _sample(mon, reader, [30.0, 95.0])  # the next step starting low
+    out = mon.summary()
+    assert out["gpu/longest_dip_s"] == pytest.approx(1.0)  # 2 readings, not 3, let alone 7
+    assert out["gpu/outside_s"] == pytest.approx(2.0)
+    assert longest_run_below([20, 20, 10, 30], 70, [False, False, True, False]) == 2
+
+
+def test_only_readings_outside_steps_leave_out_the_health_keys():
+    reader = FakeReader([5.0])
+    mon = GPUMonitor(0.5, reader_factory=lambda: reader, phase=gpu.OUTSIDE)
+    mon._reader = reader
+    _sample(mon, reader, [5.0, 15.0])
+    out = mon.interval_summary()
+    assert out == {"gpu/mem_used_gb_max": pytest.approx(40.15), "gpu/util_mean_outside": pytest.approx(10.0),
+                   "gpu/outside_s": pytest.approx(1.0)}
+    assert summarize([5.0], [1.0], 0.5, [gpu.OUTSIDE]) == {"gpu/mem_used_gb_max": 1.0}
+    with pytest.raises(ValueError):
+        summarize([5.0, 6.0], [1.0, 1.0], 0.5, [gpu.TRAIN])
+
+
+def test_the_plugin_tags_readings_between_steps_outside(monkeypatch):
+    from rlcore.plugins.gpu_monitor import GPUMonitorPlugin
+
+    reader = FakeReader([0.0])
+    monkeypatch.setattr(gpu, "open_reader", lambda devices=None: (reader, ""))
+    monkeypatch.setattr(GPUMonitor, "_loop", lambda self: None)  # no thread sampling: by hand below
+    plugin = GPUMonitorPlugin()
+    plugin.rlcore_train_start(config={"trainer": {"max_steps": 3, "log_steps": 1}})
+    mon = plugin.monitor
+    assert mon.phase == gpu.OUTSIDE  # before the first step
+    steps = []
+    for step in range(1, 4):
+        plugin.rlcore_step_start(step=step)
+        assert mon.phase == gpu.TRAIN
+        plugin.rlcore_before_generation(step=step)
+        _sample(mon, reader, [90.0] * 4)
+        plugin.rlcore_after_generation(step=step)
+        assert mon.phase == gpu.TRAIN
+        _sample(mon, reader, [96.0] * 4)
+        metrics: dict = {}
+        plugin.rlcore_step_end(step=step, metrics=metrics)
+        steps.append(metrics)
+        assert mon.phase == gpu.OUTSIDE
+        _sample(mon, reader, [0.0] * 6)  # evaluation, a checkpoint save: after rlcore_step_end
+    assert mon._phases[-6:] == [gpu.OUTSIDE] * 6
+    assert mon._phases[:8] == [gpu.GENERATE] * 4 + [gpu.TRAIN] * 4
+    second = steps[1]
+    assert second["gpu/util_p10"] == pytest.approx(90.0) and second["gpu/util_min"] == 90.0
+    assert second["gpu/longest_dip_s"] == 0.0 and second["gpu/healthy"] == 1.0
+    assert second["gpu/util_p10_train"] == pytest.approx(96.0) and second["gpu/outside_s"] == pytest.approx(3.0)
+    assert steps[0]["gpu/outside_s"] == 0.0
+    summary: dict = {}
+    plugin.rlcore_train_end(summary=summary)
+    assert summary["gpu/util_min"] == 90.0 and summary["gpu/samples"] == 24

@@ -251,3 +251,57 @@ def test_extend_through_the_paged_kernel_equals_the_gathered_sdpa_extend(qwen2):
         mine = decode_attention.gather_pages(triton.cache[0], triton.state.table[row:row + 1], 1, 36)
         theirs = decode_attention.gather_pages(sdpa.cache[0], sdpa.state.table[row:row + 1], 1, 36)
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [32, 64])
+def test_extend_as_captured_equals_the_eager_extend(qwen2, width):
+    """The extend a CUDA graph holds (one padded per-token table, fixed shapes, padding tokens writing to
+    the null page, a power-of-two length) gives the eager extend's logits, keys and values; stale
+    entries of a larger earlier extend in its buffers change nothing."""
+    from rlcore.rollout.engine import extend
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+    appends = [[15, 16, 2, 3], [4], [17, 6, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44]]
+    kwargs = dict(max_batch_size=3, max_seq_len=96, device=DEVICE, page_size=16, attention_tuning={"block_n": 16},
+                  compile=False, attention="triton", use_cuda_graphs=False)
+    results = []
+    for graphs in (False, True):
+        engine = RolloutEngine(qwen2, **kwargs)
+        engine._prefill([0, 1, 2], prompts, 0)
+        engine._set_pages([0, 1, 2], [engine.slot_pages[s] + engine.pool.take(3 - len(engine.slot_pages[s]))
+                                      for s in range(3)])
+        if graphs:
+            engine._extend_graphs = extend.ExtendGraphs(engine, capture=False)
+            engine._extend_graphs.tokens.fill_(7)  # stale values of an earlier, larger extend
+            engine._extend_graphs.last.fill_(width - 1)
+        null_before = engine.cache[:, :, 1:].clone()
+        logits = engine._extend([0, 1, 2], appends, [18, 18, 18], [3, 2, 18], [15, 16, 0])
+        assert engine.counters["extend_graph_calls"] == int(graphs)
+        results.append((logits.float(), engine, null_before))
+    (want, eager, _), (got, padded, before) = results
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert padded.slot_pages == eager.slot_pages
+    owned = sorted({p for pages_ in padded.slot_pages[:3] for p in pages_} - {0})  # the null page is scratch
+    torch.testing.assert_close(padded.cache[:, :, owned], eager.cache[:, :, owned], atol=1e-5, rtol=1e-5)
+    # only the rows' new columns changed (the padding wrote to the null page alone)
+    changed = (padded.cache[:, :, 1:] != before).any(-1).any(-2).any(0).any(0).nonzero().tolist()
+    written = {(padded.slot_pages[r][c // 16] - 1, c % 16) for r, k in zip(range(3), (4, 1, 17))
+               for c in range(18, 18 + k)}
+    assert {tuple(x) for x in changed} == written
+
+
+def test_extend_buckets_and_token_table():
+    """Token and length buckets, and the per-token table: columns, positions, pages and the padding."""
+    from rlcore.rollout.engine import extend
+
+    assert [extend.token_bucket(n) for n in (1, 64, 65, 4096)] == [64, 64, 128, 4096]
+    assert extend.token_bucket(4097) is None
+    assert [extend.length_bucket(n, 1000) for n in (1, 256, 257, 900)] == [256, 256, 512, 1000]
+    table, last = extend.token_table([[5, 6, 7], [8]], rows=[2, 0], columns=[14, 3], positions=[10, 1],
+                                     pages=[[0, 4, 9], [3]], page_size=8, width=6)
+    assert last == [2, 3]
+    assert table.tolist() == [[5, 6, 7, 8, 0, 0], [2, 2, 2, 0, 0, 0], [14, 15, 16, 3, 0, 0], [10, 11, 12, 1, 0, 0],
+                              [14, 14, 14, 3, 0, 0], [4, 4, 9, 3, 0, 0], [6, 7, 0, 3, 0, 0]]
+    with pytest.raises(ValueError, match="do not fit"):
+        extend.token_table([[1] * 7], [0], [0], [0], [[1]], 8, 6)

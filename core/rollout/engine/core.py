@@ -33,8 +33,10 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from rlcore.rollout.engine import decode
+from rlcore.rollout.engine import extend
 from rlcore.kernels import decode_attention
 from rlcore.rollout.engine import llama
 from rlcore.rollout.adapters import has_adapter_layers, unwrap
@@ -329,11 +331,14 @@ class RolloutEngine:
         if self.compile:
             self._mark_static()
         self._graphs = _Graphs(self) if self.use_cuda_graphs else None
+        self._extend_graphs = (extend.ExtendGraphs(self) if self.use_cuda_graphs and self.paged
+                               and self.attention == "triton" and extend.ENABLED else None)
         #: running totals the schedulers report per call: decode steps replayed from a CUDA graph or run
         #: eagerly, prefill and extend forwards and the tokens they ran, decode graphs captured (on first
         #: use of a batch and length bucket) and the seconds that took
         self.counters = dict.fromkeys(("graph_steps", "eager_steps", "prefill_calls", "prefill_tokens",
-                                       "extend_calls", "extend_tokens", "graph_captures", "graph_capture_s"), 0)
+                                       "extend_calls", "extend_tokens", "graph_captures", "graph_capture_s",
+                                       "extend_graph_calls", "extend_graph_captures"), 0)
         log.info("rollout engine: %d layers, %d slots x %d tokens, %s KV cache%s, %s on %s, cuda graphs %s, "
                  "compile %s, attention %s%s", self.spec.num_layers, max_batch_size, max_seq_len, kv_cache,
                  f" ({self.pool.pages} pages of {self.page_size}, {self.kv_bytes / 2**30:.2f} GiB)" if self.paged
@@ -359,6 +364,8 @@ class RolloutEngine:
             self._mark_static()
         if self._graphs is not None and self.weights.pointers() != before:
             self._graphs.clear()  # storage moved: recapture lazily
+            if self._extend_graphs is not None:
+                self._extend_graphs.clear()
 
     def warmup(self, batch_sizes: Sequence[int] | None = None) -> None:
         """Capture the decode graphs of ``batch_sizes`` (default: every bucket), at every attention
@@ -664,19 +671,25 @@ class RolloutEngine:
             if k < 1 or end >= self.max_seq_len:
                 raise ValueError(f"RolloutEngine: appending {k} tokens to row {row} up to column {end} does not fit "
                                  f"max_seq_len {self.max_seq_len} (or appends nothing)")
-        width = max(lengths)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, tokens in enumerate(appends):
-            ids[i, :lengths[i]] = torch.as_tensor(list(tokens), dtype=torch.long)
         numbers = torch.tensor([list(rows), list(columns), list(positions), list(lows), ends,
                                 [p + k for p, k in zip(positions, lengths)]], dtype=torch.long)
-        ids, numbers = self._to_device(ids), self._to_device(numbers)
-        row, column, position, low, end, after = numbers.unbind(0)
+        row, column, position, low, end, after = self._to_device(numbers).unbind(0)
         st = self.state
         span = torch.arange(self.max_seq_len, device=self.device)
         st.bias[row] = torch.where((span >= low[:, None]) & (span < end[:, None]), 0.0, float("-inf")).to(self.dtype)
-        logits = llama.extend(self.weights, self.spec, self.cache, row, ids, lengths, column, position, st.bias,
-                              self.cos, self.sin, max(ends), st.table, self.attention, self.attention_tuning)
+        hidden = None
+        if self._extend_graphs is not None:
+            hidden = self._extend_graphs.run(appends, rows, columns, positions, max(ends))
+        if hidden is not None:
+            logits = F.linear(hidden, self.weights.lm_head)
+            self.counters["extend_graph_calls"] += 1
+        else:
+            ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+            for i, tokens in enumerate(appends):
+                ids[i, :lengths[i]] = torch.as_tensor(list(tokens), dtype=torch.long)
+            logits = llama.extend(self.weights, self.spec, self.cache, row, self._to_device(ids), lengths, column,
+                                  position, st.bias, self.cos, self.sin, max(ends), st.table, self.attention,
+                                  self.attention_tuning)
         st.positions[row] = after
         st.cache_index[row] = end
         self.counters["extend_calls"] += 1

@@ -404,7 +404,6 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
     m, width = ids.shape
     dev = ids.device
     dtype = weights.embed.dtype
-    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     counts = torch.tensor(list(lengths), dtype=torch.long)
     which = torch.repeat_interleave(torch.arange(m), counts)  # packed token -> its row (host, no device read)
     offset = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
@@ -433,6 +432,16 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
     # where each new token's key/value goes: (cache row, column) or (page, row in the page)
     at = (rows[which], cols) if table is None else (table[rows[which], cols // cache.shape[4]].long(),
                                                     cols % cache.shape[4])
+    x = _new_tokens(weights, spec, cache, x, cos, sin, at, attend_new)
+    return F.linear(rms_norm(x[last], weights.norm, spec.rms_eps), weights.lm_head)
+
+
+def _new_tokens(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor], attend_new) -> torch.Tensor:
+    """The layers over packed new tokens ``x [T, H]`` (RoPE ``cos``/``sin`` ``[T, 1, D]``): each token's
+    key/value written at ``at`` (cache row and column, or page and row in the page), its attention
+    from ``attend_new(q, layer)``. Returns the last layer's output ``[T, H]`` (before the final norm)."""
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     for index, lw in enumerate(weights.layers):
         q, key, value = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
         q, key = q.view(-1, heads, dim), key.view(-1, kv_heads, dim)
@@ -444,8 +453,46 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
         layer[1, at[0], :, at[1]] = value.view(-1, kv_heads, dim)
         x = residual_linear(x, attend_new(q, layer), lw.o, lw.o_bias)
         x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
-    out = rms_norm(x[last], weights.norm, spec.rms_eps)
-    return F.linear(out, weights.lm_head)
+    return x
+
+
+#: rows of :func:`extend_tokens`' ``tokens`` argument
+TOKEN_FIELDS = ("id", "row", "column", "position", "start", "page", "in_page")
+
+
+@torch.no_grad()
+def extend_tokens(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, table: torch.Tensor,
+                  tokens: torch.Tensor, last: torch.Tensor, bias: torch.Tensor, cos_table: torch.Tensor,
+                  sin_table: torch.Tensor, length: int, tuning: dict | None = None) -> torch.Tensor:
+    """:func:`extend` over a paged cache with the Triton kernel, every input a device tensor of a fixed
+    shape, nothing read back and nothing sized by values: the forward a CUDA graph can hold
+    (:mod:`rlcore.rollout.engine.extend`).
+
+    Args:
+        tokens: ``[7, T]`` int64, per new token (rows named by :data:`TOKEN_FIELDS`): its id, its cache
+            row, its cache column and RoPE position, the first new column of its row (columns before it
+            are the row's history where ``bias`` is 0; from it up to the token's own column, its row's new
+            tokens), and the page and row in the page its key/value go to. A padding token (id 0, row 0,
+            column 0, start 0, the null page) attends to column 0 alone and writes to the null page.
+        last: ``[M]`` int64, the index in ``tokens`` of each row's last new token (padding: any).
+        bias: ``[B, S]`` the rows' key mask, already covering their new columns.
+        length: the columns attended (at least every row's last new column + 1).
+    Returns:
+        ``[M, H]`` hidden states after the final norm at ``last`` (the caller applies the head).
+    """
+    ids, rows, cols, pos, start, page, in_page = tokens.unbind(0)
+    dtype = weights.embed.dtype
+    cos = cos_table[pos].to(dtype)[:, None]  # [T, 1, D]
+    sin = sin_table[pos].to(dtype)[:, None]
+    span = torch.arange(length, device=tokens.device)[None]
+    allowed = (((bias[rows, :length] == 0) & (span < start[:, None]))
+               | ((span >= start[:, None]) & (span <= cols[:, None])))
+    attend_new = functools.partial(
+        _attend_paged, table=table[rows], page_size=cache.shape[4], length=length, spec=spec,
+        bias=torch.where(allowed, 0.0, float("-inf")).to(bias.dtype),
+        tuning={k: v for k, v in (tuning or {}).items() if k != "rope_rows"})
+    x = _new_tokens(weights, spec, cache, F.embedding(ids, weights.embed), cos, sin, (page, in_page), attend_new)
+    return rms_norm(x[last], weights.norm, spec.rms_eps)
 
 
 def _attend_paged(q: torch.Tensor, layer: torch.Tensor, *, table: torch.Tensor, page_size: int, length: int,

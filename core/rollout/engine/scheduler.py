@@ -313,7 +313,8 @@ class Scheduler:
     def loop_stats(self) -> dict[str, float]:
         """What the decode loop did: steps, prefills and extends, how full the decode batch was
         (rows decoding per step, the batch bucket run, their ratio), host reads, decode steps
-        replayed from a CUDA graph or run eagerly, the graphs captured during the call, and the host
+        replayed from a CUDA graph or run eagerly, the graphs captured during the call (decode and extend;
+        ``graph_capture_s`` counts both), extends replayed from a graph, and the host
         seconds of the loop's parts (``rollout/host_{between,admit,launch,finish}_s``: resuming paused
         sequences and waiting for them, admitting requests, launching decode steps, finding and
         finishing the done ones; a part that reads the device includes its wait)."""
@@ -324,6 +325,8 @@ class Scheduler:
                 "rollout/extend_tokens": done["extend_tokens"], "rollout/graph_steps": done["graph_steps"],
                 "rollout/eager_steps": done["eager_steps"], "rollout/host_syncs": float(self.syncs),
                 "rollout/graph_captures": done["graph_captures"], "rollout/graph_capture_s": done["graph_capture_s"],
+                "rollout/extend_graph_calls": done["extend_graph_calls"],
+                "rollout/extend_graph_captures": done["extend_graph_captures"],
                 "rollout/decode_rows_mean": self.decode_rows / steps,
                 "rollout/decode_batch_mean": self.decode_batch / steps,
                 "rollout/batch_occupancy": self.decode_rows / max(self.decode_batch, 1),
