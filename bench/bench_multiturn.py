@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import sys
 
@@ -37,7 +38,7 @@ from bench_rollout import SHAPES, build, make_prompts  # noqa: E402
 from rlcore.envs import Step  # noqa: E402
 from rlcore.envs.runner import EpisodeLimits, EpisodePrompt, EpisodeRunner, Environments, episode_metrics  # noqa: E402
 from rlcore.rollout.base import SamplingParams  # noqa: E402
-from rlcore.rollout.engine import RolloutEngine  # noqa: E402
+from rlcore.rollout.engine import RolloutEngine, extend  # noqa: E402
 
 
 class NumberTokenizer:
@@ -152,6 +153,9 @@ def main() -> None:
                     help="how the loop reads turn ends: waiting for the device at each check, or from a copy "
                          "read once the device has passed it (RolloutEngine(lagged_turn_ends=True)); "
                          "both: one run each")
+    ap.add_argument("--extend-graphs", default="on", choices=["on", "off", "on,off", "off,on"],
+                    help="observation extends replayed from CUDA graphs (rlcore.rollout.engine.extend.ENABLED) or "
+                         "run eagerly; both: one run each")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler table per kind next to --out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -169,22 +173,23 @@ def main() -> None:
     runner = EpisodeRunner(envs, tok, max_concurrency=args.sequences, stop=())
     rows = []
     for kind in args.kv_cache.split(","):
-        for interval in map(int, str(args.eos_check_interval).split(",")):
-            for turn_ends in args.turn_ends.split(","):
-                engine = RolloutEngine(model, max_batch_size=args.sequences, eos_check_interval=interval,
-                                       max_seq_len=args.prompt_len + args.budget + 8, kv_cache=kind,
-                                       lagged_turn_ends=turn_ends == "lagged")
-                rows += [{**row, "eos_check_interval": interval, "turn_ends": turn_ends}
-                         for row in run_kind(args, kind, engine, runner, prompts, ends)]
-                del engine
+        for interval, turn_ends, graphs in itertools.product(map(int, str(args.eos_check_interval).split(",")),
+                                                            args.turn_ends.split(","), args.extend_graphs.split(",")):
+            extend.ENABLED = graphs == "on"
+            engine = RolloutEngine(model, max_batch_size=args.sequences, eos_check_interval=interval,
+                                   max_seq_len=args.prompt_len + args.budget + 8, kv_cache=kind,
+                                   lagged_turn_ends=turn_ends == "lagged")
+            rows += [{**row, "eos_check_interval": interval, "turn_ends": turn_ends, "extend_graphs": graphs}
+                     for row in run_kind(args, kind, engine, runner, prompts, ends)]
+            del engine
     runner.close()
     write_json(args.out, {"environment": environment(), "args": vars(args), "runs": rows})
     print(f"\n{args.shape} on {args.device}: {args.sequences} sequences, budget {args.budget}, up to {args.turns} turns, "
           f"tool {args.tool_ms:.0f} ms, {args.obs_tokens} observation tokens")
-    print(f"{'kv':>6} {'check':>5} {'ends':>6} {'multi tok/s':>12} {'single tok/s':>13} {'single/multi':>13} "
+    print(f"{'kv':>6} {'check':>5} {'ends':>6} {'xg':>3} {'multi tok/s':>12} {'single tok/s':>13} {'single/multi':>13} "
           f"{'turns':>6} {'steps':>6} {'occup':>6} {'extends':>8} {'syncs':>6} {'graph':>6} {'eager':>6} {'env wait s':>10}")
     for row in rows:
-        print(f"{row['kv_cache']:>6} {row['eos_check_interval']:>5} {row['turn_ends']:>6} "
+        print(f"{row['kv_cache']:>6} {row['eos_check_interval']:>5} {row['turn_ends']:>6} {row['extend_graphs']:>3} "
               f"{row['multi_tok_s']:>12.0f} "
               f"{row['single_tok_s']:>13.0f} {row['ratio']:>13.2f} "
               f"{row['turns_mean']:>6.2f} {row['decode_steps']:>6.0f} {row['batch_occupancy']:>6.2f} "
