@@ -148,17 +148,33 @@ if triton is not None:
         tl.store(max_ptr + at, top)
         tl.store(sum_ptr + at, tl.sum(tl.where(ok, tl.exp(x - top), 0.0), axis=0))
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit
+    def _mix32(x):
+        # rlcore.rollout.sampling._mix32 in int64 (values below 2^32, products below 2^63): the same bits
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x = x ^ (x >> 15)
+        x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit(do_not_specialize=["seed", "key_lo", "key_hi"])
     def _draw_rows(logits_ptr, stride, vocab, chunk, inv_temp, seed, uniforms_ptr, max_ptr, sum_ptr, splits,
-                   tokens_ptr, logprobs_ptr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, KEYED: tl.constexpr):
-        # inverse CDF: one uniform per row (drawn from the seed, or given: KEYED) picks the chunk whose
-        # cumulative weight passes it, then the token inside that chunk (the only logits read again)
+                   tokens_ptr, logprobs_ptr, key_lo, key_hi, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                   KEYED: tl.constexpr, HASHED: tl.constexpr):
+        # inverse CDF: one uniform per row (drawn from the seed, given: KEYED, or hashed from the row's
+        # key: HASHED, as keyed_uniforms does) picks the chunk whose cumulative weight passes it, then
+        # the token inside that chunk (the only logits read again)
         row = tl.program_id(0)
         part = tl.arange(0, SPLITS)
         valid = part < splits
         weight, top = _chunk_weights(max_ptr, sum_ptr, row * splits + part, valid)
         total = tl.sum(weight, axis=0)
-        if KEYED:
+        if HASHED:
+            key = tl.load(uniforms_ptr + row).to(tl.int64)
+            x = _mix32((key & 0xFFFFFFFF) ^ key_lo.to(tl.int64))
+            x = _mix32(x ^ ((key >> 32) & 0xFFFFFFFF) ^ key_hi.to(tl.int64))
+            uniform = (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        elif KEYED:
             uniform = tl.load(uniforms_ptr + row)
         else:
             uniform = tl.rand(seed, row)
@@ -198,7 +214,8 @@ def plan(rows: int, vocab: int, splits: int | None = None) -> tuple[int, int]:
 @torch.library.custom_op("rlcore::sample_rows", mutates_args=())
 def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int | None = None,
                 fast_math: bool | None = None, num_warps: int | None = None,
-                method: str = "cdf", uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                method: str = "cdf", uniforms: torch.Tensor | None = None, keys: torch.Tensor | None = None,
+                key_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy (``temperature <= 0``) or temperature sampling of each row (a ``torch.library`` custom
     operator, ``rlcore::sample_rows``, with a fake implementation).
 
@@ -215,6 +232,9 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
         uniforms: ``[B]`` float32 in ``[0, 1)``: each row's uniform for the inverse-CDF draw instead
             of one drawn from ``seed`` (``method`` is then ``"cdf"``; a caller that keys the draws of a
             sequence by its own position, see :func:`rlcore.rollout.sampling.keyed_uniforms`).
+        keys, key_seed: ``[B]`` int64 keys (>= 0): each row's uniform is
+            ``keyed_uniforms(key_seed, keys)`` (the same bits), computed inside the kernel instead of by
+            some thirty elementwise launches (``uniforms`` must then be None).
     Returns:
         ``(tokens [B] int64, logprobs [B] float32)``, log-probs under ``log_softmax(logits / T)``
         (``T = 1`` when greedy), as :func:`rlcore.rollout.sampling.sample_next` defines them.
@@ -226,7 +246,9 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
     rows, vocab = logits.shape
     dev = logits.device
     greedy = temperature <= 0
-    draw = (method == "cdf" or uniforms is not None) and not greedy
+    if keys is not None and uniforms is not None:
+        raise ValueError("fused sampler: give uniforms or keys, not both")
+    draw = (method == "cdf" or uniforms is not None or keys is not None) and not greedy
     splits, chunk = plan(rows, vocab, -(-vocab // DRAW_CHUNK) if draw else splits)
     part = torch.empty(3, rows, splits, dtype=torch.float32, device=dev)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=dev)
@@ -242,10 +264,11 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
         width = triton.next_power_of_2(chunk)
         _chunk_stats[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, part[0], part[1],
                                      CHUNK=width, num_warps=num_warps)
-        keyed = uniforms is not None
-        _draw_rows[(rows,)](logits, logits.stride(0), vocab, chunk, inv_temp, seed,
-                            uniforms.float().contiguous() if keyed else part[0], part[0], part[1], splits, tokens,
-                            logprobs, SPLITS=max(2, triton.next_power_of_2(splits)), CHUNK=width, KEYED=keyed,
+        keyed, hashed = uniforms is not None, keys is not None
+        given = uniforms.float().contiguous() if keyed else keys.long().contiguous() if hashed else part[0]
+        _draw_rows[(rows,)](logits, logits.stride(0), vocab, chunk, inv_temp, seed, given, part[0], part[1], splits,
+                            tokens, logprobs, int(key_seed) & 0xFFFFFFFF, (int(key_seed) >> 32) & 0xFFFFFFFF,
+                            SPLITS=max(2, triton.next_power_of_2(splits)), CHUNK=width, KEYED=keyed, HASHED=hashed,
                             num_warps=num_warps)
         return tokens, logprobs
     _partial_rows[(rows, splits)](logits, logits.stride(0), vocab, chunk, inv_temp, seed,
@@ -257,7 +280,8 @@ def sample_rows(logits: torch.Tensor, temperature: float, seed: int, splits: int
 
 
 @sample_rows.register_fake
-def _(logits, temperature, seed, splits=None, fast_math=None, num_warps=None, method="cdf", uniforms=None):
+def _(logits, temperature, seed, splits=None, fast_math=None, num_warps=None, method="cdf", uniforms=None, keys=None,
+      key_seed=0):
     rows = logits.shape[0]
     return (logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows, dtype=torch.float32))
 

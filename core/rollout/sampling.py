@@ -192,10 +192,9 @@ class Sampler:
         ``keys`` (``[B]`` int64): draw each row with the uniform :func:`keyed_uniforms` gives its key
         (inverse CDF), so that a row's token does not depend on the other rows or on earlier calls."""
         if keys is not None and not self.params.greedy:
-            uniforms = keyed_uniforms(self.seed, keys)
-            if self.fused:
-                return fused_sampling.sample_rows(logits, self.params.temperature, 0, uniforms=uniforms)
-            return sample_keyed(logits, self.params, uniforms)
+            if self.fused:  # the key hash inside the kernel
+                return fused_sampling.sample_rows(logits, self.params.temperature, 0, keys=keys, key_seed=self.seed)
+            return sample_keyed(logits, self.params, keyed_uniforms(self.seed, keys))
         if self.fused:
             temperature = 0.0 if self.params.greedy else self.params.temperature
             return fused_sampling.sample_rows(logits, temperature, self.host.getrandbits(31))

@@ -91,3 +91,22 @@ def test_keyed_draws_match_the_pytorch_inverse_cdf():
     assert torch.allclose(logprobs, ref_lp, atol=1e-4)
     flipped, _ = sample_rows(logits.flip(0), 0.8, 0, uniforms=uniforms.flip(0))
     assert torch.equal(flipped.flip(0), tokens)
+
+
+@pytest.mark.parametrize("seed", [7, 2**40 + 12345, 2**62 - 1])
+def test_keys_hashed_in_the_kernel_draw_as_the_keyed_uniforms(seed):
+    """Keys hashed inside the kernel give the tokens of the uniforms ``keyed_uniforms`` computes (the same
+    bits): on a flat distribution over 3,000 tokens the token is the uniform to 1 part in 3,000; keys and
+    seeds past 2^32 included."""
+    from rlcore.rollout.sampling import keyed_uniforms
+
+    logits = torch.zeros(64, 3000, device=DEVICE)
+    keys = torch.arange(64, device=DEVICE) * 7919 + torch.tensor([0, 2**33 + 5], device=DEVICE).repeat(32)
+    want, want_lp = sample_rows(logits, 1.0, 0, uniforms=keyed_uniforms(seed, keys))
+    got, got_lp = sample_rows(logits, 1.0, 0, keys=keys, key_seed=seed)
+    assert torch.equal(got, want) and torch.equal(got_lp, want_lp)
+    assert len(set(got.tolist())) > 50  # the keys draw apart
+    other, _ = sample_rows(logits, 1.0, 0, keys=keys, key_seed=seed + 1)
+    assert not torch.equal(other, got)
+    with pytest.raises(ValueError, match="not both"):
+        sample_rows(logits, 1.0, 0, uniforms=keyed_uniforms(seed, keys), keys=keys)
