@@ -322,6 +322,18 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
         return batch
 
     trainer.c.generation.generate = recording_generate
+    # the samples each step trains (with ppo.partial_rollout some were generated at earlier steps, and
+    # a step's rollout also decodes samples trained later): the update's FLOPs count these
+    trained: list[tuple[list[int], list[int]]] = []
+    plain_next = trainer.source.next
+
+    def recording_next(step: int):
+        sampled = plain_next(step)
+        r = sampled.rollout
+        trained.append((r.prompt_mask.sum(-1).tolist(), r.response_mask.sum(-1).tolist()))
+        return sampled
+
+    trainer.source.next = recording_next
     plain_sampling = trainer.sampling
 
     def sampling(step: int, *args, **kwargs):
@@ -358,8 +370,9 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     times, steps = run_train_steps(trainer, total, before_step)
     first = spec["warmup"]
     measured = steps[first:] or steps[-1:]
-    lengths = [x for _, resp in rollouts[first:] or rollouts[-1:] for x in resp]
-    sequences = [p + r for prompt, resp in rollouts[first:] or rollouts[-1:] for p, r in zip(prompt, resp)]
+    lengths = [x for _, resp in trained[first:] or trained[-1:] for x in resp]
+    sequences = [p + r for prompt, resp in trained[first:] or trained[-1:] for p, r in zip(prompt, resp)]
+    decoded = [sum(resp) for _, resp in rollouts[first:] or rollouts[-1:]]
     mean = _parts(measured)
     step_s = sum(times[first:] or times[-1:]) / len(times[first:] or times[-1:])
     parts = {"rollout": mean.get("time/generate_s", 0.0), "scoring": mean.get("time/reward_s", 0.0),
@@ -371,6 +384,7 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     flops = update_flops(trainer.c.policy.config, sequences) / steps_measured
     result = {"step_s": step_s, "step_times": times, "setup_s": setup_s, "parts": parts,
               "tokens_per_step": sum(sequences) / steps_measured, "lengths": length_stats(lengths, spec["cap"]),
+              "samples_trained": [len(resp) for _, resp in trained], "tokens_decoded": decoded,
               "update_mfu": flops / update_compute_s(mean) / peak if peak and update_compute_s(mean) > 0 else None,
               "update_overlapped_frac": mean.get("update/overlapped_frac"),
               # optimizer steps skipped for a non-finite loss or gradient norm, warm-up steps included
@@ -379,7 +393,9 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
               "gpu": {k: v for k, v in mean.items() if k.startswith("gpu/")},
               "metrics": {k: v for k, v in mean.items() if k.startswith(("time/", "perf/", "memory/", "response/",
                                                                             "reward/", "mismatch", "rollout",
-                                                                            "update/", "train/"))},
+                                                                            "update/", "train/", "partial/"))},
+              "step_metrics": [{k: v for k, v in m.items() if k.startswith(("partial/", "gpu/util", "time/"))}
+                               for m in steps],
               "rollout_backend": _backend_name(trainer), "engine_warmup_s": engine_warmup_s,
               "engine_settings": _engine_settings(trainer)}
     result["tokens_per_s"] = result["tokens_per_step"] / step_s
