@@ -290,6 +290,7 @@ def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | 
         errors.append(f"'algorithm.adv_estimator' = {cfg.algorithm.adv_estimator} needs "
                       f"'ppo.generation.n' >= 2 samples per prompt, got {cfg.ppo.generation.n}")
     _check_recipes(cfg, errors)
+    errors.extend(partial_rollout_problems(cfg))
     rm = cfg.actor.remeshing
     for key in ("generation_shard_size", "training_shard_size"):
         if rm[key] < 1:
@@ -477,6 +478,45 @@ def _check_recipes(cfg: DictConfig, errors: list[str]) -> None:
         if importlib.util.find_spec("peft") is None:
             errors.append(f"'actor.lora.rank' = {lora.rank} needs the peft package, which is not installed: "
                           "pip install 'rlcore[lora]' (or set actor.lora.rank=0 for full fine-tuning)")
+
+
+def partial_rollout_problems(cfg: DictConfig, world_size: int | None = None) -> list[str]:
+    """What the rest of the config (and, given, the job's ``world_size``) must be for partial rollouts
+    (``ppo.partial_rollout.segment > 0``), each problem naming the segment and the conflicting key."""
+    segment = cfg.ppo.partial_rollout.segment
+    key = "'ppo.partial_rollout.segment'"
+    if segment < 0:
+        return [f"{key} must be >= 0 (0 = off), got {segment}"]
+    if segment == 0:
+        return []
+    head = f"{key} = {segment} (partial rollouts)"
+    algo, ppo = cfg.algorithm, cfg.ppo
+    problems = []
+    if str(ppo.rollout_is) == "none":
+        problems.append(f"{head} trains carried samples whose first tokens came from older policies: set "
+                        "'ppo.rollout_is' to token or sequence (the clipped importance weight that corrects for it), "
+                        "or ppo.partial_rollout.segment to 0")
+    if cfg.data.env_key:
+        problems.append(f"{head} does not carry multi-turn episodes ('data.env_key' = {cfg.data.env_key!r}): unset "
+                        "data.env_key or set ppo.partial_rollout.segment=0")
+    if algo.dynamic_sampling.enable:
+        problems.append(f"{head} does not run with 'algorithm.dynamic_sampling.enable' (its extra rounds refill a "
+                        "batch whose groups finish at different steps): turn one of them off")
+    if ppo.overlap_update:
+        problems.append(f"{head} does not run with 'ppo.overlap_update' (the groups a step trains are known only "
+                        "after its rollout): turn one of them off")
+    if str(algo.adv_estimator) == "remax":
+        problems.append(f"{head} does not run 'algorithm.adv_estimator' = remax (its greedy baseline is generated "
+                        "with the step's prompts, not with the groups that finish); use grpo, rloo or gae")
+    nproc = int(cfg.trainer.nproc_per_node)
+    if nproc > 1:
+        problems.append(f"{head} runs in one process only, not 'trainer.nproc_per_node' = {nproc}: set "
+                        "trainer.nproc_per_node=1 or ppo.partial_rollout.segment=0")
+    elif world_size is not None and world_size > 1:
+        problems.append(f"{head} runs in one process only, not in a job of {world_size} processes (the world size "
+                        "of the launcher, e.g. torchrun --nproc_per_node): start one process or set "
+                        "ppo.partial_rollout.segment=0")
+    return problems
 
 
 def check_config(cfg: DictConfig) -> None:

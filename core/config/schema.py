@@ -427,6 +427,20 @@ class GenerationConfig:
 
 
 @dataclass
+class PartialRolloutConfig:
+    """Partial rollouts: each step decodes at most ``segment`` new tokens of a sample; unfinished samples are
+    carried into the next step and a prompt's group trains at the step its last sample finishes."""
+
+    #: New tokens a sample decodes per step (0 = off). A sample without an end-of-sequence token and shorter than
+    #: ``ppo.generation.max_new_tokens`` is carried into the next step, which decodes on after its tokens under the
+    #: current weights; a prompt's group trains at the step its last sample finishes. Needs ``ppo.rollout_is``
+    #: (token or sequence) for the older policies' tokens; one process, single-turn rollouts, no dynamic sampling,
+    #: no ``ppo.overlap_update``, no remax. At or above max_new_tokens every sample finishes in its first step (as
+    #: off). See docs/architecture.md, Partial rollouts.
+    segment: int = 0
+
+
+@dataclass
 class PPOConfig:
     #: Prompts per step on each rank, or "auto" to size from free GPU memory (seed's rule: GPU GB x 0.6 / per-sample
     #: GB).
@@ -507,6 +521,8 @@ class PPOConfig:
     #: the rollout. The same gradient up to float rounding (docs/architecture.md). Measured slower than off on
     #: the 1.5B reasoning benchmark (docs/benchmarks.md).
     overlap_update: bool = False
+    #: Partial rollouts: samples decode at most ``segment`` tokens a step and unfinished ones carry over.
+    partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
 
 def trains_critic(adv_estimator: str) -> bool:

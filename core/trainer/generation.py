@@ -173,8 +173,16 @@ class ActorGeneration:
 
 
 def rollout_request(actor_cfg: Any, data_cfg: Any, ppo: Any) -> RolloutRequest:
-    """What the actor's rollout asks of ``rlcore_rollout_backend`` (``actor``, ``data`` and ``ppo`` sections)."""
+    """What the actor's rollout asks of ``rlcore_rollout_backend`` (``actor``, ``data`` and ``ppo`` sections).
+
+    With partial rollouts (``ppo.partial_rollout.segment`` below ``max_new_tokens``) a carried sample's
+    prompt holds its response so far and its segment may reach past the response cap before it is cut
+    there (:mod:`rlcore.trainer.partial`), so the longest sequence grows by one segment."""
+    max_new = int(ppo.generation.max_new_tokens)
+    partial = getattr(ppo, "partial_rollout", None)
+    segment = int(partial.segment) if partial is not None else 0
+    longest = data_cfg.max_prompt_length + max_new + (segment if 0 < segment < max_new else 0)
     return RolloutRequest(backend=actor_cfg.rollout_backend, max_batch_size=int(ppo.generation.batch_size),
-                          max_seq_len=data_cfg.max_prompt_length + ppo.generation.max_new_tokens,
+                          max_seq_len=longest,
                           engine=actor_cfg.rollout_engine.engine_kwargs(), episodes=bool(data_cfg.env_key))
 

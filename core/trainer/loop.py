@@ -28,6 +28,7 @@ from rlcore.trainer.experience import (
     to_experience,
 )
 from rlcore.errors import CheckpointError, TrainingError
+from rlcore.trainer.partial import PartialSource, check_world
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.sampled import Sampled  # noqa: F401 - part of this module's API (rollout sources return it)
@@ -67,6 +68,7 @@ class Trainer:
 
             for warning in config_warnings(cfg):
                 log.warning("%s", warning)
+        check_world(cfg, dist.world_size, split)  # partial rollouts: one process (before any model loads)
         self.cfg, self.pm, self.dist = cfg, pm, dist
         self.ppo, self.algo, self.tcfg = cfg.ppo, cfg.algorithm, cfg.trainer
         self.hook = pm.hook
@@ -93,7 +95,9 @@ class Trainer:
         self.notes: set[str] = set()
         #: where each step's scored samples come from: generated here (:meth:`collect`), or (``split``: a
         #: plugin's :class:`~rlcore.protocols.WorldSplit` and this rank's place in it) from the rollout ranks
-        self.source: RolloutSource = (InPlaceSource(self) if split is None else
+        #: with ``ppo.partial_rollout.segment``, unfinished samples carry over (:mod:`rlcore.trainer.partial`)
+        self.source: RolloutSource = (PartialSource(self) if int(self.ppo.partial_rollout.segment) > 0 else
+                                      InPlaceSource(self) if split is None else
                                       split[0].rollout_source(self, split[1]))
 
     def stateful(self) -> dict[str, Any]:
@@ -193,6 +197,8 @@ class Trainer:
             m.update(adv_metrics)
             # 6. PPO epochs over mini-batches (with ppo.overlap_update, some micro-batches ran during the rollout).
             m.update(self.update(exp) if batch.overlap is None else self.update(exp, batch.overlap))
+        elif int(self.ppo.partial_rollout.segment) > 0:  # partial rollouts: no group finished in this step
+            log.info("step %d: no group finished its samples (ppo.partial_rollout); the update is skipped", step)
         else:  # dynamic sampling kept no group on some rank: nothing to learn from this step
             log.warning("step %d: no informative group to train on; the update is skipped", step)
         self.hook.rlcore_after_update(step=step, metrics=m)

@@ -104,6 +104,21 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert fresh.sched.get_last_lr() == ref.sched.get_last_lr()
 
 
+def test_a_save_before_the_first_optimizer_step_changes_nothing(tmp_path):
+    """A run whose first steps train nothing (partial rollouts, dynamic sampling) may save before its
+    optimizer ever stepped: the save leaves the optimizer unstepped (reading its state through DCP would
+    initialise Adam with a step count of 1), and so does a resume from it."""
+    ref = Run()
+    losses = [ref.step() for _ in range(3)]
+    saved = Run()
+    policy(tmp_path).save(1, saved.state())
+    assert not saved.opt.state
+    assert [saved.step() for _ in range(3)] == losses
+    fresh = Run(seed=123)
+    assert policy(tmp_path).resume(fresh.state()) == 1 and not fresh.opt.state
+    assert [fresh.step() for _ in range(3)] == losses
+
+
 def test_layout_pointer_manifest_and_rotation(tmp_path):
     p = policy(tmp_path, save_total_limit=2)
     run = Run()

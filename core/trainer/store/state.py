@@ -146,6 +146,20 @@ def _tensor_state(key: str, value: Any, state: Mapping[str, Any], *, full: bool 
     return get_optimizer_state_dict(module_of(key, state), value, options=opts)
 
 
+def _saved_tensor_state(key: str, value: Any, state: Mapping[str, Any], fmt: str) -> dict[str, Any]:
+    """What :func:`write_state` writes for ``state[key]``. An optimizer that has not stepped yet (a run whose
+    first steps trained nothing: partial rollouts, dynamic sampling) is saved without state in the ``torch``
+    format and left without it: reading its state dict through DCP initialises it with a zero-gradient step
+    (Adam's step count becomes 1), so a run that saved before its first optimizer step would train otherwise
+    than one that did not, and than the run resumed from it (:func:`_apply_tensor_state` clears it again)."""
+    unstepped = fmt == "torch" and isinstance(value, torch.optim.Optimizer) and not value.state
+    sd = _tensor_state(key, value, state)
+    if unstepped:
+        value.state.clear()
+        sd = {**sd, "state": {}}
+    return sd
+
+
 def has_frozen(module: torch.nn.Module) -> bool:
     """Whether some parameter of ``module`` does not train (``requires_grad`` off)."""
     return any(not p.requires_grad for p in module.parameters())
@@ -231,7 +245,7 @@ def write_state(tmp: Path, state: Mapping[str, Any], fmt: str, dist: DistInfo, *
     small = {k: v.state_dict() for k, v in state.items() if kind_of(k, v, state) in ("state", "rng")}
     files.save_file(small, tmp / "state" / f"rank_{dist.rank:05d}.pt")
     tensor_keys = [k for k, v in state.items() if kind_of(k, v, state) in ("model", "optim")]
-    tensors = {k: _tensor_state(k, state[k], state) for k in tensor_keys}
+    tensors = {k: _saved_tensor_state(k, state[k], state, fmt) for k in tensor_keys}
     if fmt == "torch":
         if not asynchronous:
             for k, sd in tensors.items():
@@ -343,6 +357,8 @@ def _apply_tensor_state(key: str, value: Any, sd: dict[str, Any], state: Mapping
         else:
             opts = StateDictOptions(full_state_dict=full, strict=True)
             set_optimizer_state_dict(module_of(key, state), value, sd, options=opts)
+            if full and not sd.get("state"):  # saved before its first step: DCP's initialising step is undone
+                value.state.clear()
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"checkpoint entry {key!r} does not fit this run's {type(value).__name__}: {e}") from e
 
