@@ -112,8 +112,12 @@ class ActorGeneration:
         return self.backends[key]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 on_finished: Optional[FinishedCallback] = None) -> RolloutBatch:
+                 on_finished: Optional[FinishedCallback] = None, *, whole: bool = False) -> RolloutBatch:
         """One sample per prompt, rows in the order of ``prompts``.
+
+        ``whole``: a backend with ``continuous_batching`` (the engine) gets every prompt in one call
+        (it queues those beyond its slots, so the tail of one chunk never waits for the next); after an
+        out-of-memory error, or with another backend, the prompts go in micro-batches as usual.
 
         ``on_finished`` (:data:`rlcore.rollout.base.FinishedCallback`) is handed to a backend that
         reports finished samples (:func:`rlcore.rollout.base.reports_finished`), with indices into
@@ -127,7 +131,8 @@ class ActorGeneration:
                 check_share(share, prompts, self.reshard_plugin)
             whole = len(share.prompts) == len(prompts)
             report = on_finished if on_finished is not None and whole and reports_finished(backend) else None
-            batch = self._in_micro_batches(backend, share.prompts, share.params, report)
+            one_call = len(share.prompts) if whole and getattr(backend, "continuous_batching", False) else None
+            batch = self._in_micro_batches(backend, share.prompts, share.params, report, one_call)
         own = share.own(batch)
         if self.contract is not None:
             check_own_rows(own, prompts, self.reshard_plugin)
@@ -142,13 +147,15 @@ class ActorGeneration:
         self.backends.clear()
 
     def _in_micro_batches(self, backend: RolloutBackend, prompts: Sequence[Sequence[int]],
-                          params: SamplingParams, on_finished: Optional[FinishedCallback] = None) -> RolloutBatch:
-        """``backend.generate`` chunk by chunk. A seeded call gives each chunk its own seed
-        (``seed + first prompt index``) so repeated prompts in different chunks do not share noise."""
+                          params: SamplingParams, on_finished: Optional[FinishedCallback] = None,
+                          first_chunk: Optional[int] = None) -> RolloutBatch:
+        """``backend.generate`` chunk by chunk (the first chunk of ``first_chunk`` prompts when given, until
+        an out-of-memory error). A seeded call gives each chunk its own seed (``seed + first prompt
+        index``) so repeated prompts in different chunks do not share noise."""
         parts: list[RolloutBatch] = []
         start = 0
         while start < len(prompts):
-            size = min(self.micro_batch, len(prompts) - start)
+            size = min(first_chunk or self.micro_batch, len(prompts) - start)
             chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
             kw = {} if on_finished is None else {"on_finished": _shifted(on_finished, start)}
             chunk = prompts[start:start + size]
@@ -157,8 +164,16 @@ class ActorGeneration:
             try:
                 part = backend.generate(chunk, chunk_params, **kw)
             except (torch.OutOfMemoryError, RuntimeError) as error:
-                if not is_oom(error) or self.micro_batch <= self.minimum:
+                if not is_oom(error) or (self.micro_batch <= self.minimum and first_chunk is None):
                     raise
+                if first_chunk is not None:  # the one call did not fit: micro-batches from here
+                    first_chunk = None
+                    self.retries += 1
+                    log.warning("rollout out of memory with %d prompts in one call; retrying in micro-batches of %d",
+                                size, self.micro_batch)
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    continue
                 self.micro_batch = max(self.minimum, self.micro_batch // 2)
                 self.retries += 1
                 log.warning("rollout out of memory at micro-batch %d; retrying at %d", size, self.micro_batch)
@@ -169,6 +184,7 @@ class ActorGeneration:
                 self.contract.check(backend, part, chunk, chunk_params.max_new_tokens)
             parts.append(part)
             start += size
+            first_chunk = None
         return concat_batches(parts, params.pad_token_id)
 
 

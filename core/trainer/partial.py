@@ -202,10 +202,12 @@ class PartialSource:
         t, c = self.trainer, self.trainer.c
         open_ = [s for g in self.groups for s in g.samples if not s.done]
         prompts = [g.prompt + s.tokens for g in self.groups for s in g.samples if not s.done]
-        params = dataclasses.replace(t.sampling(step), max_new_tokens=min(self.segment, self.max_new))
+        params = t.sampling(step)  # a lower cap of the step's own (a warm-up's) holds too
+        params = dataclasses.replace(params, max_new_tokens=min(self.segment, self.max_new, params.max_new_tokens))
         t.hook.rlcore_before_generation(step=step, prompts=prompts)
         with t.timer("generate"):
-            rollout = c.generation.generate(prompts, params)
+            # one call: carried and new samples share the engine's slots (continuous batching)
+            rollout = c.generation.generate(prompts, params, whole=True)
         t.hook.rlcore_after_generation(step=step, rollout=rollout)
         eos = set(int(e) for e in c.eos_ids)
         ids, mask, logprobs = rollout.response_ids.cpu(), rollout.response_mask.cpu().bool(), rollout.logprobs.cpu()

@@ -97,3 +97,26 @@ def test_oom_at_the_minimum_is_raised():
         _generation(_fake_generate(1, []), 2, minimum=2).generate([[1], [2]], SamplingParams())
     with pytest.raises(RuntimeError, match="boom"):
         _generation(lambda p, s: (_ for _ in ()).throw(RuntimeError("boom")), 4).generate([[1]], SamplingParams())
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_a_whole_rollout_goes_to_a_continuous_batching_backend_in_one_call(continuous):
+    """``whole=True``: a backend that queues prompts beyond its slots (``continuous_batching``) gets them
+    all in one call; another backend still gets micro-batches."""
+    calls: list = []
+    runner = _generation(_fake_generate(100, calls), 4)
+    backend = runner.backend(runner.actor)
+    backend.continuous_batching = continuous
+    prompts = [[i] for i in range(10)]
+    batch = runner.generate(prompts, SamplingParams(seed=1), whole=True)
+    assert batch.response_ids[:, 0].tolist() == list(range(10))
+    assert [n for n, _ in calls] == ([10] if continuous else [4, 4, 2])
+
+
+def test_a_whole_call_out_of_memory_falls_back_to_micro_batches():
+    calls: list = []
+    runner = _generation(_fake_generate(4, calls), 4)
+    runner.backend(runner.actor).continuous_batching = True
+    batch = runner.generate([[i] for i in range(10)], SamplingParams(seed=1), whole=True)
+    assert batch.response_ids[:, 0].tolist() == list(range(10))
+    assert [n for n, _ in calls] == [10, 4, 4, 2] and runner.micro_batch == 4

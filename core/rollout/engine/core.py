@@ -260,6 +260,10 @@ class RolloutEngine:
             of the free memory before ``kv_memory_fraction`` applies (default 0).
     """
 
+    #: one ``generate`` call takes any number of prompts and queues those beyond its slots, admitting
+    #: them as slots free up (a caller need not cut a large rollout into calls of ``max_batch_size``)
+    continuous_batching = True
+
     @property
     def supports_episodes(self) -> bool:
         """Prompts carrying an episode are played as multi-turn episodes (paged or static KV cache)."""
