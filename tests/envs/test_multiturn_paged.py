@@ -184,7 +184,7 @@ def test_lagged_turn_ends_give_the_same_episodes(tok_model, monkeypatch, kind, l
         return polls[id(snapshot)] > lag and ready(snapshot)
 
     monkeypatch.setattr(turns._Snapshot, "ready", late)
-    plain = engines(model, eos_check_interval=2)[kind == "paged"]
+    plain = engines(model, eos_check_interval=2, lagged_turn_ends=False)[kind == "paged"]
     lagged = engines(model, eos_check_interval=2, lagged_turn_ends=True)[kind == "paged"]
     want, want_eps = play(plain, tok, temperature=1.0, max_new_tokens=32)
     got, eps = play(lagged, tok, temperature=1.0, max_new_tokens=32)
@@ -213,3 +213,25 @@ def test_episodes_with_the_extend_as_captured_are_the_static_caches(tok_model):
     assert got.stats["rollout/extend_graph_calls"] == got.stats["rollout/extend_calls"] > 0
     assert torch.equal(got.response_ids, want.response_ids)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_snapshot_taken_before_a_pause_is_not_read_into_the_next_turn():
+    """A slot paused and resumed after a lagged snapshot was taken may come back with the same request
+    and the same birth step (the observation's tokens making up for the steps it waited): its turn
+    start changed, so the snapshot's stale flag and tokens are not taken for the new turn's end."""
+    from types import SimpleNamespace
+
+    from rlcore.rollout.engine.turns import TurnScheduler
+
+    sched = object.__new__(TurnScheduler)
+    snap = SimpleNamespace(n=1, steps=10, reqs=[0], born=[4], turns=[0], flags=torch.tensor([True]),
+                           tokens=torch.tensor([[5, 6, 2, 9, 9, 9, 9]]), ready=lambda: True)
+    sched.__dict__.update(lagged=True, snapshot=snap, live=[0], slot_req=[0], born=[4], steps=12, due=1 << 30,
+                          paused={}, stop_texts=[], seen={},
+                          eng=SimpleNamespace(eos_check_interval=2, device=torch.device("cpu")),
+                          turn_start=[4], out_tokens=torch.zeros(1, 7, dtype=torch.long),
+                          done=torch.zeros(1, dtype=torch.bool))
+    assert sched._finished_lagged(1) == [] and sched.seen == {}  # resumed since: another turn
+    sched.turn_start = [0]
+    sched.snapshot = snap
+    assert sched._finished_lagged(1) == [0] and 0 in sched.seen  # the same turn: its end is found

@@ -210,7 +210,7 @@ class RolloutEngine:
         lagged_turn_ends: multi-turn calls read the turn-end flags and the rows' tokens without waiting
             for the device: a copy to pinned memory and an event every ``eos_check_interval`` steps,
             read once the device has passed it (turns end a few steps later; the tokens decoded past
-            a turn's end are dropped, as between checks). Off: each check waits for the device.
+            a turn's end are dropped, as between checks; on by default). Off: each check waits for the device.
         max_prefill_tokens: bound on ``prompts x width`` per prefill call (activation memory).
         fused_sampling: on CUDA, sample unfiltered (no top-k/top-p) steps with the one-pass
             Triton kernel (:mod:`rlcore.kernels.fused_sampling`), checked once against PyTorch.
@@ -279,7 +279,7 @@ class RolloutEngine:
                  attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True,
                  mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
                  kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION,
-                 kv_reserve_bytes: int = 0, lagged_turn_ends: bool = False):
+                 kv_reserve_bytes: int = 0, lagged_turn_ends: bool = True):
         _check_settings(max_batch_size, max_seq_len, attention, compile_mode, mlp_transposed, kv_cache, page_size,
                         kv_pages, kv_memory_fraction)
         model = unwrap(model)  # a LoRA (peft) model: its decoder, read with the adapters merged

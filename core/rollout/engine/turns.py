@@ -75,12 +75,15 @@ class _Pause:
 class _Snapshot:
     """The turn-end flags and output tokens of slots ``0..n-1`` after decode step ``steps``, copied to
     the host without waiting (pinned memory and an event on CUDA; at once elsewhere), with the
-    requests and birth steps the slots held then (a slot read later must still hold them)."""
+    requests, birth steps and turn starts the slots held then (a slot read later must still hold
+    them: the same request in the same turn; a request paused and resumed since, whose birth step may
+    come out the same, has started another turn)."""
 
     def __init__(self, sched: "TurnScheduler", n: int):
         pinned = sched.eng.device.type == "cuda"
         self.n, self.steps = n, sched.steps
         self.reqs, self.born = list(sched.slot_req[:n]), list(sched.born[:n])
+        self.turns = [None if r is None else sched.turn_start[r] for r in self.reqs]
         self.flags = torch.empty(n, dtype=torch.bool, pin_memory=pinned)
         self.tokens = torch.empty(n, sched.out_tokens.shape[1], dtype=torch.long, pin_memory=pinned)
         self.flags.copy_(sched.done[:n], non_blocking=pinned)
@@ -254,7 +257,9 @@ class TurnScheduler(Scheduler):
             self.snapshot = None
             flags, pinned = snap.flags.tolist(), self._pinned_rows()
             for s in self.live:
-                if s >= snap.n or s in pinned or self.slot_req[s] != snap.reqs[s] or self.born[s] != snap.born[s]:
+                req = self.slot_req[s]
+                if (s >= snap.n or s in pinned or req != snap.reqs[s] or self.born[s] != snap.born[s]
+                        or self.turn_start[req] != snap.turns[s]):
                     continue
                 count = min(1 + snap.steps - snap.born[s], snap.tokens.shape[1])
                 if not flags[s] and not self.stop_texts:
