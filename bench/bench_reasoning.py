@@ -393,7 +393,8 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
               "gpu": {k: v for k, v in mean.items() if k.startswith("gpu/")},
               "metrics": {k: v for k, v in mean.items() if k.startswith(("time/", "perf/", "memory/", "response/",
                                                                             "reward/", "mismatch", "rollout",
-                                                                            "update/", "train/", "partial/"))},
+                                                                            "update/", "train/", "partial/",
+                                                                            "actor/"))},
               "step_metrics": [{k: v for k, v in m.items() if k.startswith(("partial/", "gpu/util", "time/"))}
                                for m in steps],
               "rollout_backend": _backend_name(trainer), "engine_warmup_s": engine_warmup_s,
