@@ -235,3 +235,30 @@ def test_a_snapshot_taken_before_a_pause_is_not_read_into_the_next_turn():
     sched.turn_start = [0]
     sched.snapshot = snap
     assert sched._finished_lagged(1) == [0] and 0 in sched.seen  # the same turn: its end is found
+
+
+def test_compaction_with_paused_rows_keeps_the_budget_step_and_length(tok_model, monkeypatch):
+    """Static cache: when the live rows are compacted while episodes wait in their rows, the step at
+    which a decoding slot reaches its budget and the attended length are derived from the rows as
+    they are after the move (derived before it, a slot could decode past its budget and overwrite its
+    last token, depending on when environments answered)."""
+    from rlcore.rollout.engine import turns
+
+    tok, model = tok_model
+    compact = turns.TurnScheduler._maybe_compact
+    seen = {"moves": 0}
+
+    def checked(self):
+        live = list(self.live)
+        compact(self)
+        if self.live != live and any(p.row is not None for p in self.paused.values()):
+            seen["moves"] += 1
+            kept = (self.due, self.max_col0)
+            self._relive()
+            assert (self.due, self.max_col0) == kept
+
+    monkeypatch.setattr(turns.TurnScheduler, "_maybe_compact", checked)
+    for delay in (0.0, 0.004, 0.01):
+        engine = engines(model, eos_check_interval=2, lagged_turn_ends=False)[0]
+        play(engine, tok, temperature=1.0, max_new_tokens=32, delay=delay)
+    assert seen["moves"] > 0, "the test needs compactions while episodes wait in their rows"

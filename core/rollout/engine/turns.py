@@ -204,6 +204,9 @@ class TurnScheduler(Scheduler):
             self.pinned[:m] = self.pinned.index_select(0, perm)
             self.pin_at[:, :m] = self.pin_at.index_select(1, perm)
             self.pinned[m:] = False
+        # the base class derived the step loop's numbers (the first step a decoding slot reaches its
+        # budget, the attended length) before the paused rows above were moved: derive them again
+        self._relive()
 
     def _pinned_rows(self) -> set[int]:
         return {p.row for p in self.paused.values() if p.row is not None}
