@@ -41,49 +41,12 @@ from rlcore.kernels import decode_attention
 from rlcore.rollout.engine import llama
 from rlcore.rollout.adapters import has_adapter_layers, unwrap
 from rlcore.rollout.engine import pages
+from rlcore.rollout.engine.graphs import DecodeGraphs
+from rlcore.rollout.engine.settings import DEFAULT_BUCKETS, check_page_size, check_settings, length_step  # noqa: F401
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
 
 log = logging.getLogger(__name__)
-
-
-def _check_attention(value) -> None:
-    if value != "auto" and value not in decode.ATTENTION_KINDS:
-        raise ValueError(f"RolloutEngine: attention {value!r} is not one of {('auto',) + tuple(decode.ATTENTION_KINDS)}")
-
-
-def _check_compile_mode(value) -> None:
-    if value not in decode.COMPILE_MODES:
-        raise ValueError(f"RolloutEngine: compile_mode {value!r} is not one of {decode.COMPILE_MODES}")
-
-
-def _check_mlp_transposed(value) -> None:
-    if value != "auto" and not isinstance(value, bool):
-        raise ValueError(f"RolloutEngine: mlp_transposed must be 'auto', True or False, got {value!r}")
-
-
-def _check_kv_cache(value) -> None:
-    if value not in pages.KV_CACHE_KINDS:
-        raise ValueError(f"RolloutEngine: kv_cache {value!r} is not one of {pages.KV_CACHE_KINDS}")
-
-
-def check_page_size(value) -> None:
-    """``page_size``: a power of two >= 16 (a multiple of the attention kernel's column block)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
-        raise ValueError(f"RolloutEngine: page_size must be a power of two >= 16, got {value!r}")
-
-
-def _check_kv_pages(value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
-        raise ValueError(f"RolloutEngine: kv_pages must be null or an integer >= 2, got {value!r}")
-
-
-def _check_kv_memory_fraction(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise ValueError(f"RolloutEngine: kv_memory_fraction must be in (0, 1], got {value!r}")
-
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def _distinct(slots: Sequence[int], prompts: Sequence[Sequence[int]]):
@@ -106,88 +69,6 @@ def _distinct(slots: Sequence[int], prompts: Sequence[Sequence[int]]):
 def _model_device(model) -> torch.device:
     param = next(model.parameters())
     return param.device
-
-
-def length_step(max_seq_len: int) -> int:
-    """Granularity of the attention-length buckets: 64 columns, coarser for long caches (at most
-    about 16 buckets above 1024 columns)."""
-    step = 64
-    while max_seq_len > 16 * step and step < 4096:
-        step *= 2
-    return step
-
-
-class _Graphs:
-    """CUDA graphs of the decode step, one per (batch bucket, length bucket, prompt sharing on),
-    captured on first use."""
-
-    def __init__(self, engine: "RolloutEngine"):
-        self.engine = engine
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
-
-    def run(self, n: int, length: int) -> torch.Tensor:
-        key = (n, length, self.engine.state.share_active)
-        if key not in self.graphs:
-            try:
-                start = time.perf_counter()
-                self.graphs[key] = self._capture(n, length)
-                self.engine.counters["graph_captures"] += 1
-                self.engine.counters["graph_capture_s"] += time.perf_counter() - start
-            except RuntimeError as error:  # capture refused (driver, allocator): run eagerly instead
-                log.warning("rollout engine: CUDA graph capture failed (%s); decoding without graphs", error)
-                self.engine._graphs = None
-                self.engine.use_cuda_graphs = False
-                return self.engine._decode_eager(n, length)
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits
-
-    def _capture(self, n: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        eng = self.engine
-        st = eng.state
-        saved = (st.positions[:n].clone(), st.cache_index[:n].clone(), st.bias[:n].clone())
-        # warm-up steps write keys/values at the slots' current columns (overwritten by the real step)
-        side = torch.cuda.Stream(device=eng.device)
-        side.wait_stream(torch.cuda.current_stream(eng.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: compilation, cuBLAS handles and workspaces
-                eng._decode_eager(n, length)
-        torch.cuda.current_stream(eng.device).wait_stream(side)
-        st.positions[:n].copy_(saved[0])
-        st.cache_index[:n].copy_(saved[1])
-        st.bias[:n].copy_(saved[2])
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: work another thread launches meanwhile (the overlapped update, rlcore.trainer.overlap)
-        # neither breaks the capture nor is captured; only this thread's unsafe calls are refused
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = eng._decode_eager(n, length)
-        log.debug("rollout engine: captured decode graph for batch bucket %d, length %d", n, length)
-        return graph, logits
-
-    def clear(self) -> None:
-        self.graphs.clear()
-        self.pool = None
-
-
-def _check_settings(max_batch_size: int, max_seq_len: int, attention: str, compile_mode: str, mlp_transposed,
-                    kv_cache: str, page_size: int, kv_pages, kv_memory_fraction: float) -> None:
-    """:class:`RolloutEngine`'s arguments checked before anything is built.
-
-    :raises ValueError: naming the argument."""
-    if max_batch_size < 1:
-        raise ValueError(f"RolloutEngine: max_batch_size must be >= 1, got {max_batch_size}")
-    if max_seq_len < 2:
-        raise ValueError(f"RolloutEngine: max_seq_len must be >= 2, got {max_seq_len}")
-    _check_attention(attention)
-    _check_compile_mode(compile_mode)
-    _check_mlp_transposed(mlp_transposed)
-    _check_kv_cache(kv_cache)
-    check_page_size(page_size)
-    _check_kv_pages(kv_pages)
-    _check_kv_memory_fraction(kv_memory_fraction)
 
 
 class RolloutEngine:
@@ -280,7 +161,7 @@ class RolloutEngine:
                  mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
                  kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION,
                  kv_reserve_bytes: int = 0, lagged_turn_ends: bool = True):
-        _check_settings(max_batch_size, max_seq_len, attention, compile_mode, mlp_transposed, kv_cache, page_size,
+        check_settings(max_batch_size, max_seq_len, attention, compile_mode, mlp_transposed, kv_cache, page_size,
                         kv_pages, kv_memory_fraction)
         model = unwrap(model)  # a LoRA (peft) model: its decoder, read with the adapters merged
         self.paged = kv_cache == "paged"
@@ -334,7 +215,7 @@ class RolloutEngine:
         self._allocate(kv_pages, float(kv_memory_fraction), self.kv_reserve_bytes)
         if self.compile:
             self._mark_static()
-        self._graphs = _Graphs(self) if self.use_cuda_graphs else None
+        self._graphs = DecodeGraphs(self) if self.use_cuda_graphs else None
         self._extend_graphs = (extend.ExtendGraphs(self) if self.use_cuda_graphs and self.paged
                                and self.attention == "triton" and extend.ENABLED else None)
         #: running totals the schedulers report per call: decode steps replayed from a CUDA graph or run
