@@ -305,3 +305,26 @@ def test_extend_buckets_and_token_table():
                               [14, 14, 14, 3, 0, 0], [4, 4, 9, 3, 0, 0], [6, 7, 0, 3, 0, 0]]
     with pytest.raises(ValueError, match="do not fit"):
         extend.token_table([[1] * 7], [0], [0], [0], [[1]], 8, 6)
+
+
+def test_a_freed_row_goes_back_to_the_first_columns(qwen2):
+    """Paged: a row freed by a finished sample (no request waiting for it) decodes on from column 1 of
+    the null page, so its idle steps attend to a few columns rather than as many as its sample had;
+    the samples of the call are those of the static cache."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16]]
+    engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=40, page_size=16, attention_length_step=8)
+    freed = {}
+    release = engine._release
+
+    def spy(slots, keep_pages=False):
+        out = release(slots, keep_pages)
+        freed.update({s: (int(engine.state.cache_index[s]), engine.slot_pages[s]) for s in slots})
+        return out
+
+    engine._release = spy
+    engine.generate([prompts[0]], SamplingParams(max_new_tokens=4, temperature=0.0, pad_token_id=0))
+    assert freed and all(col == 1 and pages_ == [] for col, pages_ in freed.values())
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, pad_token_id=0)
+    got = engine.generate(prompts, params)
+    want = RolloutEngine(qwen2, kv_cache="static", max_batch_size=2, max_seq_len=40).generate(prompts, params)
+    assert torch.equal(got.response_ids, want.response_ids)

@@ -601,8 +601,10 @@ class RolloutEngine:
         key in column 0 so that attention over a short length never sees an all-masked row.
         With pages, the slots' pages go back to the pool (or, ``keep_pages``, are returned to the
         caller, still held: a paused multi-turn episode leaving its row) and their table rows to
-        the null page (which their idle steps then write to and read from). ``slots``: host
-        indices (no device read). Returns the page lists taken off the slots."""
+        the null page (which their idle steps then write to and read from), their next column back
+        to 1, so that an idle row's attention reads a few columns of the null page, not as many as its
+        last sequence had. ``slots``: host indices (no device read). Returns the page lists taken off
+        the slots."""
         rows = self._to_device(torch.tensor(slots, dtype=torch.long))
         self.state.bias[rows, 0] = 0.0
         taken = []
@@ -613,6 +615,8 @@ class RolloutEngine:
                     self.pool.drop(self.slot_pages[slot])
                 self.slot_pages[slot] = []
             self.state.table[rows] = 0
+            self.state.cache_index[rows] = 1
+            self.state.positions[rows] = 1
         return taken
 
     def _compact(self, live: list[int]) -> None:
@@ -629,6 +633,9 @@ class RolloutEngine:
         for buf in (st.tokens, st.positions, st.cache_index, st.bias):
             buf[:m] = buf.index_select(0, perm)
         st.bias[m:, 0] = 0.0  # rows past the live ones are free (see _release)
+        if self.paged:
+            st.cache_index[m:] = 1
+            st.positions[m:] = 1
         if self.prompt_sharing:
             # a source row that moved is followed to its new row; one that is no longer live
             # sends the slot back to its own (moved) copy
