@@ -270,8 +270,9 @@ class RolloutEngineConfig:
     eos_check_interval: int = 8
     #: Multi-turn calls read the turn-end flags and the rows' tokens from a copy taken every eos_check_interval
     #: steps without waiting for the device, once the device has passed it (turns end a few steps later, the
-    #: episodes are the same); off: each check waits for the device. On by default: measured 12% faster on the
-    #: multi-turn benchmark (docs/benchmarks.md, "Multi-turn rollouts").
+    #: episodes are the same; the host runs at most eos_check_interval steps ahead of the device); off: each check
+    #: waits for the device. On by default: measured 12% faster on the multi-turn benchmark (docs/benchmarks.md,
+    #: "Multi-turn rollouts").
     lagged_turn_ends: bool = True
     #: Bound on prompts x width per prefill call (activation memory).
     max_prefill_tokens: int = 65536

@@ -262,3 +262,40 @@ def test_compaction_with_paused_rows_keeps_the_budget_step_and_length(tok_model,
         engine = engines(model, eos_check_interval=2, lagged_turn_ends=False)[0]
         play(engine, tok, temperature=1.0, max_new_tokens=32, delay=delay)
     assert seen["moves"] > 0, "the test needs compactions while episodes wait in their rows"
+
+
+def test_lagged_turn_ends_keep_the_host_within_a_check_interval_of_the_device(tok_model, monkeypatch):
+    """With lagged turn ends the host waits for the decode step ``eos_check_interval`` steps back (an
+    event a step on CUDA; a stand-in here): never more steps in flight than that, the oldest waited
+    for, and the same episodes."""
+    from rlcore.rollout.engine import turns
+
+    tok, model = tok_model
+    waited, most = [], []
+
+    class Event:
+        def record(self):
+            most.append(None)
+
+        def synchronize(self):
+            waited.append(self)
+
+    init = turns.TurnScheduler.__init__
+
+    def with_events(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.step_event = Event
+        original = self._launched
+
+        def launched():
+            original()
+            most[-1] = len(self.in_flight)
+        self._launched = launched
+
+    want, _ = play(engines(model, eos_check_interval=3)[1], tok, temperature=1.0, max_new_tokens=32)
+    monkeypatch.setattr(turns.TurnScheduler, "__init__", with_events)
+    got, _ = play(engines(model, eos_check_interval=3)[1], tok, temperature=1.0, max_new_tokens=32)
+    steps = got.stats["rollout/decode_steps"]
+    assert len(most) == steps and max(most) == 3
+    assert len(waited) == steps - 3
+    assert torch.equal(got.response_ids, want.response_ids)

@@ -273,6 +273,9 @@ class Scheduler:
         """Whether the call has work left (a subclass adds sequences waiting outside the batch)."""
         return bool(self.queue or self.live)
 
+    def _launched(self) -> None:
+        """Called after each decode step is launched (a subclass may bound how far the host runs ahead)."""
+
     def _between_steps(self) -> None:
         """Called before each admission or decode step; a subclass continues paused sequences here
         (multi-turn rollouts: :mod:`rlcore.rollout.engine.turns`)."""
@@ -301,6 +304,7 @@ class Scheduler:
             logits = self.eng._decode(n, length)
             tokens, logprobs = self._sample_step(logits, n)
             self._record(n, tokens, logprobs)
+            self._launched()
             self.steps += 1
             self.bucket_steps[n] = self.bucket_steps.get(n, 0) + 1
             self.decode_rows += self._decoding()

@@ -7,8 +7,10 @@ after the observation with its KV cache kept.
   EOS; longer ones are found in the turn's text on the steps that read the flags); with the
   engine's ``lagged_turn_ends`` the flags and the rows' tokens are read from a copy taken without
   waiting for the device (:class:`_Snapshot`), once the device has passed it, for the slots that
-  still serve the same request (the turn then ends some steps later; the tokens decoded past its
-  end are dropped as between checks, and keyed draws keep the episodes the same);
+  still serve the same request in the same turn (the turn then ends some steps later; the tokens
+  decoded past its end are dropped as between checks, and keyed draws keep the episodes the same);
+  the host then runs at most ``eos_check_interval`` decode steps ahead of the device (an event a
+  step), so a copy is read within that many steps of being taken;
 * the episode then *pauses*: its turn goes to the episode's environment through the
   :class:`~rlcore.envs.runner.EpisodeRunner` (a future, answered on the runner's thread) and the
   other slots keep decoding. With the paged KV cache the paused episode leaves the decode batch:
@@ -43,6 +45,7 @@ too) in ``response_attention``.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import time
@@ -137,6 +140,10 @@ class TurnScheduler(Scheduler):
         self.lagged = bool(getattr(engine, "lagged_turn_ends", False))
         self.snapshot: Optional[_Snapshot] = None
         self.seen: dict[int, tuple[list[int], int]] = {}  # slot -> (its tokens then, their count)
+        # ... and, on CUDA, an event per decode step in flight: the host runs at most eos_check_interval
+        # steps ahead of the device, so a snapshot is read within that many steps of being taken
+        self.in_flight: collections.deque = collections.deque()
+        self.step_event = torch.cuda.Event if self.lagged and engine.device.type == "cuda" else None
         if not engine.paged:  # paused rows pinned to their turn's last column
             self.pinned = torch.zeros(cap, dtype=torch.bool, device=dev)
             self.pin_at = torch.zeros(2, cap, dtype=torch.long, device=dev)  # cache column, position
@@ -249,6 +256,18 @@ class TurnScheduler(Scheduler):
                                      self.decode_text) is not None:
                         finished.append(s)
         return sorted(set(finished) - self._pinned_rows())
+
+    def _launched(self) -> None:
+        """Lagged turn ends: wait for the decode step ``eos_check_interval`` steps back before going on
+        (without a bound the host runs as far ahead as the device's queue holds, and turn ends are seen
+        that much later: more steps decoded past them, a longer episode)."""
+        if self.step_event is None:
+            return
+        event = self.step_event()
+        event.record()
+        self.in_flight.append(event)
+        if len(self.in_flight) > self.eng.eos_check_interval:
+            self.in_flight.popleft().synchronize()
 
     def _finished_lagged(self, n: int) -> list[int]:
         """:meth:`_finished` without waiting for the device: the slots at their token limit, and those a
