@@ -28,7 +28,7 @@ from rlcore.trainer.experience import (
     to_experience,
 )
 from rlcore.errors import CheckpointError, TrainingError
-from rlcore.trainer.partial import PartialSource, check_world
+from rlcore.trainer.partial import LoaderState, PartialSource, check_world
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.sampled import Sampled  # noqa: F401 - part of this module's API (rollout sources return it)
@@ -598,7 +598,7 @@ class InPlaceSource:
         return self.trainer.collect(step)
 
     def data_state(self) -> Any:
-        return self.trainer.c.prompts.fill  # the loader's position and the rows carried into the next batch
+        return LoaderState(self.trainer.c.prompts.fill)
 
     def metrics(self) -> dict[str, float]:
         return {}

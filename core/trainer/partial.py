@@ -266,3 +266,25 @@ def _empty(generated: RolloutBatch) -> Sampled:
                            response_mask=zeros.clone(), logprobs=torch.zeros((0, 1)), stats=dict(generated.stats))
     return Sampled(rollout=rollout, scores=torch.zeros(0), raw_scores=torch.zeros(0), reward_metrics={},
                    truncated=torch.zeros(0, dtype=torch.bool), group_ids=torch.zeros(0, dtype=torch.long))
+
+
+class LoaderState:
+    """The default source's data state: the batch filler's (the loader's position and the rows carried
+    into the next batch). A checkpoint written with partial rollouts also holds their carry buffer:
+    resumed without them, its samples are dropped, with a warning that says how many."""
+
+    def __init__(self, fill: Any):
+        self.fill = fill
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.fill.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        groups = (state.pop(STATE_KEY, None) or {}).get("groups", [])
+        if groups:
+            samples = sum(len(g.get("samples", [])) for g in groups)
+            log.warning("the checkpoint carries %d group(s) (%d samples) of partial rollouts not yet trained; "
+                        "ppo.partial_rollout.segment is 0 in this run, so they are dropped (resume with the saved "
+                        "segment to train them)", len(groups), samples)
+        self.fill.load_state_dict(state)

@@ -334,3 +334,27 @@ def test_several_processes_or_a_world_split_are_refused_before_any_model_loads(t
     cfg = load_config([], [*demo_overrides(tmp_path), *GRPO, "ppo.partial_rollout.segment=4"])
     with pytest.raises(ConfigError, match="job of 2 processes"):
         Trainer(cfg, build_plugin_manager([]), DistInfo(world_size=2))
+
+
+def test_resuming_without_partial_rollouts_says_what_it_drops(caplog):
+    """A checkpoint holding a carry buffer, loaded by a run with partial rollouts off: the loader's
+    state goes to the batch filler, and a warning names the groups and samples left untrained."""
+    import logging
+
+    from rlcore.trainer.partial import STATE_KEY, LoaderState
+
+    class Fill:
+        loaded = None
+
+        def load_state_dict(self, state):
+            Fill.loaded = state
+
+    state = {"epoch": 1, "carry": [], STATE_KEY: {"groups": [{"samples": [{}, {}]}, {"samples": [{}, {}]}]}}
+    with caplog.at_level(logging.WARNING):
+        LoaderState(Fill()).load_state_dict(state)
+    assert Fill.loaded == {"epoch": 1, "carry": []}
+    assert "2 group(s) (4 samples)" in caplog.text and "ppo.partial_rollout.segment" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        LoaderState(Fill()).load_state_dict({"epoch": 2, STATE_KEY: {"groups": []}})
+    assert Fill.loaded == {"epoch": 2} and not caplog.text
