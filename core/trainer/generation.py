@@ -164,19 +164,16 @@ class ActorGeneration:
             try:
                 part = backend.generate(chunk, chunk_params, **kw)
             except (torch.OutOfMemoryError, RuntimeError) as error:
-                if not is_oom(error) or (self.micro_batch <= self.minimum and first_chunk is None):
+                if not is_oom(error) or (first_chunk is None and self.micro_batch <= self.minimum):
                     raise
+                self.retries += 1
                 if first_chunk is not None:  # the one call did not fit: micro-batches from here
                     first_chunk = None
-                    self.retries += 1
                     log.warning("rollout out of memory with %d prompts in one call; retrying in micro-batches of %d",
                                 size, self.micro_batch)
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
-                    continue
-                self.micro_batch = max(self.minimum, self.micro_batch // 2)
-                self.retries += 1
-                log.warning("rollout out of memory at micro-batch %d; retrying at %d", size, self.micro_batch)
+                else:
+                    self.micro_batch = max(self.minimum, self.micro_batch // 2)
+                    log.warning("rollout out of memory at micro-batch %d; retrying at %d", size, self.micro_batch)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 continue

@@ -200,8 +200,8 @@ class PartialSource:
     def _decode(self, step: int) -> RolloutBatch:
         """One segment of every open sample, carried ones first (oldest group first), in one call."""
         t, c = self.trainer, self.trainer.c
-        open_ = [s for g in self.groups for s in g.samples if not s.done]
-        prompts = [g.prompt + s.tokens for g in self.groups for s in g.samples if not s.done]
+        open_ = [(g, s) for g in self.groups for s in g.samples if not s.done]
+        prompts = [g.prompt + s.tokens for g, s in open_]
         params = t.sampling(step)  # a lower cap of the step's own (a warm-up's) holds too
         params = dataclasses.replace(params, max_new_tokens=min(self.segment, self.max_new, params.max_new_tokens))
         t.hook.rlcore_before_generation(step=step, prompts=prompts)
@@ -211,7 +211,7 @@ class PartialSource:
         t.hook.rlcore_after_generation(step=step, rollout=rollout)
         eos = set(int(e) for e in c.eos_ids)
         ids, mask, logprobs = rollout.response_ids.cpu(), rollout.response_mask.cpu().bool(), rollout.logprobs.cpu()
-        for row, sample in enumerate(open_):
+        for row, (_, sample) in enumerate(open_):
             got = ids[row][mask[row]]
             keep = min(len(got), self.max_new - len(sample.tokens))
             new = got[:keep].tolist()

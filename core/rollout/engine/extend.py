@@ -102,9 +102,11 @@ class ExtendGraphs:
                                   eng.page_size, width)
         m = len(last)
         most = min(width, len(self.last))  # rows of the graph's output (the padding ones read token 0)
-        self.tokens[:, :width].copy_(eng._to_device(table), non_blocking=True)
-        self.last[:most].copy_(eng._to_device(torch.tensor(last + [0] * (most - m), dtype=torch.long)),
-                               non_blocking=True)
+        # straight from pinned host memory into the buffers the graphs read (one copy each)
+        cuda = eng.device.type == "cuda"
+        for buffer, host in ((self.tokens[:, :width], table),
+                             (self.last[:most], torch.tensor(last + [0] * (most - m), dtype=torch.long))):
+            buffer.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
         key = (width, length_bucket(needed, eng.max_seq_len))
         if not self.capture:
             return self._forward(*key, most)[:m]

@@ -392,10 +392,10 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
         bias: ``[B, S]`` additive key mask; columns below ``columns[i]`` with 0 are row ``i``'s history.
         cos_table, sin_table: as for :func:`prefill`.
         length: the columns attended (at least every row's last new column + 1).
-        attention: ``"triton"`` with ``table``: each new token attends as a query of the paged decode
-            kernel (:func:`rlcore.kernels.decode_attention.attend`) with its row's pages and a key mask
-            of its own (its history and its row's new tokens up to itself): no gather of the rows'
-            keys/values, no repeat of the key/value heads. Otherwise (``"sdpa"``) the rows' keys and
+        attention: ``"triton"`` with ``table``: :func:`extend_tokens` (each new token attends as a query
+            of the paged decode kernel, :func:`rlcore.kernels.decode_attention.attend`, with its row's
+            pages and a key mask of its own: no gather of the rows' keys/values, no repeat of the
+            key/value heads). Otherwise (``"sdpa"``) the rows' keys and
             values are gathered and one masked SDPA call runs per layer.
         tuning: the decode kernel's tuning (``attention="triton"``).
     Returns:
@@ -411,6 +411,13 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
     last = (counts.cumsum(0) - 1).to(dev, non_blocking=True)
     cols = columns[which] + offset  # [T] cache column of each new token
     pos = positions[which] + offset
+    # where each new token's key/value goes: (cache row, column) or (page, row in the page)
+    at = (rows[which], cols) if table is None else (table[rows[which], cols // cache.shape[4]].long(),
+                                                    cols % cache.shape[4])
+    if attention == "triton" and table is not None:  # one query row per new token: its row's pages, its own key mask
+        tokens = torch.stack([ids[which, offset], rows[which], cols, pos, columns[which], *at])
+        hidden = extend_tokens(weights, spec, cache, table, tokens, last, bias, cos_table, sin_table, length, tuning)
+        return F.linear(hidden, weights.lm_head)
     cos = cos_table[pos].to(dtype)[:, None]  # [T, 1, D]
     sin = sin_table[pos].to(dtype)[:, None]
     span = torch.arange(length, device=dev)
@@ -420,19 +427,9 @@ def extend(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, rows
     start = columns[:, None, None]
     allowed = (((bias[rows, :length] == 0)[:, None, :] & (span[None, None] < start))
                | ((span[None, None] >= start) & (span[None, None] <= start + step[None, :, None])))
-    if attention == "triton" and table is not None:  # one query row per new token: its row's pages, its own key mask
-        attend_new = functools.partial(
-            _attend_paged, table=table[rows[which]], page_size=cache.shape[4], length=length, spec=spec,
-            bias=torch.where(allowed[which, offset], 0.0, float("-inf")).to(bias.dtype),
-            tuning={k: v for k, v in (tuning or {}).items() if k != "rope_rows"})  # rope_rows: a decode-step setting
-    else:
-        attend_new = functools.partial(_attend_gathered, rows=rows, table=table, length=length, width=width,
-                                       which=which, offset=offset, allowed=allowed, spec=spec)
-    x = F.embedding(ids[which, offset], weights.embed)  # [T, H]
-    # where each new token's key/value goes: (cache row, column) or (page, row in the page)
-    at = (rows[which], cols) if table is None else (table[rows[which], cols // cache.shape[4]].long(),
-                                                    cols % cache.shape[4])
-    x = _new_tokens(weights, spec, cache, x, cos, sin, at, attend_new)
+    attend_new = functools.partial(_attend_gathered, rows=rows, table=table, length=length, width=width,
+                                   which=which, offset=offset, allowed=allowed, spec=spec)
+    x = _new_tokens(weights, spec, cache, F.embedding(ids[which, offset], weights.embed), cos, sin, at, attend_new)
     return F.linear(rms_norm(x[last], weights.norm, spec.rms_eps), weights.lm_head)
 
 

@@ -242,7 +242,12 @@ class Scheduler:
         self.slot_req = [self.slot_req[s] for s in live] + [None] * (cap - m)
         self.born = [self.born[s] for s in live] + [0] * (cap - m)
         self.col0 = [self.col0[s] for s in live] + [0] * (cap - m)
+        self._moved(live, perm)
         self._relive()
+
+    def _moved(self, live: list[int], perm: torch.Tensor) -> None:
+        """Compaction moved rows ``live`` to ``0..len(live)-1`` (``perm`` on the device): a subclass moves
+        the per-row state of its own here, before the step loop's numbers are derived again."""
 
     def _finished(self, n: int) -> list[int]:
         """Slots done after this step: at the token limit, or (on check steps) past an EOS."""

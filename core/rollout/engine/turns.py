@@ -196,32 +196,26 @@ class TurnScheduler(Scheduler):
         self.reserved.pop(req, None)
         super()._preempt(slot)
 
-    def _maybe_compact(self) -> None:
-        old = list(self.live)
-        super()._maybe_compact()
-        if self.live == old:
-            return
-        where = {s: i for i, s in enumerate(old)}
+    def _moved(self, live: list[int], perm: torch.Tensor) -> None:
+        """The paused rows, the rows' draw keys and (static cache) the pins follow the compaction."""
+        where = {s: i for i, s in enumerate(live)}
         for pause in self.paused.values():
             if pause.row is not None:
                 pause.row = where[pause.row]
-        perm, m = self._rows(old), len(old)
+        m = len(live)
         self.row_key[:m] = self.row_key.index_select(0, perm)
         if not self.eng.paged:
             self.pinned[:m] = self.pinned.index_select(0, perm)
             self.pin_at[:, :m] = self.pin_at.index_select(1, perm)
             self.pinned[m:] = False
-        # the base class derived the step loop's numbers (the first step a decoding slot reaches its
-        # budget, the attended length) before the paused rows above were moved: derive them again
-        self._relive()
 
     def _pinned_rows(self) -> set[int]:
         return {p.row for p in self.paused.values() if p.row is not None}
 
     def _relive(self) -> None:
         super()._relive()
-        self.in_flight_peak = max(self.in_flight_peak, len(self.live) + len(self.paused) - len(self._pinned_rows()))
         pinned = self._pinned_rows()
+        self.in_flight_peak = max(self.in_flight_peak, len(self.live) + len(self.paused) - len(pinned))
         decoding = [s for s in self.live if s not in pinned]
         # the first step at which a decoding slot reaches its own budget; the attended length covers
         # the decoding slots and the turn ends the pinned ones stay at
@@ -287,7 +281,7 @@ class TurnScheduler(Scheduler):
                 if not flags[s] and not self.stop_texts:
                     continue
                 row = snap.tokens[s].tolist()
-                if flags[s] or find_turn_end(row, self.turn_start[self.slot_req[s]], count, set(), self.stop_texts,
+                if flags[s] or find_turn_end(row, self.turn_start[req], count, set(), self.stop_texts,
                                              self.decode_text) is not None:
                     self.seen[s] = (row, count)
                     found.append(s)
@@ -296,7 +290,8 @@ class TurnScheduler(Scheduler):
         return sorted(set(finished) | set(found))
 
     def _finish(self, slots: list[int]) -> None:
-        slots = [s for s in slots if s not in self._pinned_rows()]
+        pinned = self._pinned_rows()
+        slots = [s for s in slots if s not in pinned]
         seen, self.seen = self.seen, {}
         if not slots:
             return
