@@ -97,7 +97,10 @@ def run_kind(args, kind, engine, runner, prompts, ends) -> list[dict]:
 
     multi(0)  # warm-up: graphs, compilation
     if args.profile:
-        profile(args, kind, lambda: multi(100))
+        batch, _ = profile(args, f"{kind}_multi", lambda: multi(100))
+        per_seq = max(1, round(float(batch.response_mask.sum()) / len(prompts)))
+        single(0, per_seq)
+        profile(args, f"{kind}_single", lambda: single(100, per_seq))
     rows = []
     for r in range(args.repeats):
         sec_m, (batch, episodes) = timed(lambda: multi(r + 1))
@@ -117,20 +120,23 @@ def run_kind(args, kind, engine, runner, prompts, ends) -> list[dict]:
     return rows
 
 
-def profile(args, kind, call) -> None:
-    """A ``torch.profiler`` table (device time first where there is a device) of ``call`` in ``--out``'s folder."""
+def profile(args, name, call):
+    """A ``torch.profiler`` table (device time first where there is a device) of ``call`` in ``--out``'s folder,
+    headed by the call's wall seconds; returns what ``call`` returned."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        call()
+        seconds, result = timed(call)
     key = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=40)
     folder = os.path.dirname(os.path.abspath(args.out)) if args.out else "."
-    path = os.path.join(folder, f"multiturn_profile_{kind}.txt")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"multiturn_profile_{name}.txt")
     with open(path, "w") as fh:
-        fh.write(table)
-    print(f"profile of one multi-turn call ({kind}) written to {path}")
+        fh.write(f"{name}: {seconds:.3f} s wall under the profiler\n{table}")
+    print(f"profile of one call ({name}, {seconds:.3f} s) written to {path}")
+    return result
 
 
 def main() -> None:
