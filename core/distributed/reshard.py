@@ -43,18 +43,19 @@ class SwitchTimer:
 
     @contextlib.contextmanager
     def measure(self, name: str) -> Iterator[None]:
+        from rlcore.observe.peak import window
+
         self._sync()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.values[f"reshard/{name}_s"] = time.perf_counter() - t0
-            if self.device.type == "cuda":
-                self.values[f"reshard/{name}_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            log.debug("reshard %s: %.4f s", name, self.values[f"reshard/{name}_s"])
+        with window(self.device) as peak:  # the switch's own peak; the run's peak is kept
+            try:
+                yield
+            finally:
+                self._sync()
+        self.values[f"reshard/{name}_s"] = time.perf_counter() - t0
+        if peak.peak is not None:
+            self.values[f"reshard/{name}_peak_gb"] = peak.peak / 2**30
+        log.debug("reshard %s: %.4f s", name, self.values[f"reshard/{name}_s"])
 
 
 @contextlib.contextmanager

@@ -35,7 +35,9 @@ class StepPerf:
         except ImportError:
             pass
         if self.device.type == "cuda":
-            out["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            from rlcore.observe.peak import max_allocated
+
+            out["memory/peak_gb"] = max_allocated(self.device) / 2**30
             retries = self._retries()
             out["memory/alloc_retries"] = float(retries - self.retries_seen)
             self.retries_seen = retries

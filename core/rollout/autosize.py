@@ -59,15 +59,16 @@ def measure_sample_bytes(run: Callable[[int], object], *, probe: tuple[int, int]
     dev = torch.device(device) if device is not None else torch.device("cuda")
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise ValueError("measure_sample_bytes: needs a CUDA device")
+    from rlcore.observe.peak import window
+
     peaks = []
     for batch in probe:
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        run(batch)
-        torch.cuda.synchronize(dev)
-        peaks.append(torch.cuda.max_memory_allocated(dev) - base)
+        with window(dev) as peak:  # the run's peak is kept
+            run(batch)
+            torch.cuda.synchronize(dev)
+        peaks.append(peak.above_base)
     slope = (peaks[1] - peaks[0]) / max(1, probe[1] - probe[0])
     return max(1, int(slope))
 

@@ -7,6 +7,14 @@ memory free at that moment: the free memory of the device plus what PyTorch's ca
 holds unused (CUDA), the available physical memory (CPU). Short micro-batches run at full speed,
 long ones fit. ``true``/``false`` keep checkpointing on/off for every micro-batch.
 
+The estimate from the model's shape is a planning figure (it counts every saved tensor as if none
+were shared or freed early; about twice what a 1.5B model keeps). On CUDA each micro-batch that
+runs without checkpointing measures what its forward and backward added at their peak
+(:func:`rlcore.observe.peak.window`, the run's peak kept); from the largest such micro-batch on
+(at least :data:`MEASURE_MIN_TOKENS` tokens), that figure per token, times :data:`MARGIN`, replaces
+the estimate. It is measured, so it counts what the estimate misses as well (the gradients' first
+allocation, the fused head's chunk), and the decisions after it recompute only what does not fit.
+
 The switch is the ``gradient_checkpointing`` flag of Hugging Face decoder layers
 (``GradientCheckpointingLayer``), read at every forward; a model without such layers cannot be
 switched per micro-batch and trains without checkpointing under ``auto`` (logged).
@@ -28,6 +36,11 @@ FREE_SHARE = 0.9
 #: The smallest token budget :meth:`Recompute.token_budget` lowers a micro-batch to (below it,
 #: checkpointing the larger one is the better trade).
 MIN_BUDGET = 4096
+#: Measured bytes per token are used only from micro-batches of at least this many tokens (fixed
+#: costs spread over fewer tokens would overstate the rate).
+MEASURE_MIN_TOKENS = 2048
+#: Headroom on a measured rate (allocator rounding, a longer micro-batch's attention buffers).
+MARGIN = 1.15
 
 
 def activation_bytes_per_token(config: Any, dtype: torch.dtype, logits: bool = True) -> int:
@@ -96,7 +109,9 @@ class Recompute:
                      "activation checkpointing", role, type(model).__name__)
             self.auto = False
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        self.bytes_per_token = activation_bytes_per_token(config, dtype, logits)
+        self.estimated_bytes_per_token = activation_bytes_per_token(config, dtype, logits)
+        self.measured_tokens = 0  # tokens of the largest micro-batch measured so far (0: none)
+        self.measured_bytes_per_token = 0.0
         self.lowers_budget = not logits
         self.decisions: list[bool] = []
         if self.auto:
@@ -105,6 +120,28 @@ class Recompute:
     def _set(self, on: bool) -> None:
         for layer in self.layers:
             layer.gradient_checkpointing = on
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Activation bytes a token is planned at: measured (times :data:`MARGIN`) once a micro-batch of
+        at least :data:`MEASURE_MIN_TOKENS` ran without checkpointing, the shape's estimate before."""
+        if self.measured_tokens:
+            return self.measured_bytes_per_token * MARGIN
+        return float(self.estimated_bytes_per_token)
+
+    def observe(self, tokens: int, added_bytes: int) -> None:
+        """Record that a micro-batch of ``tokens`` tokens, without checkpointing, added ``added_bytes`` at
+        its peak; the largest such micro-batch (ties: the higher rate) sets :attr:`bytes_per_token`."""
+        if tokens < MEASURE_MIN_TOKENS or added_bytes <= 0 or tokens < self.measured_tokens:
+            return
+        rate = added_bytes / tokens
+        if tokens == self.measured_tokens and rate <= self.measured_bytes_per_token:
+            return
+        if not self.measured_tokens:
+            log.info("%s.gradient_checkpointing=auto: measured %.2f MB of activations a token (%d tokens without "
+                     "checkpointing), against %.2f MB estimated from the model's shape", self.role, rate / 1e6,
+                     tokens, self.estimated_bytes_per_token / 1e6)
+        self.measured_tokens, self.measured_bytes_per_token = int(tokens), float(rate)
 
     def needed(self, tokens: int) -> bool:
         """Whether a micro-batch of ``tokens`` tokens should recompute (its activations would not fit)."""
@@ -118,7 +155,7 @@ class Recompute:
         given otherwise (and when even the floor would need checkpointing)."""
         if not self.auto or not self.lowers_budget or budget <= 0:
             return budget
-        fits = int(FREE_SHARE * free_bytes(self.device)) // max(1, self.bytes_per_token) // 8 * 8
+        fits = int(FREE_SHARE * free_bytes(self.device) // max(1.0, self.bytes_per_token)) // 8 * 8
         return max(MIN_BUDGET, fits) if MIN_BUDGET <= fits < budget else budget
 
     @contextlib.contextmanager
@@ -127,11 +164,19 @@ class Recompute:
         if not self.auto:
             yield
             return
+        from rlcore.observe.peak import window
+
         on = self.needed(tokens)
         self.decisions.append(on)
         self._set(on)
         try:
-            yield
+            if on:
+                yield
+            else:
+                with window(self.device) as peak:
+                    yield
+                if peak.above_base is not None:
+                    self.observe(tokens, peak.above_base)
         finally:
             self._set(False)
 
@@ -139,6 +184,7 @@ class Recompute:
         """``<role>/recompute_frac``: share of the micro-batches since the last call that recomputed."""
         if not self.decisions:
             return {}
-        out = {f"{self.role}/recompute_frac": sum(self.decisions) / len(self.decisions)}
+        out = {f"{self.role}/recompute_frac": sum(self.decisions) / len(self.decisions),
+               f"{self.role}/activation_mb_per_token": self.bytes_per_token / 1e6}
         self.decisions = []
         return out

@@ -241,7 +241,7 @@ def test_auto_checkpointing_recomputes_only_what_does_not_fit(monkeypatch):
         with policy.for_tokens(tokens):
             seen.append(layer.gradient_checkpointing)
     assert seen == [False, True] and not layer.gradient_checkpointing
-    assert policy.take_metrics() == {"actor/recompute_frac": 0.5}
+    assert policy.take_metrics() == {"actor/recompute_frac": 0.5, "actor/activation_mb_per_token": per_token / 1e6}
     # the update with checkpointing on for every long micro-batch has the same gradient
     exp = _experience(model, None, seed=7, packed=False)
     monkeypatch.setattr(recompute, "free_bytes", lambda device: 0)

@@ -1,0 +1,87 @@
+"""``gradient_checkpointing=auto`` plans by the activation memory it measured, not only the shape's estimate."""
+
+import contextlib
+
+import torch
+
+from rlcore.distributed.fsdp import enable_gradient_checkpointing
+from rlcore.observe import peak
+from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.trainer import recompute
+
+
+def _policy(logits=True):
+    model = tiny_causal_lm("qwen2")
+    enable_gradient_checkpointing(model)
+    return recompute.Recompute(model, "auto", model.config, torch.device("cpu"), logits=logits), model
+
+
+def test_a_measured_rate_replaces_the_estimate_from_the_largest_micro_batch(monkeypatch):
+    policy, model = _policy()
+    estimate = policy.bytes_per_token
+    assert estimate == recompute.activation_bytes_per_token(model.config, torch.float32)
+    big = recompute.MEASURE_MIN_TOKENS
+    policy.observe(big // 2, int(big // 2 * estimate / 10))  # too few tokens: fixed costs would dominate
+    assert policy.bytes_per_token == estimate
+    policy.observe(big, int(big * estimate / 2))
+    assert policy.bytes_per_token == estimate / 2 * recompute.MARGIN
+    policy.observe(big, int(big * estimate / 4))  # the same size, a lower rate: the higher one is kept
+    assert policy.bytes_per_token == estimate / 2 * recompute.MARGIN
+    policy.observe(2 * big, int(2 * big * estimate * 2 / 3))  # a larger micro-batch sets the rate, even if higher
+    assert abs(policy.bytes_per_token - estimate * 2 / 3 * recompute.MARGIN) < 1e-6 * estimate
+    policy.observe(big, int(big * estimate / 8))  # a smaller one no longer does
+    assert abs(policy.bytes_per_token - estimate * 2 / 3 * recompute.MARGIN) < 1e-6 * estimate
+
+
+def test_decisions_and_the_budget_follow_the_measured_rate(monkeypatch):
+    policy, _ = _policy(logits=False)
+    estimate = policy.bytes_per_token
+    tokens = 4 * recompute.MEASURE_MIN_TOKENS
+    free = int(tokens * estimate * 0.7)  # by the estimate, `tokens` would not fit
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: free)
+    assert policy.needed(tokens)
+    lowered = policy.token_budget(8 * tokens)
+    assert recompute.MIN_BUDGET <= lowered < tokens
+
+    def measuring(added):  # a stand-in for the CUDA allocator's figures
+        @contextlib.contextmanager
+        def window(device):
+            out = peak.Window(base=1000)
+            yield out
+            out.peak = 1000 + added
+        return window
+
+    # a micro-batch run without checkpointing measures half the estimate per token
+    monkeypatch.setattr(peak, "window", measuring(int(lowered * estimate / 2)))
+    layer = policy.layers[0]
+    with policy.for_tokens(lowered):
+        assert not layer.gradient_checkpointing
+    assert policy.measured_tokens == lowered
+    assert not policy.needed(tokens)  # 0.5 x 1.15 of the estimate fits in 0.9 x 0.7 of it
+    assert policy.token_budget(8 * tokens) > tokens
+    metrics = policy.take_metrics()
+    assert metrics["actor/recompute_frac"] == 0.0
+    assert abs(metrics["actor/activation_mb_per_token"] - estimate / 2 * recompute.MARGIN / 1e6) < 1e-3
+
+
+def test_a_recomputed_micro_batch_measures_nothing(monkeypatch):
+    policy, _ = _policy()
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: 0)
+    calls = []
+
+    @contextlib.contextmanager
+    def window(device):
+        calls.append(device)
+        yield peak.Window(base=0, peak=10**12)
+
+    monkeypatch.setattr(peak, "window", window)
+    with policy.for_tokens(4 * recompute.MEASURE_MIN_TOKENS):
+        assert policy.layers[0].gradient_checkpointing
+    assert calls == [] and policy.measured_tokens == 0
+
+
+def test_the_window_off_cuda_measures_nothing_and_keeps_no_peak():
+    with peak.window("cpu") as w:
+        torch.ones(1000)
+    assert w.base is None and w.peak is None and w.above_base is None
+    assert peak.max_allocated("cpu") == 0
