@@ -25,6 +25,7 @@ Smoke (CPU): python bench/check_models.py --shapes tiny-qwen3,tiny-llama3 --dtyp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import sys
@@ -49,7 +50,54 @@ VARIANTS = {
     # the two halves of the default, apart: which one moves the log-probs
     "triton-eager": dict(attention="triton", compile=False),
     "sdpa-compiled": dict(attention="sdpa"),
+    # which compiled op rounds apart: RMSNorm kept out of Inductor's fusion (an opaque op running the
+    # eager code), and the compiled step without emulate_precision_casts
+    "opaque-norm": dict(patch="opaque-norm"),
+    "sdpa-opaque-norm": dict(attention="sdpa", patch="opaque-norm"),
+    "no-emulate": dict(patch="no-emulate"),
 }
+
+
+@contextlib.contextmanager
+def patched(name: str | None):
+    """The engine's code as the variant ``name`` changes it while an engine is built and run."""
+    from rlcore.rollout.engine import decode, llama
+
+    if name is None:
+        yield
+        return
+    saved = {}
+    if name == "opaque-norm":
+        original = llama.rms_norm
+        if not hasattr(patched, "op"):
+            @torch.library.custom_op("rlcore_bench::rms_norm", mutates_args=())
+            def op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+                return original(x, weight, eps)
+
+            @op.register_fake
+            def _(x, weight, eps):
+                return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+            patched.op = op
+        saved = {(decode, "rms_norm"): decode.rms_norm, (llama, "rms_norm"): llama.rms_norm}
+        decode.rms_norm = llama.rms_norm = patched.op
+    elif name == "no-emulate":
+        plain = decode.compile_options
+
+        def without(mode):
+            options = plain(mode)
+            options.pop("emulate_precision_casts", None)
+            return options
+
+        saved = {(decode, "compile_options"): decode.compile_options}
+        decode.compile_options = without
+    else:
+        raise ValueError(f"unknown patch {name!r}")
+    try:
+        yield
+    finally:
+        for (module, attr), value in saved.items():
+            setattr(module, attr, value)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -131,13 +179,15 @@ def check_shape(shape: str, args) -> list[dict[str, Any]]:
             if not supported:
                 raise RuntimeError(f"RolloutEngine.supports() is False for {shape}")
             start = time.perf_counter()
-            engine = RolloutEngine(model, max_batch_size=len(prompts),
-                                   max_seq_len=max(map(len, prompts)) + max(args.new_tokens, args.sampled_tokens),
-                                   dtype=dtype, **VARIANTS[variant])
-            row.update(attention=engine.attention, compiled=engine.compile, graphs=engine.use_cuda_graphs,
-                       rope_in_attention=engine.rope_in_attention)
-            row["greedy"] = greedy_check(model, engine, prompts, args.new_tokens, args.tie_tol)
-            row["sampled"] = sampled_check(model, engine, prompts, args.sampled_tokens, args.seed)
+            options = dict(VARIANTS[variant])
+            with patched(options.pop("patch", None)):
+                engine = RolloutEngine(model, max_batch_size=len(prompts),
+                                       max_seq_len=max(map(len, prompts)) + max(args.new_tokens, args.sampled_tokens),
+                                       dtype=dtype, **options)
+                row.update(attention=engine.attention, compiled=engine.compile, graphs=engine.use_cuda_graphs,
+                           rope_in_attention=engine.rope_in_attention)
+                row["greedy"] = greedy_check(model, engine, prompts, args.new_tokens, args.tie_tol)
+                row["sampled"] = sampled_check(model, engine, prompts, args.sampled_tokens, args.seed)
             row["seconds"] = time.perf_counter() - start
             del engine
         except Exception as error:  # noqa: BLE001 - one failing variant must not lose the others
