@@ -112,7 +112,6 @@ class Recompute:
         self.estimated_bytes_per_token = activation_bytes_per_token(config, dtype, logits)
         self.measured_tokens = 0  # tokens of the largest micro-batch measured so far (0: none)
         self.measured_bytes_per_token = 0.0
-        self.lowers_budget = not logits
         self.decisions: list[bool] = []
         if self.auto:
             self._set(False)
@@ -148,12 +147,13 @@ class Recompute:
         return tokens * self.bytes_per_token > FREE_SHARE * free_bytes(self.device)
 
     def token_budget(self, budget: int) -> int:
-        """``ppo.max_tokens_per_micro_batch`` as this role trains it: under ``auto`` with the fused head
-        (``logits=False``: no logits row per token, so the estimate holds), lowered (to a multiple of 8,
-        not under :data:`MIN_BUDGET`) to the tokens whose activations fit in the free memory now, since
-        more, smaller micro-batches cost less than recomputing every layer's forward; ``budget`` as
-        given otherwise (and when even the floor would need checkpointing)."""
-        if not self.auto or not self.lowers_budget or budget <= 0:
+        """``ppo.max_tokens_per_micro_batch`` as this role trains it: under ``auto``, lowered (to a multiple
+        of 8, not under :data:`MIN_BUDGET`) to the tokens whose activations fit in the free memory now
+        (at :attr:`bytes_per_token`: the shape's estimate until a micro-batch measured it), since more,
+        smaller micro-batches cost less than recomputing every layer's forward, and a micro-batch that
+        runs without checkpointing measures the rate the next budgets use; ``budget`` as given
+        otherwise (and when even the floor would need checkpointing)."""
+        if not self.auto or budget <= 0:
             return budget
         fits = int(FREE_SHARE * free_bytes(self.device) // max(1.0, self.bytes_per_token)) // 8 * 8
         return max(MIN_BUDGET, fits) if MIN_BUDGET <= fits < budget else budget
