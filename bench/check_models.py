@@ -55,10 +55,11 @@ VARIANTS = {
     "opaque-norm": dict(patch="opaque-norm"),
     "sdpa-opaque-norm": dict(attention="sdpa", patch="opaque-norm"),
     "no-emulate": dict(patch="no-emulate"),
-    # the compiled step's split-K products (partials rounded to bf16 before their sum) and transposed gate/up
+    # the compiled step's split-K products and transposed gate/up: without them, and with the split-K
+    # partials rounded to the compute dtype before their sum (as before they were kept in float32)
     "no-split": dict(split_k=None),
     "no-split-no-turn": dict(split_k=None, mlp_transposed=False),
-    "fp32-partials": dict(patch="fp32-partials"),
+    "rounded-partials": dict(patch="rounded-partials"),
 }
 
 
@@ -95,22 +96,11 @@ def patched(name: str | None):
 
         saved = {(decode, "compile_options"): decode.compile_options}
         decode.compile_options = without
-    elif name == "fp32-partials":
-        plain_partials = decode._partials
+    elif name == "rounded-partials":
+        exact_partials = decode._partials
 
-        def partials(x, weight, bias, splits):
-            n, inner = x.shape
-            if splits == 1 or inner % splits or not x.is_cuda:
-                return plain_partials(x, weight, bias, splits)
-            width = inner // splits
-            if x.stride(0) == 1 and n > 1:
-                slices = x.t().reshape(splits, width, n).transpose(1, 2)
-            else:
-                slices = x.view(n, splits, width).transpose(0, 1)
-            out = torch.bmm(slices, weight.view(-1, splits, width).permute(1, 2, 0), out_dtype=torch.float32)
-            if bias is not None:
-                out[0] += bias
-            return out
+        def partials(x, weight, bias, splits, exact=True):
+            return exact_partials(x, weight, bias, splits, exact=False)
 
         saved = {(decode, "_partials"): decode._partials}
         decode._partials = partials

@@ -237,7 +237,7 @@ if triton is not None:
             q, key, value = _rotate_new(q_ptr + slot * sq_n + q_cols, q_cols, sq_d, row_ok,
                                         new_ptr + slot * sn_n + head * dim, head * dim, k_off, v_off,
                                         cos_ptr, sin_ptr, rope_at, feats, feat_ok, part_stride, pbias_ptr,
-                                        q_ptr.dtype.element_ty, dim, PARTS, PBIAS)
+                                        k_ptr.dtype.element_ty, dim, PARTS, PBIAS)
             key = key.to(k_ptr.dtype.element_ty)
             if part == 0:
                 if PAGED:
@@ -473,7 +473,8 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
         proj_bias: ``[(heads + 2·kv_heads)·D]`` added to the (summed) projection, for a ``proj``
             given without its bias.
     Returns:
-        ``[n, heads·D]`` in ``proj``'s dtype.
+        ``[n, heads·D]`` in ``layer``'s dtype (``proj`` may be float32 partial products of a bf16 model:
+        their sum is rounded once, to the cache's dtype, as the model rounds its projection).
 
     The ``torch.library`` operator ``rlcore::attend_new`` (mutating ``layer``; fake implementation: the
     result's shape) runs it when the call is traced (:func:`_traced`).
@@ -516,7 +517,7 @@ attend_new_op = torch.library.custom_op("rlcore::attend_new", _attend_new, mutat
 @attend_new_op.register_fake
 def _(proj, layer, bias, length, cos, sin, positions, columns, heads, kv_heads, splits, block_n, num_warps,
       num_stages, counters, source, end, table, page_size, proj_bias, subblocks):
-    return proj.new_empty(proj.shape[-2], heads * layer.shape[-1])
+    return proj.new_empty(proj.shape[-2], heads * layer.shape[-1], dtype=layer.dtype)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -553,7 +554,8 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     if not 0 < length <= columns or cache_rows < n or bias.shape[0] < n:
         raise ValueError(f"decode attention: length {length} outside the cache's {columns} columns, "
                          f"or fewer cache/bias rows ({cache_rows}, {bias.shape[0]}) than queries ({n})")
-    out = torch.empty(n, kv_heads, group, dim, dtype=q.dtype, device=device)
+    out = torch.empty(n, kv_heads, group, dim, dtype=layer.dtype, device=device)  # float32 projection parts
+    # (summed unrounded) still give queries, keys and an output in the cache's dtype
     width = kv_heads * group * dim
     if n == 0:
         return out.view(n, width)
@@ -584,7 +586,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     part_stride, proj_bias, proj_parts = summed
     new_args = (*new_args, part_stride, q if proj_bias is None else proj_bias, table,
                 table.stride(0) if pages is not None else 0)
-    ieee = q.dtype == torch.float32 or interpreting()
+    ieee = layer.dtype == torch.float32 or interpreting()
     constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows), PARTS=proj_parts,
                      PBIAS=proj_bias is not None,
                      SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SUB=subblocks,

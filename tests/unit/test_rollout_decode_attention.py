@@ -277,6 +277,54 @@ def test_the_kernel_rounds_rope_as_the_model_does_in_bf16(parts):
     assert not torch.equal(once, expected)  # the test tells the two roundings apart
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or decode_attention.triton is None,
+                    reason="needs CUDA (Triton's interpreter truncates when it casts to bf16)")
+def test_float32_parts_of_a_bf16_model_are_rounded_once_to_the_cache_dtype():
+    """Partial products kept in float32 (the decode step's split-K on CUDA) are summed with the bias
+    and rounded once to the cache's bf16, as the model rounds its one product; the output is bf16."""
+    from rlcore.rollout.engine.llama import rotate
+
+    gen = torch.Generator().manual_seed(9)
+    n, heads, kv_heads, dim, columns, length = 3, 4, 2, 32, 40, 24
+    width = (heads + 2 * kv_heads) * dim
+    pieces = torch.randn(2, n, width, generator=gen)  # float32, unrounded
+    proj_bias = torch.randn(width, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(2, columns, dim, generator=gen)
+    positions, at = torch.tensor([3, 11, 20]), torch.tensor([length - 1, 9, 15])
+    layer = torch.zeros(2, n, kv_heads, columns, dim, dtype=torch.bfloat16, device=DEVICE)
+    bias = torch.zeros(n, columns, dtype=torch.bfloat16, device=DEVICE)
+    out = decode_attention.attend_new(pieces.to(DEVICE), layer, bias, length, cos.to(DEVICE), sin.to(DEVICE),
+                                      positions.to(DEVICE), at.to(DEVICE), heads, kv_heads,
+                                      proj_bias=proj_bias.to(DEVICE))
+    assert out.dtype == torch.bfloat16 and out.shape == (n, heads * dim)
+    summed = (pieces.sum(0) + proj_bias.float()).to(torch.bfloat16)
+    keys = summed[:, heads * dim:(heads + kv_heads) * dim].view(n, kv_heads, dim)
+    c, s = cos[positions].to(torch.bfloat16)[:, None], sin[positions].to(torch.bfloat16)[:, None]
+    assert torch.equal(layer[0, torch.arange(n), :, at.to(DEVICE)].cpu(), rotate(keys, c, s))
+    values = summed[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
+    assert torch.equal(layer[1, torch.arange(n), :, at.to(DEVICE)].cpu(), values)
+    rounded_parts = (pieces.to(torch.bfloat16).float().sum(0) + proj_bias.float()).to(torch.bfloat16)
+    assert not torch.equal(rounded_parts, summed)  # rounding each part first would differ
+
+
+@needs_kernel
+def test_float32_parts_give_an_output_in_the_cache_dtype():
+    """The kernel's output and the values it writes are in the cache's dtype, whatever the parts' dtype."""
+    gen = torch.Generator().manual_seed(4)
+    n, heads, kv_heads, dim, columns, length = 2, 4, 2, 16, 32, 20
+    pieces = torch.randn(2, n, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos, sin = torch.randn(2, columns, dim, generator=gen)
+    positions, at = torch.tensor([3, 11]), torch.tensor([length - 1, 9])
+    layer = torch.zeros(2, n, kv_heads, columns, dim, dtype=torch.bfloat16, device=DEVICE)
+    out = decode_attention.attend_new(pieces.to(DEVICE), layer, torch.zeros(n, columns, device=DEVICE), length,
+                                      cos.to(DEVICE), sin.to(DEVICE), positions.to(DEVICE), at.to(DEVICE),
+                                      heads, kv_heads)
+    assert out.dtype == torch.bfloat16 and out.shape == (n, heads * dim) and bool(torch.isfinite(out).all())
+    values = pieces.sum(0)[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
+    written = layer[1, torch.arange(n), :, at.to(DEVICE)].cpu().float()
+    assert torch.allclose(written, values, atol=2e-2, rtol=2e-2)
+
+
 @needs_kernel
 def test_projection_slices_and_bias_are_added_before_rope():
     """``attend_new`` given the q/k/v projection as 2 partial products and the bias equals

@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 
 from rlcore.config import load_config
 from rlcore.config.schema import RolloutEngineConfig
@@ -137,3 +138,15 @@ def test_every_setting_is_an_engine_argument():
     assert names == {f.name for f in dataclasses.fields(RolloutEngineConfig)}
     assert names <= set(arguments)
     assert not names & {"model", "max_batch_size", "max_seq_len", "device", "dtype"}
+
+
+def test_float32_partials_are_probed_on_cuda_only():
+    """Off CUDA the split-K partials keep the compute dtype and the probe does not turn them on."""
+    from rlcore.rollout.engine import decode
+
+    before = decode.FLOAT32_PARTIALS
+    assert decode.probe_float32_partials(torch.device("cpu")) is before
+    x, w = torch.randn(4, 8).bfloat16(), torch.randn(6, 8).bfloat16()
+    parts = decode._partials(x, w, None, 2)
+    assert parts.shape == (2, 4, 6) and parts.dtype == torch.bfloat16
+    torch.testing.assert_close(parts.float().sum(0), (x.float() @ w.float().T), atol=0.1, rtol=0.05)

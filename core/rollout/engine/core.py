@@ -203,6 +203,8 @@ class RolloutEngine:
         if split_k == "auto":
             split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
         self.split_k = decode.split_k_tuple(split_k)
+        if any(k > 1 for k in self.split_k):
+            decode.probe_float32_partials(self.device)
         if mlp_transposed == "auto":
             mlp_transposed = self.compile and self.device.type == "cuda"
         self.mlp_transposed = mlp_transposed

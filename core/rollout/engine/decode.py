@@ -84,7 +84,7 @@ def _project(x: torch.Tensor, ln1: torch.Tensor, qkv: tuple, qkv_bias: tuple, ep
     h = rms_norm(x, ln1, eps)
     if splits == 1 or len(qkv) != 1:
         return linear_group(h, qkv, qkv_bias)
-    if parts:
+    if parts:  # summed (and rounded to the cache's dtype) by the attention kernel
         return _partials(h, qkv[0], None, splits)
     return _sum(_partials(h, qkv[0], qkv_bias[0], splits)).to(x.dtype)
 
@@ -143,12 +143,16 @@ def _tail(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias, ln2: tor
     return _add(x, _partials(act.t() if turned else act, down, down_bias, split[2]))  # [n, I], maybe stored [I, n]
 
 
-def _partials(x: torch.Tensor, weight: torch.Tensor, bias, splits: int) -> torch.Tensor:
+def _partials(x: torch.Tensor, weight: torch.Tensor, bias, splits: int, exact: bool = True) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` as ``[splits, n, out]`` partial products over equal slices of the
     inner dimension, to be summed by the kernel that reads them (split-K without a reduction kernel).
 
     At a few hundred rows the narrow decode products (o, down) have too few output tiles to fill
-    the GPU; one batched product over the slices gives it ``splits`` times as many."""
+    the GPU; one batched product over the slices gives it ``splits`` times as many. ``exact`` (on
+    CUDA, bf16/fp16, where :data:`FLOAT32_PARTIALS`): the partials stay float32 (the library's accumulator, not rounded), so their
+    sum is rounded once, as the Hugging Face model rounds its one product; partials rounded to the
+    compute dtype each add their own rounding and moved the rollout's log-probs away from the
+    trainer's recomputation."""
     n, inner = x.shape
     if splits == 1 or inner % splits:
         return F.linear(x, weight, bias)[None]
@@ -157,10 +161,34 @@ def _partials(x: torch.Tensor, weight: torch.Tensor, bias, splits: int) -> torch
         slices = x.t().reshape(splits, width, n).transpose(1, 2)
     else:
         slices = x.view(n, splits, width).transpose(0, 1)
-    out = torch.bmm(slices, weight.view(-1, splits, width).permute(1, 2, 0))
+    mats = weight.view(-1, splits, width).permute(1, 2, 0)
+    if exact and slices.is_cuda and slices.dtype in (torch.bfloat16, torch.float16) and FLOAT32_PARTIALS:
+        out = torch.bmm(slices, mats, out_dtype=torch.float32)
+    else:
+        out = torch.bmm(slices, mats)
     if bias is not None:
         out[0] += bias
     return out
+
+
+#: whether this torch computes a bf16/fp16 batched product into float32 on CUDA (``torch.bmm(...,
+#: out_dtype=torch.float32)``); set by :func:`probe_float32_partials` when an engine is built on CUDA
+FLOAT32_PARTIALS = False
+
+
+def probe_float32_partials(device: torch.device) -> bool:
+    """Check once, outside any compiled code, that ``torch.bmm`` takes ``out_dtype`` on ``device``; sets
+    :data:`FLOAT32_PARTIALS` (older torch: the partials stay in the compute dtype)."""
+    global FLOAT32_PARTIALS
+    device = torch.device(device)
+    if device.type != "cuda" or FLOAT32_PARTIALS:
+        return FLOAT32_PARTIALS
+    try:
+        a = torch.ones(1, 2, 2, dtype=torch.bfloat16, device=device)
+        FLOAT32_PARTIALS = torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        FLOAT32_PARTIALS = False
+    return FLOAT32_PARTIALS
 
 
 def _add(residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
