@@ -85,3 +85,57 @@ def test_the_window_off_cuda_measures_nothing_and_keeps_no_peak():
         torch.ones(1000)
     assert w.base is None and w.peak is None and w.above_base is None
     assert peak.max_allocated("cpu") == 0
+
+
+def test_the_first_update_measures_and_the_next_one_plans_with_the_measured_rate(monkeypatch):
+    """Two updates through ``ppo_update``: the first cuts by the shape's estimate and measures its micro-batches,
+    the second cuts by the measured rate (larger micro-batches); both give the whole batch's gradient."""
+    from test_trainer_packing import _close, _experience, _step
+
+    model = tiny_causal_lm("qwen2")
+    enable_gradient_checkpointing(model)
+    exp = _experience(model, None, seed=8, packed=False)
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: 1 << 40)
+    _, whole, _ = _step(model, None, exp, packed=True, max_tokens_per_micro_batch=10_000)
+
+    estimate = recompute.activation_bytes_per_token(model.config, torch.float32)
+    monkeypatch.setattr(recompute, "MIN_BUDGET", 8)
+    monkeypatch.setattr(recompute, "MEASURE_MIN_TOKENS", 8)
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: int(24 * estimate / recompute.FREE_SHARE) + 1)
+    seen = []
+
+    @contextlib.contextmanager
+    def window(device):  # the allocator's figures: a third of the estimate per token
+        out = peak.Window(base=0)
+        yield out
+        out.peak = int(seen[-1] * estimate / 3)
+
+    monkeypatch.setattr(peak, "window", window)
+    plain_for_tokens = recompute.Recompute.for_tokens
+
+    def for_tokens(self, tokens):
+        seen.append(tokens)
+        return plain_for_tokens(self, tokens)
+
+    monkeypatch.setattr(recompute.Recompute, "for_tokens", for_tokens)
+    policy = {}
+
+    def policies(roles):  # one policy across both updates, as the trainer keeps it
+        if not policy:
+            policy["actor"] = recompute.Recompute(roles["actor"], "auto", model.config, torch.device("cpu"))
+        return policy
+
+    first_m, first, _ = _step(model, None, exp, packed=True, recompute_policies=policies,
+                              max_tokens_per_micro_batch=10_000)
+    assert first_m["actor/micro_batch_token_budget"] == 24
+    assert policy["actor"].take_metrics()["actor/recompute_frac"] == 0.0
+    assert policy["actor"].measured_tokens > 0
+    second_m, second, _ = _step(model, None, exp, packed=True, recompute_policies=policies,
+                                max_tokens_per_micro_batch=10_000)
+    rate = policy["actor"].bytes_per_token
+    assert rate < estimate / 2
+    assert second_m["actor/micro_batch_token_budget"] == int(24 * estimate / rate) // 8 * 8 > 24
+    assert second_m["actor/micro_batches"] < first_m["actor/micro_batches"]
+    assert policy["actor"].take_metrics()["actor/recompute_frac"] == 0.0
+    _close(first, whole)
+    _close(second, whole)
