@@ -24,6 +24,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from rlcore.config.schema import FSDPConfig
+from rlcore.observe import peak
 from rlcore.protocols import DistInfo, GenerationShare
 from rlcore.rollout.base import SamplingParams
 
@@ -43,18 +44,16 @@ class SwitchTimer:
 
     @contextlib.contextmanager
     def measure(self, name: str) -> Iterator[None]:
-        from rlcore.observe.peak import window
-
         self._sync()
         t0 = time.perf_counter()
-        with window(self.device) as peak:  # the switch's own peak; the run's peak is kept
+        with peak.window(self.device) as measured:  # the switch's own peak; the run's peak is kept
             try:
                 yield
             finally:
                 self._sync()
         self.values[f"reshard/{name}_s"] = time.perf_counter() - t0
-        if peak.peak is not None:
-            self.values[f"reshard/{name}_peak_gb"] = peak.peak / 2**30
+        if measured.peak is not None:
+            self.values[f"reshard/{name}_peak_gb"] = measured.peak / 2**30
         log.debug("reshard %s: %.4f s", name, self.values[f"reshard/{name}_s"])
 
 

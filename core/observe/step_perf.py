@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from rlcore.observe import peak
+
 
 class StepPerf:
     """Per-step ``perf/tokens_per_s``, ``perf/tokens_per_s_per_gpu``, ``perf/mfu`` (:mod:`rlcore.observe.flops`)
@@ -28,16 +30,14 @@ class StepPerf:
         try:
             from rlcore.observe.flops import estimate_flops, peak_flops
 
-            peak = peak_flops(self.device)
-            if peak:
+            device_peak = peak_flops(self.device)
+            if device_peak:
                 seq = prompt_mask.shape[1] + response_mask.shape[1]
-                out["perf/mfu"] = estimate_flops(self.model_config, tokens, seq) / step_s / peak
+                out["perf/mfu"] = estimate_flops(self.model_config, tokens, seq) / step_s / device_peak
         except ImportError:
             pass
         if self.device.type == "cuda":
-            from rlcore.observe.peak import max_allocated
-
-            out["memory/peak_gb"] = max_allocated(self.device) / 2**30
+            out["memory/peak_gb"] = peak.max_allocated(self.device) / 2**30
             retries = self._retries()
             out["memory/alloc_retries"] = float(retries - self.retries_seen)
             self.retries_seen = retries

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from rlcore.observe import peak
+
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_BATCH_SIZE = 16
@@ -59,16 +61,14 @@ def measure_sample_bytes(run: Callable[[int], object], *, probe: tuple[int, int]
     dev = torch.device(device) if device is not None else torch.device("cuda")
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise ValueError("measure_sample_bytes: needs a CUDA device")
-    from rlcore.observe.peak import window
-
     peaks = []
     for batch in probe:
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        with window(dev) as peak:  # the run's peak is kept
+        with peak.window(dev) as measured:  # the run's peak is kept
             run(batch)
             torch.cuda.synchronize(dev)
-        peaks.append(peak.above_base)
+        peaks.append(measured.above_base)
     slope = (peaks[1] - peaks[0]) / max(1, probe[1] - probe[0])
     return max(1, int(slope))
 

@@ -30,6 +30,8 @@ from typing import Any, Iterator
 
 import torch
 
+from rlcore.observe import peak
+
 log = logging.getLogger(__name__)
 
 #: Share of the free memory a micro-batch's activations may take before checkpointing turns on.
@@ -165,8 +167,6 @@ class Recompute:
         if not self.auto:
             yield
             return
-        from rlcore.observe.peak import window
-
         on = self.needed(tokens)
         self.decisions.append(on)
         self._set(on)
@@ -174,10 +174,10 @@ class Recompute:
             if on:
                 yield
             else:
-                with window(self.device) as peak:
+                with peak.window(self.device) as measured:
                     yield
-                if peak.above_base is not None:
-                    self.observe(tokens, peak.above_base)
+                if measured.above_base is not None:
+                    self.observe(tokens, measured.above_base)
         finally:
             self._set(False)
 

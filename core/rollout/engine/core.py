@@ -37,12 +37,12 @@ import torch.nn.functional as F
 
 from rlcore.rollout.engine import decode
 from rlcore.rollout.engine import extend
-from rlcore.kernels import decode_attention
 from rlcore.rollout.engine import llama
 from rlcore.rollout.adapters import has_adapter_layers, unwrap
 from rlcore.rollout.engine import pages
 from rlcore.rollout.engine.graphs import DecodeGraphs
-from rlcore.rollout.engine.settings import DEFAULT_BUCKETS, check_page_size, check_settings, length_step  # noqa: F401
+from rlcore.rollout.engine.settings import (DEFAULT_BUCKETS, check_page_size, check_settings,  # noqa: F401
+                                            choose_attention, choose_products, length_step)
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
 
@@ -194,24 +194,18 @@ class RolloutEngine:
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.fused_sampling = bool(fused_sampling)
         self.attention_tuning = decode.check_attention_tuning(attention_tuning)
-        self.attention = self._attention_kind(attention)
+        self.attention = choose_attention(attention, self.device, self.dtype, self.spec, self.attention_tuning,
+                                          self.page_size if self.paged else None)
         self.compile = self.device.type == "cuda" if compile is None else bool(compile)
         self.rope_in_attention = self.attention == "triton" and bool(rope_in_attention)
         # paged: the samples of a prompt share its pages; static: they read one row (Triton kernel)
         self.share_pages = self.paged and bool(prompt_sharing)
         self.prompt_sharing = not self.paged and self.attention == "triton" and bool(prompt_sharing)
-        if split_k == "auto":
-            split_k = decode.AUTO_SPLIT_K if self.compile and self.device.type == "cuda" else None
-        self.split_k = decode.split_k_tuple(split_k)
-        if any(k > 1 for k in self.split_k):
-            decode.probe_float32_partials(self.device)
-        if mlp_transposed == "auto":
-            mlp_transposed = self.compile and self.device.type == "cuda"
-        self.mlp_transposed = mlp_transposed
+        self.split_k, self.mlp_transposed = choose_products(split_k, mlp_transposed, self.compile, self.device)
         self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
-                                            split_k=self.split_k, mlp_transposed=mlp_transposed)
+                                            split_k=self.split_k, mlp_transposed=self.mlp_transposed)
         self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k,
-                                           mlp_transposed) if self.compile else self._plain)
+                                           self.mlp_transposed) if self.compile else self._plain)
         #: memory kept out of the free memory before the page pool is sized
         self.kv_reserve_bytes = int(kv_reserve_bytes)
         self._allocate(kv_pages, float(kv_memory_fraction), self.kv_reserve_bytes)
@@ -312,32 +306,6 @@ class RolloutEngine:
         return batch
 
     # ------------------------------------------------------------------ internals
-
-    def _attention_kind(self, attention: str) -> str:
-        """``attention``, or ``"sdpa"`` when the Triton kernel cannot run here or fails its check
-        (``"auto"`` picks the kernel where it runs, quietly ``"sdpa"`` off CUDA)."""
-        if attention not in ("triton", "auto"):
-            return attention
-        if attention == "auto" and self.device.type != "cuda":
-            return "sdpa"
-        spec, tuning = self.spec, self.attention_tuning
-        if "subblocks" in tuning:  # a setting that cannot work for this model is an error, not a fallback
-            try:
-                decode_attention.check_subblocks(tuning["subblocks"], tuning.get("block_n"), spec.head_dim)
-            except ValueError as error:
-                raise ValueError(f"RolloutEngine: attention_tuning['subblocks']: {error}") from None
-        settings = {key: tuning[key] for key in ("block_n", "num_warps", "num_stages", "subblocks") if key in tuning}
-        block = tuning.get("block_n") or decode_attention.default_block(spec.head_dim)
-        if self.paged and self.page_size % block:
-            raise ValueError(f"RolloutEngine: page_size {self.page_size} is not a multiple of the attention kernel's "
-                             f"block of {block} columns (attention_tuning['block_n'])")
-        ok, reason = decode_attention.usable(self.device, self.dtype, spec.num_kv_heads,
-                                             spec.num_heads // spec.num_kv_heads, spec.head_dim, settings,
-                                             self.page_size if self.paged else None)
-        if ok:
-            return "triton"
-        log.warning("rollout engine: attention 'triton' unavailable (%s); using 'sdpa'", reason)
-        return "sdpa"
 
     def _allocate(self, kv_pages: int | None, fraction: float, reserve: int = 0) -> None:
         spec, b, s = self.spec, self.max_batch_size, self.max_seq_len

@@ -1,8 +1,16 @@
-"""The rollout engine's settings: argument checks and the batch and attention-length buckets."""
+"""The rollout engine's settings: argument checks, the batch and attention-length buckets, and the
+choices made from the device (the attention kernel, the decode step's split products)."""
 
 from __future__ import annotations
 
+import logging
+
+import torch
+
+from rlcore.kernels import decode_attention
 from rlcore.rollout.engine import decode, pages
+
+log = logging.getLogger(__name__)
 
 
 def _check_attention(value) -> None:
@@ -69,3 +77,46 @@ def check_settings(max_batch_size: int, max_seq_len: int, attention: str, compil
     check_page_size(page_size)
     _check_kv_pages(kv_pages)
     _check_kv_memory_fraction(kv_memory_fraction)
+
+
+def choose_attention(attention: str, device: torch.device, dtype: torch.dtype, spec, tuning: dict,
+                     page_size: int | None) -> str:
+    """``attention``, or ``"sdpa"`` when the Triton kernel cannot run here or fails its check
+    (``"auto"`` picks the kernel where it runs, quietly ``"sdpa"`` off CUDA). ``spec``: the model's
+    :class:`~rlcore.rollout.engine.llama.DecoderSpec`; ``tuning``: the checked ``attention_tuning``;
+    ``page_size``: the paged cache's (``None``: a static cache).
+
+    :raises ValueError: a tuning or page size that cannot work for this model (an error, not a fallback)."""
+    if attention not in ("triton", "auto"):
+        return attention
+    if attention == "auto" and device.type != "cuda":
+        return "sdpa"
+    if "subblocks" in tuning:
+        try:
+            decode_attention.check_subblocks(tuning["subblocks"], tuning.get("block_n"), spec.head_dim)
+        except ValueError as error:
+            raise ValueError(f"RolloutEngine: attention_tuning['subblocks']: {error}") from None
+    settings = {key: tuning[key] for key in ("block_n", "num_warps", "num_stages", "subblocks") if key in tuning}
+    block = tuning.get("block_n") or decode_attention.default_block(spec.head_dim)
+    if page_size is not None and page_size % block:
+        raise ValueError(f"RolloutEngine: page_size {page_size} is not a multiple of the attention kernel's "
+                         f"block of {block} columns (attention_tuning['block_n'])")
+    ok, reason = decode_attention.usable(device, dtype, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads,
+                                         spec.head_dim, settings, page_size)
+    if ok:
+        return "triton"
+    log.warning("rollout engine: attention 'triton' unavailable (%s); using 'sdpa'", reason)
+    return "sdpa"
+
+
+def choose_products(split_k, mlp_transposed, compiled: bool, device: torch.device) -> tuple[tuple[int, ...], bool]:
+    """``(split_k tuple, mlp_transposed)`` with ``"auto"`` resolved: both on for a step compiled on CUDA
+    (:data:`rlcore.rollout.engine.decode.AUTO_SPLIT_K`), off otherwise. With split products, checks once
+    whether their partials can stay float32 (:func:`rlcore.rollout.engine.decode.probe_float32_partials`)."""
+    on = compiled and device.type == "cuda"
+    if split_k == "auto":
+        split_k = decode.AUTO_SPLIT_K if on else None
+    split = decode.split_k_tuple(split_k)
+    if any(k > 1 for k in split):
+        decode.probe_float32_partials(device)
+    return split, on if mlp_transposed == "auto" else mlp_transposed
