@@ -552,9 +552,12 @@ class Trainer:
                 "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
                 "response/clip_frac": float(self.truncated(rollout).float().mean()),
                 # samples the engine's paged KV cache had to preempt (and sample again) for want of pages;
-                # multi-turn rollouts: observation tokens, waits of the engine for an environment's answer
+                # multi-turn rollouts: observation tokens, waits of the engine for an environment's answer;
+                # the decode steps, and those of the tail (a batch of at most 8 rows) with their seconds
                 **{key: float(rollout.stats[key]) for key in ("rollout/preemptions", "rollout/kv_bytes_peak",
-                                                              "rollout/observation_tokens", "rollout/env_waits")
+                                                              "rollout/observation_tokens", "rollout/env_waits",
+                                                              "rollout/decode_steps", "rollout/tail_steps",
+                                                              "rollout/tail_s")
                    if key in rollout.stats}}
 
     @torch.no_grad()

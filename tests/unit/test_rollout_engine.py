@@ -261,3 +261,53 @@ def test_the_decode_loop_reports_its_host_seconds_by_part(qwen2):
     assert all(v >= 0 for v in parts.values()) and parts["launch"] > 0 and parts["admit"] > 0
     assert sum(parts.values()) <= wall
     assert got.stats["rollout/graph_captures"] == 0  # no CUDA graphs on CPU
+
+
+@pytest.mark.parametrize("kv_cache,slots", [("static", 8), ("paged", 8), ("static", 3)])
+def test_per_prompt_token_limits_cut_each_response_at_its_own_limit(qwen2, kv_cache, slots):
+    """``generate(max_new_tokens=[...])``: each response stops at its own limit (greedy: a prefix of the
+    unlimited response), an EOS before it still ends it, and ``on_finished`` sees the cut responses."""
+    limits = [1, 3, 10, 7, 2, 5, 4]
+    engine = RolloutEngine(qwen2, max_batch_size=slots, max_seq_len=24, kv_cache=kv_cache, admit_fraction=0.0,
+                           eos_check_interval=2)
+    full = engine.generate(PROMPTS, GREEDY)
+    seen = {}
+    got = engine.generate(PROMPTS, GREEDY, max_new_tokens=limits,
+                          on_finished=lambda idx, rows: seen.update(zip(idx, rows)))
+    assert got.response_mask.sum(-1).tolist() == limits
+    assert got.response_ids.shape[1] == max(limits)
+    for i, k in enumerate(limits):
+        assert got.response_ids[i, :k].tolist() == full.response_ids[i, :k].tolist()
+        assert torch.all(got.response_ids[i, k:] == GREEDY.pad_token_id) and torch.all(got.logprobs[i, k:] == 0)
+        assert seen[i] == full.response_ids[i, :k].tolist()
+    eos = int(full.response_ids[2, 1])  # prompt 2 emits it at column 1, before its limit of 10
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_ids=(eos,))
+    cut = engine.generate(PROMPTS, params, max_new_tokens=limits)
+    assert int(cut.response_mask[2].sum()) == 2
+    assert all(int(cut.response_mask[i].sum()) <= k for i, k in enumerate(limits))
+
+
+def test_per_prompt_token_limits_are_checked(qwen2):
+    engine = RolloutEngine(qwen2, max_batch_size=8, max_seq_len=24)
+    with pytest.raises(ValueError, match="7 prompts"):
+        engine.generate(PROMPTS, GREEDY, max_new_tokens=[3, 4])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[1\] = 11"):
+        engine.generate(PROMPTS, GREEDY, max_new_tokens=[3, 11, 1, 1, 1, 1, 1])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[0\] = 0"):
+        engine.generate(PROMPTS, GREEDY, max_new_tokens=[0] * 7)
+
+
+def test_the_tail_of_a_call_is_counted_once_few_rows_decode(qwen2):
+    """Sixteen prompts, half of them stopping after 2 tokens: the batch is compacted to at most 8 rows,
+    and the steps after that (only those) count as the tail, with their wall seconds."""
+    from rlcore.rollout.engine.scheduler import TAIL_ROWS
+
+    prompts = (PROMPTS * 3)[:16]
+    engine = RolloutEngine(qwen2, max_batch_size=16, max_seq_len=24, admit_fraction=0.0)
+    limits = [2] * 9 + [10] * 7
+    got = engine.generate(prompts, GREEDY, max_new_tokens=limits).stats
+    assert TAIL_ROWS == 8 and got["rollout/decode_steps"] == 9  # the prefill samples each one's first token
+    assert got["rollout/tail_steps"] == 8  # after the first step 7 rows are left: a bucket of 8 at most
+    assert got["rollout/tail_s"] > 0 and got["rollout/tail_step_ms"] > 0
+    wide = engine.generate(prompts, GREEDY).stats  # all 16 rows to the end: no tail
+    assert wide["rollout/tail_steps"] == 0 and wide["rollout/tail_s"] == 0

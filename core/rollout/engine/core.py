@@ -268,7 +268,8 @@ class RolloutEngine:
         self.state.share_active = False
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None) -> RolloutBatch:
+                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None,
+                 max_new_tokens: Optional[Sequence[int]] = None) -> RolloutBatch:
         """Sample one response per prompt; see :class:`~rlcore.rollout.base.RolloutBackend`.
 
         ``on_finished(indices, responses)``, if given, is called from the decode loop as requests
@@ -278,7 +279,10 @@ class RolloutEngine:
         Prompts that carry an episode (:class:`rlcore.envs.runner.EpisodePrompt`) are played as
         multi-turn episodes (:mod:`rlcore.rollout.engine.turns`, either KV cache):
         ``max_new_tokens`` then bounds each response with its observations; ``on_finished`` is not
-        called for them."""
+        called for them.
+
+        ``max_new_tokens`` (single-turn prompts only): each prompt's own token limit, from 1 to
+        ``params.max_new_tokens``; a response stops at its limit or its EOS."""
         from rlcore.envs.runner import episodes_of
         from rlcore.rollout.engine.scheduler import Scheduler
         from rlcore.rollout.engine.turns import TurnScheduler
@@ -296,8 +300,19 @@ class RolloutEngine:
         # the sharing kernel only when some prompt repeats (it loads two more numbers a slot)
         self.state.share_active = self.prompt_sharing and len({tuple(p) for p in prompts}) < len(prompts)
         episodes, runner = episodes_of(prompts)
+        if max_new_tokens is not None:
+            limits = [int(v) for v in max_new_tokens]
+            if runner is not None:
+                raise ValueError("RolloutEngine.generate: per-prompt max_new_tokens is for single-turn prompts; an "
+                                 "episode's budget is its environment's max_tokens")
+            if len(limits) != len(prompts):
+                raise ValueError(f"RolloutEngine.generate: {len(limits)} max_new_tokens for {len(prompts)} prompts")
+            bad = [i for i, v in enumerate(limits) if not 1 <= v <= params.max_new_tokens]
+            if bad:
+                raise ValueError(f"RolloutEngine.generate: max_new_tokens[{bad[0]}] = {limits[bad[0]]} is outside "
+                                 f"1..{params.max_new_tokens} (params.max_new_tokens)")
         if runner is None:
-            run = Scheduler(self, prompts, params, on_finished)
+            run = Scheduler(self, prompts, params, on_finished, limits=max_new_tokens)
         else:
             run = TurnScheduler(self, prompts, params, episodes, *runner.stops(), runner.decode)
         run.loop()

@@ -38,6 +38,9 @@ PAGE_LOOKAHEAD = 4
 #: ... together with every slot within this many more columns of its end, so that one table update
 #: serves the slots reaching a page boundary in the next steps (a page update every ~16 steps at most)
 PAGE_BATCH = 16
+#: decode steps of a batch bucket of at most this many rows count as the call's tail
+#: (``rollout/tail_steps``, ``rollout/tail_s``: the long tail of a rollout with varied lengths)
+TAIL_ROWS = 8
 
 
 class Scheduler:
@@ -49,8 +52,11 @@ class Scheduler:
     """
 
     def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None):
+                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None,
+                 limits: Optional[Sequence[int]] = None):
         self.eng, self.params = engine, params
+        #: each request's token limit (at most ``max_new_tokens``)
+        self.limit = [int(params.max_new_tokens)] * len(prompts) if limits is None else [int(v) for v in limits]
         self.on_finished = on_finished
         self.prompts = [list(p) for p in prompts]
         dev, cap, width = engine.device, engine.max_batch_size, params.max_new_tokens
@@ -78,6 +84,8 @@ class Scheduler:
         if engine.paged:
             engine.pool.peak = engine.pool.used
         self.bucket_steps: dict[int, int] = {}
+        # decode steps of buckets of at most TAIL_ROWS rows; wall seconds between two such steps, and how many
+        self.tail_steps, self.tail_s, self.tail_gaps = 0, 0.0, 0
         self.syncs = 0  # reads of device values on the host (each waits for the device)
         self.decode_rows = 0  # sums over decode steps: rows decoding, and the batch bucket run
         self.decode_batch = 0
@@ -102,8 +110,7 @@ class Scheduler:
         """Recompute the live list and what the step loop derives from it."""
         self.live = [s for s, r in enumerate(self.slot_req) if r is not None]
         self.max_col0 = max((self.col0[s] for s in self.live), default=0)
-        limit = self.params.max_new_tokens
-        self.due = min((self.born[s] + limit - 1 for s in self.live), default=0)
+        self.due = min((self.born[s] + self.limit[self.slot_req[s]] - 1 for s in self.live), default=0)
         if self.eng.paged:  # the first step at which some live slot wants its next page
             size, cap, pages = self.eng.page_size, self.eng.max_seq_len, self.eng.slot_pages
             self.grow_due = min((len(pages[s]) * size - self.col0[s] - PAGE_LOOKAHEAD for s in self.live
@@ -156,7 +163,8 @@ class Scheduler:
             return
         eos = set(self.params.eos_token_ids)
         responses = []
-        for row in self._read(self.out_tokens.index_select(0, rows)):
+        for req, row in zip(reqs, self._read(self.out_tokens.index_select(0, rows))):
+            row = row[:self.limit[req]]
             end = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
             responses.append(row[:end])
         self.on_finished(list(reqs), responses)
@@ -259,8 +267,7 @@ class Scheduler:
 
     def _at_limit(self) -> list[int]:
         """The live slots whose response reached its token limit."""
-        limit = self.params.max_new_tokens
-        return [s for s in self.live if self._count(s) >= limit]
+        return [s for s in self.live if self._count(s) >= self.limit[self.slot_req[s]]]
 
     def _sample_admitted(self, logits: torch.Tensor, reqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The first tokens of requests ``reqs`` from their prefill ``logits``."""
@@ -287,6 +294,7 @@ class Scheduler:
 
     def loop(self) -> None:
         clock, host = time.perf_counter, self.host_s
+        last = None  # when the previous decode step was launched, if it was a tail step
         while self._pending():
             t0 = clock()
             self._between_steps()
@@ -316,6 +324,14 @@ class Scheduler:
             self.decode_batch += n
             t2 = clock()
             host["launch"] += t2 - t1
+            # the tail's wall time, launch to launch: the host runs a bounded number of steps ahead of
+            # the device (it reads the EOS flags every eos_check_interval steps), so over many steps
+            # this follows the device's time
+            if n <= TAIL_ROWS:
+                self.tail_steps += 1
+                if last is not None:
+                    self.tail_s, self.tail_gaps = self.tail_s + t2 - last, self.tail_gaps + 1
+            last = t2 if n <= TAIL_ROWS else None
             self._finish(self._finished(n))
             host["finish"] += clock() - t2
 
@@ -326,7 +342,9 @@ class Scheduler:
         ``graph_capture_s`` counts both), extends replayed from a graph, and the host
         seconds of the loop's parts (``rollout/host_{between,admit,launch,finish}_s``: resuming paused
         sequences and waiting for them, admitting requests, launching decode steps, finding and
-        finishing the done ones; a part that reads the device includes its wait)."""
+        finishing the done ones; a part that reads the device includes its wait), and the tail: decode
+        steps of at most :data:`TAIL_ROWS` rows and their wall seconds (``rollout/tail_steps``,
+        ``rollout/tail_s``; ``rollout/tail_step_ms`` the mean step)."""
         steps = max(self.steps, 1)
         done = {key: float(value - self.counters_at_start[key]) for key, value in self.eng.counters.items()}
         return {"rollout/decode_steps": float(self.steps), "rollout/prefill_calls": float(self.prefills),
@@ -339,13 +357,19 @@ class Scheduler:
                 "rollout/decode_rows_mean": self.decode_rows / steps,
                 "rollout/decode_batch_mean": self.decode_batch / steps,
                 "rollout/batch_occupancy": self.decode_rows / max(self.decode_batch, 1),
+                "rollout/tail_steps": float(self.tail_steps), "rollout/tail_s": self.tail_s,
+                "rollout/tail_step_ms": 1e3 * self.tail_s / max(self.tail_gaps, 1),
                 **{f"rollout/host_{part}_s": seconds for part, seconds in self.host_s.items()}}
 
     def result(self) -> RolloutBatch:
         eng = self.eng
         prompt_ids, prompt_mask = left_pad(self.prompts, self.params.pad_token_id, eng.device)
         mask = mask_after_eos(self.res_tokens, self.params.eos_token_ids)
-        width = int(mask.sum(-1).max().item()) if self.eos.numel() else self.params.max_new_tokens
+        if min(self.limit) < self.params.max_new_tokens:  # per-request limits: nothing past a request's own
+            limits = torch.tensor(self.limit, dtype=torch.long, device=eng.device)
+            mask = mask * (torch.arange(mask.shape[1], device=eng.device)[None] < limits[:, None]).to(mask.dtype)
+        width = int(mask.sum(-1).max().item()) if self.eos.numel() or min(self.limit) < self.params.max_new_tokens \
+            else self.params.max_new_tokens
         tokens = self.res_tokens.masked_fill(mask == 0, self.params.pad_token_id)[:, :width]
         logprobs = (self.res_logprobs * mask)[:, :width]
         stats = {**self.loop_stats(), "rollout/new_tokens": float(mask.sum().item()),

@@ -112,10 +112,10 @@ class TurnScheduler(Scheduler):
     def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams,
                  episodes: Sequence[Optional["Episode"]], stop_ids: set[int], stop_texts: Sequence[str], decode):
         # each request's response budget: its episode's token limit (env.max_tokens), at most max_new_tokens
-        self.limit = [int(params.max_new_tokens) if ep is None else ep.token_limit(params.max_new_tokens)
-                      for ep in episodes]
+        limits = [int(params.max_new_tokens) if ep is None else ep.token_limit(params.max_new_tokens)
+                  for ep in episodes]
         self.paused: dict[int, _Pause] = {}  # request -> its pause
-        super().__init__(engine, prompts, params)
+        super().__init__(engine, prompts, params, limits=limits)
         self.episodes = list(episodes)
         self.end_ids = set(params.eos_token_ids) | set(stop_ids)
         self.eos = torch.tensor(sorted(self.end_ids), dtype=torch.long, device=engine.device)
