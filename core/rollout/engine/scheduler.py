@@ -365,11 +365,11 @@ class Scheduler:
         eng = self.eng
         prompt_ids, prompt_mask = left_pad(self.prompts, self.params.pad_token_id, eng.device)
         mask = mask_after_eos(self.res_tokens, self.params.eos_token_ids)
-        if min(self.limit) < self.params.max_new_tokens:  # per-request limits: nothing past a request's own
+        limited = min(self.limit) < self.params.max_new_tokens
+        if limited:  # per-request limits: nothing past a request's own
             limits = torch.tensor(self.limit, dtype=torch.long, device=eng.device)
             mask = mask * (torch.arange(mask.shape[1], device=eng.device)[None] < limits[:, None]).to(mask.dtype)
-        width = int(mask.sum(-1).max().item()) if self.eos.numel() or min(self.limit) < self.params.max_new_tokens \
-            else self.params.max_new_tokens
+        width = int(mask.sum(-1).max().item()) if self.eos.numel() or limited else self.params.max_new_tokens
         tokens = self.res_tokens.masked_fill(mask == 0, self.params.pad_token_id)[:, :width]
         logprobs = (self.res_logprobs * mask)[:, :width]
         stats = {**self.loop_stats(), "rollout/new_tokens": float(mask.sum().item()),
