@@ -404,7 +404,7 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     progress.update(phase="numerics", result=result)
     spec["_save_progress"]()
     try:
-        result["numerics"] = rlcore_numerics(trainer, spec, setting)
+        result["numerics"] = rlcore_numerics(trainer, spec, setting) if spec["numerics_prompts"] > 0 else {}
     except Exception as error:  # noqa: BLE001 - the step's numbers stand without it
         if _is_oom(error):
             torch.cuda.empty_cache()

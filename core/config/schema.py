@@ -207,8 +207,9 @@ class ModelRoleConfig:
     #: Gradient clipping by global norm (0 = off).
     grad_clip: float = 1.0
     #: Recompute activations in the backward pass to save memory: true | false | auto (per micro-batch, on when
-    #: its activation memory, estimated from the shape until measured on CUDA, exceeds the free memory; a token
-    #: budget is first lowered to what fits; see docs/architecture.md, Training on variable lengths).
+    #: its activation memory, estimated from the shape until measured on CUDA, exceeds the free memory; with the
+    #: fused head a token budget is first lowered to what fits; see docs/architecture.md, Training on variable
+    #: lengths).
     gradient_checkpointing: Any = "auto"
     #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products;
     #: the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.

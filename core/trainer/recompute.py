@@ -115,6 +115,9 @@ class Recompute:
         self.estimated_bytes_per_token = activation_bytes_per_token(config, dtype, logits)
         self.measured_tokens = 0  # tokens of the largest micro-batch measured so far (0: none)
         self.measured_bytes_per_token = 0.0
+        #: budgets are lowered only with the fused head (no logits row a token): with the logits head, the
+        #: smaller micro-batches measured slower than checkpointing the large ones (docs/benchmarks.md)
+        self.lowers_budget = not logits
         self.decisions: list[bool] = []
         if self.auto:
             self._set(False)
@@ -150,13 +153,14 @@ class Recompute:
         return tokens * self.bytes_per_token > FREE_SHARE * free_bytes(self.device)
 
     def token_budget(self, budget: int) -> int:
-        """``ppo.max_tokens_per_micro_batch`` as this role trains it: under ``auto``, lowered (to a multiple
-        of 8, not under :data:`MIN_BUDGET`) to the tokens whose activations fit in the free memory now
-        (at :attr:`bytes_per_token`: the shape's estimate until a micro-batch measured it), since more,
-        smaller micro-batches cost less than recomputing every layer's forward, and a micro-batch that
-        runs without checkpointing measures the rate the next budgets use; ``budget`` as given
-        otherwise (and when even the floor would need checkpointing)."""
-        if not self.auto or budget <= 0:
+        """``ppo.max_tokens_per_micro_batch`` as this role trains it: under ``auto`` with the fused head
+        (``logits=False``), lowered (to a multiple of 8, not under :data:`MIN_BUDGET`) to the tokens whose
+        activations fit in the free memory now (at :attr:`bytes_per_token`: the shape's estimate until a
+        micro-batch measured it); ``budget`` as given otherwise (and when even the floor would need
+        checkpointing). With the logits head the budget stays: on an H100 the 1.5B reasoning update
+        lowered to 10,784-token micro-batches ran 17.4 s (plus a recompile) against 12.9 s checkpointing
+        32,768-token ones."""
+        if not self.auto or not self.lowers_budget or budget <= 0:
             return budget
         fits = int(FREE_SHARE * free_bytes(self.device) // max(1.0, self.bytes_per_token)) // 8 * 8
         return max(MIN_BUDGET, fits) if MIN_BUDGET <= fits < budget else budget

@@ -98,7 +98,7 @@ def test_the_first_update_measures_and_the_next_one_plans_with_the_measured_rate
     monkeypatch.setattr(recompute, "free_bytes", lambda device: 1 << 40)
     _, whole, _ = _step(model, None, exp, packed=True, max_tokens_per_micro_batch=10_000)
 
-    estimate = recompute.activation_bytes_per_token(model.config, torch.float32)
+    estimate = recompute.activation_bytes_per_token(model.config, torch.float32, logits=False)
     monkeypatch.setattr(recompute, "MIN_BUDGET", 8)
     monkeypatch.setattr(recompute, "MEASURE_MIN_TOKENS", 8)
     monkeypatch.setattr(recompute, "free_bytes", lambda device: int(24 * estimate / recompute.FREE_SHARE) + 1)
@@ -122,7 +122,9 @@ def test_the_first_update_measures_and_the_next_one_plans_with_the_measured_rate
 
     def policies(roles):  # one policy across both updates, as the trainer keeps it
         if not policy:
-            policy["actor"] = recompute.Recompute(roles["actor"], "auto", model.config, torch.device("cpu"))
+            # planned as for the fused head (no logits row a token): the budget is lowered to what fits
+            policy["actor"] = recompute.Recompute(roles["actor"], "auto", model.config, torch.device("cpu"),
+                                                  logits=False)
         return policy
 
     first_m, first, _ = _step(model, None, exp, packed=True, recompute_policies=policies,
