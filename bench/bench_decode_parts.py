@@ -11,6 +11,10 @@
 Every part is timed as the median replay of a CUDA graph.
 
     python bench/bench_decode_parts.py --shapes qwen2-0.5b --loop --loop-variants 'default;{"rope_in_attention": false}'
+    python bench/bench_decode_parts.py --shapes qwen2-1.5b --batch 8 --parts none --loop --loop-prompt 4096 --loop-new 257
+
+The second is the few-row decode step of a reasoning rollout's tail (8 rows, 4k-token contexts): its
+wall time per step against the device time of its kernels (the difference: gaps between kernels).
 """
 
 from __future__ import annotations
@@ -202,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
                              'as JSON, e.g. default;{"rope_in_attention": false}')
-    parser.add_argument("--loop-new", type=int, default=65, help="new tokens per sequence in --loop (prompt 128)")
+    parser.add_argument("--loop-new", type=int, default=65, help="new tokens per sequence in --loop")
+    parser.add_argument("--loop-prompt", type=int, default=128,
+                        help="prompt tokens per sequence in --loop (a reasoning rollout's tail: --batch 8 "
+                             "--loop-prompt 4096, few rows with long contexts)")
     parser.add_argument("--attention-sweep", default="rope", choices=sorted(ATTENTION_SWEEPS),
                         help="attention kernel settings to time with --parts attention")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -224,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.loop:
             for variant in args.loop_variants.split(";"):
                 kwargs = {} if variant == "default" else json.loads(variant)
-                results["loop"].append({"variant": variant, **loop_profile(shape, args.batch, 128, args.loop_new, kwargs)})
+                profiled = loop_profile(shape, args.batch, args.loop_prompt, args.loop_new, kwargs)
+                results["loop"].append({"variant": variant, **profiled})
                 write_json(args.out, results)  # after each part: a later failure loses nothing
     if "sampler" in parts:
         results["sampler"] = bench_sampler(args.batch, SHAPES["qwen2-0.5b"]["vocab_size"])
