@@ -3,12 +3,13 @@
 A random-init decoder of a real shape plays episodes in the engine: a turn ends when the model
 samples one of ``--end-fraction`` of the vocabulary (so turns average about ``1 / end_fraction``
 tokens), an environment answers after ``--tool-ms`` (an ``asyncio.sleep``: a tool that takes that
-long) with ``--obs-tokens`` observation tokens, up to ``--turns`` turns. Two single-turn references run on the same engine: one
-generates the mean number of model tokens per sequence in one turn (every sequence the same length:
-the issue's reference, ``ratio``), the other each sequence exactly its episode's model tokens in one
-turn (``generate(max_new_tokens=[...])``: the same length spread, ``ratio_matched``), which leaves
-out what the spread of episode lengths costs any rollout (the longest episode sets the call's
-length; ``model_tokens_max`` against ``model_tokens_mean``) and keeps what the turns cost. All report
+long) with ``--obs-tokens`` observation tokens, up to ``--turns`` turns. Two single-turn references
+run on the same engine: one generates the mean number of model tokens per sequence in one turn
+(every sequence the same length: the issue's reference, ``ratio``), the other each sequence exactly
+its episode's model tokens in one turn (``generate(max_new_tokens=[...])``: the same length spread,
+``ratio_matched``), which leaves out what the spread of episode lengths costs any rollout (the
+longest episode sets the call's length; ``model_tokens_max`` against ``model_tokens_mean``) and
+keeps what the turns cost. All report
 model tokens per second (observation tokens excluded); the target is multi-turn within 1.5x of
 single-turn (ratio single/multi <= 1.5).
 

@@ -841,12 +841,14 @@ def print_table(payload: dict[str, Any]) -> None:
               f"{ln.get('p90', 0):6.0f} {ln.get('max', 0):6.0f} {_f(mfu * 100 if mfu else None, '.0f'):>5} "
               f"{_f(g.get('gpu/util_mean'), '.0f'):>4} {_f(g.get('gpu/util_p10'), '.0f'):>4}  {r['setting']}")
     print("\n(vs: the system's step time over rlcore's; mfu: the update's, %; gpu: monitor mean / p10 utilisation, %)")
-    for r in rows:  # rlcore's rollout: where its time went (the decode steps of at most 8 rows: the tail)
+    from rlcore.rollout.engine.scheduler import TAIL_ROWS
+
+    for r in rows:  # rlcore's rollout: where its time went (the decode steps of at most TAIL_ROWS rows: the tail)
         m = r.get("metrics", {})
         if m.get("rollout/decode_steps"):
             tail_s, tail = m.get("rollout/tail_s", 0.0), m.get("rollout/tail_steps", 0.0)
             print(f"{r['shape']:<13} {r['system']:<7} rollout {r['parts']['rollout']:.2f} s: "
-                  f"{m['rollout/decode_steps']:.0f} decode steps, of them {tail:.0f} with at most 8 rows in "
+                  f"{m['rollout/decode_steps']:.0f} decode steps, of them {tail:.0f} with at most {TAIL_ROWS} rows in "
                   f"{tail_s:.2f} s ({1e3 * tail_s / max(tail - 1, 1):.2f} ms a step); "
                   f"activations {_f(m.get('actor/activation_mb_per_token'), '.2f')} MB a token")
     print(f"{'shape':<13} {'rollout':<15} {'mean|d|':>9} {'max|d|':>9} {'KL k3':>9} {'mean len':>8}   numerics vs trainer")

@@ -41,8 +41,8 @@ from rlcore.rollout.engine import llama
 from rlcore.rollout.adapters import has_adapter_layers, unwrap
 from rlcore.rollout.engine import pages
 from rlcore.rollout.engine.graphs import DecodeGraphs
-from rlcore.rollout.engine.settings import (DEFAULT_BUCKETS, check_page_size, check_settings,  # noqa: F401
-                                            choose_attention, choose_products, length_step)
+from rlcore.rollout.engine.settings import (DEFAULT_BUCKETS, check_limits, check_page_size,  # noqa: F401
+                                            check_settings, choose_attention, choose_products, length_step)
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
 
@@ -301,16 +301,7 @@ class RolloutEngine:
         self.state.share_active = self.prompt_sharing and len({tuple(p) for p in prompts}) < len(prompts)
         episodes, runner = episodes_of(prompts)
         if max_new_tokens is not None:
-            limits = [int(v) for v in max_new_tokens]
-            if runner is not None:
-                raise ValueError("RolloutEngine.generate: per-prompt max_new_tokens is for single-turn prompts; an "
-                                 "episode's budget is its environment's max_tokens")
-            if len(limits) != len(prompts):
-                raise ValueError(f"RolloutEngine.generate: {len(limits)} max_new_tokens for {len(prompts)} prompts")
-            bad = [i for i, v in enumerate(limits) if not 1 <= v <= params.max_new_tokens]
-            if bad:
-                raise ValueError(f"RolloutEngine.generate: max_new_tokens[{bad[0]}] = {limits[bad[0]]} is outside "
-                                 f"1..{params.max_new_tokens} (params.max_new_tokens)")
+            check_limits(max_new_tokens, len(prompts), params.max_new_tokens, episodes=runner is not None)
         if runner is None:
             run = Scheduler(self, prompts, params, on_finished, limits=max_new_tokens)
         else:

@@ -79,6 +79,23 @@ def check_settings(max_batch_size: int, max_seq_len: int, attention: str, compil
     _check_kv_memory_fraction(kv_memory_fraction)
 
 
+def check_limits(limits, prompts: int, most: int, episodes: bool) -> None:
+    """Check ``RolloutEngine.generate``'s per-prompt ``max_new_tokens``: one per prompt, each from 1 to
+    ``most`` (``params.max_new_tokens``), and single-turn prompts only (``episodes``: some carry one).
+
+    :raises ValueError: naming the first limit out of range."""
+    if episodes:
+        raise ValueError("RolloutEngine.generate: per-prompt max_new_tokens is for single-turn prompts; an "
+                         "episode's budget is its environment's max_tokens")
+    limits = [int(v) for v in limits]
+    if len(limits) != prompts:
+        raise ValueError(f"RolloutEngine.generate: {len(limits)} max_new_tokens for {prompts} prompts")
+    bad = next((i for i, v in enumerate(limits) if not 1 <= v <= most), None)
+    if bad is not None:
+        raise ValueError(f"RolloutEngine.generate: max_new_tokens[{bad}] = {limits[bad]} is outside "
+                         f"1..{most} (params.max_new_tokens)")
+
+
 def choose_attention(attention: str, device: torch.device, dtype: torch.dtype, spec, tuning: dict,
                      page_size: int | None) -> str:
     """``attention``, or ``"sdpa"`` when the Triton kernel cannot run here or fails its check
