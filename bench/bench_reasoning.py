@@ -427,7 +427,7 @@ def _engine_settings(trainer) -> dict[str, Any]:
     """The engine's resolved settings (attention kind, compilation, cache), for the record."""
     backend = _the_backend(trainer)
     keys = ("attention", "compile", "use_cuda_graphs", "rope_in_attention", "max_batch_size", "max_seq_len",
-            "kv_cache", "page_size")
+            "kv_cache", "page_size", "kv_bytes")
     return {key: getattr(backend, key) for key in keys if isinstance(getattr(backend, key, None), (str, int, bool))}
 
 
