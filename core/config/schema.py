@@ -309,6 +309,11 @@ class RolloutEngineConfig:
     kv_pages: Optional[int] = None
     #: Share of the free GPU memory the paged cache's pool takes when kv_pages is null.
     kv_memory_fraction: float = 0.5
+    #: Hand the KV cache's memory back to the device after each rollout, so the update can use it, and take it again
+    #: at the same addresses (the decode's CUDA graphs stay valid) when the next rollout starts: null = where the
+    #: device allows it (CUDA, through its virtual memory API), true = required (an error where it cannot), false =
+    #: the cache stays allocated.
+    release_kv: Optional[bool] = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """These settings as keyword arguments of ``RolloutEngine``."""
@@ -323,7 +328,7 @@ class RolloutEngineConfig:
                     split_k=split or "auto", attention_tuning=tuning,
                     mlp_transposed="auto" if self.mlp_transposed is None else self.mlp_transposed,
                     prompt_sharing=self.prompt_sharing, kv_cache=str(self.kv_cache), page_size=self.page_size,
-                    kv_pages=self.kv_pages, kv_memory_fraction=self.kv_memory_fraction)
+                    kv_pages=self.kv_pages, kv_memory_fraction=self.kv_memory_fraction, release_kv=self.release_kv)
 
 
 @dataclass

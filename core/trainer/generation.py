@@ -50,6 +50,20 @@ def _shifted(on_finished: FinishedCallback, offset: int) -> FinishedCallback:
     return lambda indices, responses: on_finished([offset + i for i in indices], responses)
 
 
+def release_kv(backend: RolloutBackend) -> int:
+    """Let ``backend`` hand its KV cache's memory back after a rollout (its optional ``release_kv()``,
+    :meth:`rlcore.rollout.engine.RolloutEngine.release_kv`), so the update has it; the bytes freed. A
+    backend takes the memory again when it next generates."""
+    release = getattr(backend, "release_kv", None)
+    if not callable(release):
+        return 0
+    freed = release()
+    if not isinstance(freed, int) or isinstance(freed, bool) or freed < 0:
+        raise TypeError(f"{type(backend).__name__}.release_kv() returned {freed!r}; expected the bytes freed, an "
+                        "int >= 0")
+    return freed
+
+
 def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
@@ -133,6 +147,9 @@ class ActorGeneration:
             report = on_finished if on_finished is not None and whole and reports_finished(backend) else None
             one_call = len(share.prompts) if whole and getattr(backend, "continuous_batching", False) else None
             batch = self._in_micro_batches(backend, share.prompts, share.params, report, one_call)
+            released = release_kv(backend)
+            if released:
+                batch.stats["rollout/kv_released_bytes"] = float(released)
         own = share.own(batch)
         if self.contract is not None:
             check_own_rows(own, prompts, self.reshard_plugin)

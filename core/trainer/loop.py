@@ -557,7 +557,8 @@ class Trainer:
                 **{key: float(rollout.stats[key]) for key in ("rollout/preemptions", "rollout/kv_bytes_peak",
                                                               "rollout/observation_tokens", "rollout/env_waits",
                                                               "rollout/decode_steps", "rollout/tail_steps",
-                                                              "rollout/tail_s")
+                                                              "rollout/tail_s", "rollout/kv_released_bytes",
+                                                              "rollout/kv_acquire_s")
                    if key in rollout.stats}}
 
     @torch.no_grad()

@@ -40,6 +40,7 @@ from rlcore.rollout.engine import extend
 from rlcore.rollout.engine import llama
 from rlcore.rollout.adapters import has_adapter_layers, unwrap
 from rlcore.rollout.engine import pages
+from rlcore.rollout.engine import vmem
 from rlcore.rollout.engine.graphs import DecodeGraphs
 from rlcore.rollout.engine.settings import (DEFAULT_BUCKETS, check_limits, check_page_size,  # noqa: F401
                                             check_settings, choose_attention, choose_products, length_step)
@@ -139,6 +140,10 @@ class RolloutEngine:
         kv_reserve_bytes: memory that work after the rollout will still allocate (the trainer passes
             the gradients and optimizer moments of the trainable weights not yet allocated), kept out
             of the free memory before ``kv_memory_fraction`` applies (default 0).
+        release_kv: let :meth:`release_kv` hand the KV cache's memory back to the device between
+            rollouts, to be taken again at the same addresses (the CUDA graphs stay valid) when the
+            engine next runs (:mod:`rlcore.rollout.engine.vmem`); ``None`` (default): where the device
+            allows it (CUDA), ``True``: required (``ValueError`` where it cannot), ``False``: never.
     """
 
     #: one ``generate`` call takes any number of prompts and queues those beyond its slots, admitting
@@ -160,7 +165,7 @@ class RolloutEngine:
                  attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True,
                  mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
                  kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION,
-                 kv_reserve_bytes: int = 0, lagged_turn_ends: bool = True):
+                 kv_reserve_bytes: int = 0, lagged_turn_ends: bool = True, release_kv: bool | None = None):
         check_settings(max_batch_size, max_seq_len, attention, compile_mode, mlp_transposed, kv_cache, page_size,
                         kv_pages, kv_memory_fraction)
         model = unwrap(model)  # a LoRA (peft) model: its decoder, read with the adapters merged
@@ -208,7 +213,7 @@ class RolloutEngine:
                                            self.mlp_transposed) if self.compile else self._plain)
         #: memory kept out of the free memory before the page pool is sized
         self.kv_reserve_bytes = int(kv_reserve_bytes)
-        self._allocate(kv_pages, float(kv_memory_fraction), self.kv_reserve_bytes)
+        self._allocate(kv_pages, float(kv_memory_fraction), self.kv_reserve_bytes, release_kv)
         if self.compile:
             self._mark_static()
         self._graphs = DecodeGraphs(self) if self.use_cuda_graphs else None
@@ -248,10 +253,31 @@ class RolloutEngine:
             if self._extend_graphs is not None:
                 self._extend_graphs.clear()
 
+    def release_kv(self) -> int:
+        """Hand the KV cache's memory back to the device until the engine next runs (the trainer calls
+        this after a rollout, so the update has that memory); the bytes freed, 0 where the cache cannot
+        be released (``release_kv=False``, not CUDA) or already is. Its contents are not kept."""
+        return self._kv.release()
+
+    @property
+    def kv_released(self) -> bool:
+        """Whether the KV cache's memory is handed back now (taken again by the next ``generate``)."""
+        return not self._kv.mapped
+
+    def _take_kv(self) -> float:
+        """Map the KV cache's memory again where it was released (zeroed, at the same addresses); the
+        seconds that took (0 when it was mapped)."""
+        if self._kv.mapped:
+            return 0.0
+        start = time.perf_counter()
+        self._kv.acquire()
+        return time.perf_counter() - start
+
     def warmup(self, batch_sizes: Sequence[int] | None = None) -> None:
         """Capture the decode graphs of ``batch_sizes`` (default: every bucket), at every attention
         length, now instead of on first use. Without CUDA graphs this compiles (if on) and returns."""
         sizes = sorted({self._bucket(b) for b in (batch_sizes or self.buckets)})
+        self._take_kv()
         if self._graphs is None:
             for n in sizes:
                 self._warm_eager(n)
@@ -297,6 +323,7 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine.generate: prompt length {widest} + max_new_tokens "
                              f"{params.max_new_tokens} exceeds max_seq_len {self.max_seq_len}")
         start = time.perf_counter()
+        taken_s = self._take_kv()
         # the sharing kernel only when some prompt repeats (it loads two more numbers a slot)
         self.state.share_active = self.prompt_sharing and len({tuple(p) for p in prompts}) < len(prompts)
         episodes, runner = episodes_of(prompts)
@@ -309,11 +336,14 @@ class RolloutEngine:
         run.loop()
         batch = run.result()
         batch.stats["rollout/seconds"] = time.perf_counter() - start
+        if self._kv.releasable:  # the KV cache taken again after its release (0 s when it was not released)
+            batch.stats["rollout/kv_acquire_s"] = taken_s
         return batch
 
     # ------------------------------------------------------------------ internals
 
-    def _allocate(self, kv_pages: int | None, fraction: float, reserve: int = 0) -> None:
+    def _allocate(self, kv_pages: int | None, fraction: float, reserve: int = 0,
+                  release: bool | None = False) -> None:
         spec, b, s = self.spec, self.max_batch_size, self.max_seq_len
         dev = self.device
         if self.paged:
@@ -322,17 +352,18 @@ class RolloutEngine:
             count = pages.pool_pages(slots=b, max_seq_len=s, page_size=size, bytes_per_page=per_page, device=dev,
                                      kv_pages=kv_pages, fraction=fraction, reserve_bytes=reserve)
             self.pool = pages.PagePool(count)
-            self.cache = torch.zeros(spec.num_layers, 2, count, spec.num_kv_heads, size, spec.head_dim,
-                                     dtype=self.dtype, device=dev)
+            self._kv = vmem.zeros((spec.num_layers, 2, count, spec.num_kv_heads, size, spec.head_dim), self.dtype,
+                                  dev, release)
             self.kv_bytes = count * per_page
             #: pages of each slot, in column order (0: the null page); mirrored by ``state.table``
             self.slot_pages: list[list[int]] = [[] for _ in range(b)]
             table = torch.zeros(b, -(-s // size), dtype=torch.int32, device=dev)
         else:
-            self.cache = torch.zeros(spec.num_layers, 2, b, spec.num_kv_heads, s, spec.head_dim,
-                                     dtype=self.dtype, device=dev)
-            self.kv_bytes = self.cache.numel() * self.cache.element_size()
+            self._kv = vmem.zeros((spec.num_layers, 2, b, spec.num_kv_heads, s, spec.head_dim), self.dtype, dev,
+                                  release)
+            self.kv_bytes = self._kv.nbytes
             table = None
+        self.cache = self._kv.tensor
         slot_rows = torch.arange(b, device=dev)[:, None] * spec.num_kv_heads
         self.state = decode.DecodeState(
             tokens=torch.zeros(b, dtype=torch.long, device=dev),
