@@ -558,8 +558,10 @@ class Trainer:
                                                               "rollout/observation_tokens", "rollout/env_waits",
                                                               "rollout/decode_steps", "rollout/tail_steps",
                                                               "rollout/tail_s", "rollout/kv_released_bytes",
-                                                              "rollout/kv_acquire_s")
-                   if key in rollout.stats}}
+                                                              "rollout/kv_acquire_s", "rollout/host_syncs")
+                   if key in rollout.stats},
+                # the engine's host seconds by part of its loop (where a decode-bound rollout waits)
+                **{key: float(value) for key, value in rollout.stats.items() if key.startswith("rollout/host_")}}
 
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, float]:
