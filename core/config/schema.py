@@ -310,10 +310,11 @@ class RolloutEngineConfig:
     #: Share of the free GPU memory the paged cache's pool takes when kv_pages is null.
     kv_memory_fraction: float = 0.5
     #: Hand the KV cache's memory back to the device after each rollout, so the update can use it, and take it again
-    #: at the same addresses (the decode's CUDA graphs stay valid) when the next rollout starts: null = where the
-    #: device allows it (CUDA, through its virtual memory API), true = required (an error where it cannot), false =
-    #: the cache stays allocated.
-    release_kv: Optional[bool] = None
+    #: at the same addresses (the decode's CUDA graphs stay valid) when the next rollout starts: false = the cache stays
+    #: allocated (default; measured no faster at the 1.5B reasoning shape on an H100, docs/benchmarks.md), true =
+    #: released (an error where it cannot be: CUDA's virtual memory API is needed), null = where the device allows it.
+    #: For an update that runs out of memory next to the cache.
+    release_kv: Optional[bool] = False
 
     def engine_kwargs(self) -> dict[str, Any]:
         """These settings as keyword arguments of ``RolloutEngine``."""

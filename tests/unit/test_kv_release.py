@@ -146,7 +146,7 @@ def test_engine_releases_and_takes_its_cache_again(fake_driver, kv_cache):
     model = tiny_causal_lm("qwen2")
     expected = RolloutEngine(model, max_batch_size=4, max_seq_len=24, kv_cache=kv_cache,
                              release_kv=False).generate(PROMPTS, GREEDY)
-    engine = RolloutEngine(model, max_batch_size=4, max_seq_len=24, kv_cache=kv_cache)
+    engine = RolloutEngine(model, max_batch_size=4, max_seq_len=24, kv_cache=kv_cache, release_kv=None)
     assert engine._kv.releasable and not engine.kv_released
     first = engine.generate(PROMPTS, GREEDY)
     assert first.stats["rollout/kv_acquire_s"] == 0.0
@@ -166,8 +166,9 @@ def test_engine_releases_and_takes_its_cache_again(fake_driver, kv_cache):
 def test_engine_refuses_required_release_it_cannot_do():
     with pytest.raises(ValueError, match="release_kv=true"):
         RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16, release_kv=True)
-    engine = RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16)  # auto on CPU: kept
-    assert engine.release_kv() == 0 and not engine.kv_released
+    for setting in (None, False):  # auto on CPU, and the default: kept
+        engine = RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16, release_kv=setting)
+        assert engine.release_kv() == 0 and not engine.kv_released
     assert "rollout/kv_acquire_s" not in engine.generate(PROMPTS[:2], GREEDY).stats
 
 
@@ -221,3 +222,12 @@ def test_a_backend_release_answer_is_checked(bad):
     gen = generation.ActorGeneration(torch.nn.Linear(2, 2), _Reshard(), lambda module, tp: backend, micro_batch=8)
     with pytest.raises(TypeError, match="_Backend.release_kv"):
         gen.generate([[1]], GREEDY)
+
+
+def test_the_default_keeps_the_cache_even_where_it_could_release(fake_driver):
+    from rlcore.config.loader import load_config
+
+    setting = load_config([], []).actor.rollout_engine.engine_kwargs()["release_kv"]
+    engine = RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16, release_kv=setting)
+    assert setting is False and not engine._kv.releasable and engine.release_kv() == 0
+    assert fake_driver.calls == []
