@@ -225,9 +225,9 @@ def test_a_backend_release_answer_is_checked(bad):
 
 
 def test_the_default_keeps_the_cache_even_where_it_could_release(fake_driver):
-    from rlcore.config.loader import load_config
+    from rlcore.config.schema import RolloutEngineConfig
 
-    setting = load_config([], []).actor.rollout_engine.engine_kwargs()["release_kv"]
+    setting = RolloutEngineConfig().engine_kwargs()["release_kv"]
     engine = RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16, release_kv=setting)
     assert setting is False and not engine._kv.releasable and engine.release_kv() == 0
     assert fake_driver.calls == []
