@@ -86,7 +86,9 @@ class RolloutBackend(Protocol):
     multi-turn episode: a backend that plays them declares ``supports_episodes = True`` and passes
     such prompts to :func:`rlcore.rollout.turns.play_episodes`; without the attribute (False, as in
     :class:`rlcore.protocols.RolloutBackendBase`) the run is refused before any model loads. An
-    optional ``close()`` is called once when the run ends."""
+    optional ``close()`` is called once when the run ends; an optional ``release_kv()`` after each
+    rollout, to hand memory the backend holds between rollouts back for the update (it returns the
+    bytes freed, an int >= 0, and takes the memory again when it next generates)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutBatch:
         """Sample one response per prompt (repeat prompts for several samples)."""
