@@ -82,7 +82,9 @@ HEADS = ("logits", "fused", "liger")
 #: rlcore.trainer.aligned moved each row's tokens to its first column and dropped the mask)
 #: ``...+greedy`` fills padded token-budget micro-batches greedily to the budget (before the least-padding
 #: cut, rlcore.trainer.packing.least_padding_groups)
-MODIFIERS = ("recompute", "keep", "masked", "greedy")
+#: ``...+selective`` (with ``+recompute``) checkpoints selectively (``gradient_checkpointing_policy=selective``:
+#: the products' and attention's outputs kept, the pointwise work recomputed; the budget lowered to what fits so)
+MODIFIERS = ("recompute", "keep", "masked", "greedy", "selective")
 
 
 def parse_variant(name: str) -> tuple[str, str, set[str]]:
@@ -177,9 +179,9 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
             models.set_logprob_head(m, "logits" if head == "logits" else "fused")
             policies = None
             if recompute:
-                enable_gradient_checkpointing(m)
+                enable_gradient_checkpointing(m, selective="selective" in mods)
                 policies = {"actor": Recompute(m, "auto", m.config, torch.device(args.device),
-                                               logits=head == "logits")}
+                                               logits=head == "logits", selective="selective" in mods)}
             if compiled:
                 compile_layers(m, "actor")
             opt = torch.optim.SGD(m.parameters(), lr=1e-3)

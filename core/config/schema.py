@@ -65,6 +65,8 @@ KVCacheKind = choice("KVCacheKind", "paged", "static")
 RolloutIS = choice("RolloutIS", "none", "token", "sequence")
 #: how the training forwards turn last hidden states into log-probs (:func:`rlcore.trainer.models.set_logprob_head`)
 LogprobHead = choice("LogprobHead", "auto", "fused", "logits")
+#: what a checkpointed decoder layer recomputes in the backward (:mod:`rlcore.trainer.recompute`)
+CheckpointPolicyKind = choice("CheckpointPolicyKind", "full", "selective")
 #: what the ``python`` environment asks of its sandbox (docs/environments.md, The Python sandbox)
 SandboxMode = choice("SandboxMode", "strict", "best-effort")
 #: Hugging Face ``attn_implementation`` values of the training forwards; the variable-length ones
@@ -211,6 +213,11 @@ class ModelRoleConfig:
     #: fused head a token budget is first lowered to what fits; see docs/architecture.md, Training on variable
     #: lengths).
     gradient_checkpointing: Any = "auto"
+    #: What a checkpointed layer recomputes: full (its whole forward: the least memory, a third more compute) |
+    #: selective (the outputs of its matrix products and attention are kept, only the pointwise work between them is
+    #: recomputed: about half the activation memory of no checkpointing for a few percent more compute; with
+    #: gradient_checkpointing=auto the token budget is lowered to what fits that way).
+    gradient_checkpointing_policy: CheckpointPolicyKind = CheckpointPolicyKind.full
     #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products;
     #: the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
     compile: Optional[bool] = None

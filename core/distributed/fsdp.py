@@ -151,12 +151,18 @@ def release_units(units: Sequence[nn.Module], reshard_after_forward: bool) -> No
         unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute activations in the backward pass, in the non-reentrant form FSDP2 composes with.
+def enable_gradient_checkpointing(model: nn.Module, selective: bool = False) -> nn.Module:
+    """Recompute activations in the backward pass, in the non-reentrant form FSDP2 composes with;
+    ``selective``: only the pointwise work between the kept matrix products and attention
+    (:func:`rlcore.trainer.recompute.selective_contexts`).
 
     Hugging Face models use their own switch; other models get each decoder layer wrapped.
     """
-    kwargs = {"use_reentrant": False}
+    kwargs: dict = {"use_reentrant": False}
+    if selective:
+        from rlcore.trainer.recompute import selective_contexts
+
+        kwargs["context_fn"] = selective_contexts
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         return model
@@ -168,7 +174,15 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     layers = set(map(id, decoder_layers(model)))
     if not layers:
         raise ConfigError([f"gradient_checkpointing: {type(model).__name__} has no decoder layers to checkpoint"])
-    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in layers)
+    wrapper = None
+    if selective:
+        from functools import partial
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        wrapper = partial(checkpoint_wrapper, context_fn=selective_contexts)
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in layers,
+                                   **({"checkpoint_wrapper_fn": wrapper} if wrapper else {}))
     return model
 
 

@@ -285,10 +285,11 @@ def _build_components(cfg: DictConfig, pm: Any, dist: DistInfo, built: Built) ->
         if model is not None:
             models.set_logprob_head(model, str(ppo.logprob_head))
     recompute = {"actor": Recompute(actor, actor_cfg.gradient_checkpointing, actor_module.config, device,
-                                    logits=models.fused_head(actor, device) is None)}
+                                    logits=models.fused_head(actor, device) is None,
+                                    selective=_selective(actor_cfg))}
     if critic is not None:
         recompute["critic"] = Recompute(critic, critic_cfg.gradient_checkpointing, critic.config,
-                                        placement.device_for("critic"), role="critic")
+                                        placement.device_for("critic"), role="critic", selective=_selective(critic_cfg))
     eos = tokenizer.eos_token_id
     return Components(
         tokenizer=tokenizer, policy=actor_module, actor=Trained(actor, actor_opt, actor_sched),
@@ -351,7 +352,7 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
         return add_adapters(model, lora)  # inside the loader: other ranks receive rank 0's adapter init
 
     actor = load_model_for_role(load_actor, actor_fsdp, dist)
-    if _enable_checkpointing(actor, actor_cfg.gradient_checkpointing) and lora is not None \
+    if _enable_checkpointing(actor, actor_cfg) and lora is not None \
             and hasattr(actor, "enable_input_require_grads"):
         actor.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a graph
     wants_ref = algo.use_reference and ppo.kl_coeff > 0
@@ -365,7 +366,7 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
                                           critic_cfg.attn_implementation),
             resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
-        _enable_checkpointing(critic.backbone, critic_cfg.gradient_checkpointing)
+        _enable_checkpointing(critic.backbone, critic_cfg)
     if _wants_compile(actor_cfg.compile, device):  # after the reference copy: the reference runs uncompiled
         compile_layers(actor, "actor", fallback=actor_cfg.compile is None)
     if critic is not None and _wants_compile(critic_cfg.compile, placement.device_for("critic")):
@@ -373,15 +374,21 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
     return actor, ref, critic
 
 
-def _enable_checkpointing(model: torch.nn.Module, setting: Any) -> bool:
+def _selective(role_cfg: Any) -> bool:
+    return str(getattr(role_cfg, "gradient_checkpointing_policy", "full")) == "selective"
+
+
+def _enable_checkpointing(model: torch.nn.Module, role_cfg: Any) -> bool:
     """``<role>.gradient_checkpointing``: true enables it; auto enables the switch that
-    :class:`~rlcore.trainer.recompute.Recompute` turns per micro-batch, where the model has one.
-    Whether checkpointing may run."""
+    :class:`~rlcore.trainer.recompute.Recompute` turns per micro-batch, where the model has one;
+    ``<role>.gradient_checkpointing_policy`` says what a checkpointed layer recomputes. Whether
+    checkpointing may run."""
     from rlcore.distributed.fsdp import enable_gradient_checkpointing
     from rlcore.trainer.recompute import switchable_layers
 
+    setting = role_cfg.gradient_checkpointing
     if setting is True or (setting == "auto" and switchable_layers(model)):
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, selective=_selective(role_cfg))
         return True
     return False
 

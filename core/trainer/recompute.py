@@ -16,6 +16,12 @@ runs without checkpointing measures what its forward and backward added at their
 the estimate. It is measured, so it counts what the estimate misses as well (the gradients' first
 allocation, the fused head's chunk), and the decisions after it recompute only what does not fit.
 
+What a checkpointed layer recomputes is the role's ``gradient_checkpointing_policy``: ``full`` (its
+whole forward) or ``selective`` (:func:`selective_contexts`: the outputs of its matrix products and
+attention are kept and only the pointwise work between them is recomputed, about half the memory of
+no checkpointing for a few percent more compute; under ``auto`` the token budget is then lowered to
+what fits that way, so a micro-batch either runs without checkpointing or fits checkpointed).
+
 The switch is the ``gradient_checkpointing`` flag of Hugging Face decoder layers
 (``GradientCheckpointingLayer``), read at every forward; a model without such layers cannot be
 switched per micro-batch and trains without checkpointing under ``auto`` (logged).
@@ -44,6 +50,43 @@ MIN_BUDGET = 4096
 MEASURE_MIN_TOKENS = 2048
 #: Headroom on a measured rate (allocator rounding, a longer micro-batch's attention buffers).
 MARGIN = 1.15
+
+#: Operations whose outputs selective checkpointing keeps (the matrix products and attention): the
+#: rest of a checkpointed layer (norms, RoPE, SiLU·mul, residual adds) is recomputed in the backward.
+_KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+
+
+def _keep_products(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for selective checkpointing (one
+    function, so compiled layers see the same policy every time): the outputs of :data:`_KEPT_OPS`
+    are saved, everything else recomputed."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_products)
+
+
+def selective_bytes_per_token(config: Any, dtype: torch.dtype, logits: bool = True) -> int:
+    """Estimated activation bytes a token keeps with selective checkpointing: per layer its input,
+    the q/k/v, attention, o, gate, up and down products' outputs (``5 h + 2 kv + 2 i`` elements,
+    the attention's log-sum-exp left out), plus the logits row as :func:`activation_bytes_per_token`."""
+    h = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
+    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * h)
+    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(config, "head_dim", 0) or (h // max(1, heads)))
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    elt = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    return layers * (5 * h + 2 * kv_heads * head_dim + 2 * inter) * elt + (vocab * elt if logits else 0)
 
 
 def activation_bytes_per_token(config: Any, dtype: torch.dtype, logits: bool = True) -> int:
@@ -99,10 +142,13 @@ class Recompute:
     :param config: the model config (for :func:`activation_bytes_per_token`).
     :param device: where the role trains.
     :param logits: whether the role's forwards hold a row of logits per token (not with the fused head).
+    :param selective: a checkpointed layer keeps its products' outputs (``<role>.gradient_checkpointing_policy
+        =selective``, enabled with :func:`selective_contexts`); under ``auto`` the token budget is then
+        lowered to what fits that way.
     """
 
     def __init__(self, model: torch.nn.Module, setting: Any, config: Any, device: torch.device, role: str = "actor",
-                 logits: bool = True):
+                 logits: bool = True, selective: bool = False):
         self.role = role
         self.auto = str(setting).lower() == "auto"
         self.device = torch.device(device)
@@ -113,11 +159,16 @@ class Recompute:
             self.auto = False
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self.estimated_bytes_per_token = activation_bytes_per_token(config, dtype, logits)
+        self.selective = bool(selective)
+        #: share of a token's activation bytes a checkpointed micro-batch keeps (1: full checkpointing keeps
+        #: only each layer's input, counted as nothing here)
+        self.kept_share = (selective_bytes_per_token(config, dtype, logits) / max(1, self.estimated_bytes_per_token)
+                           if self.selective else 0.0)
         self.measured_tokens = 0  # tokens of the largest micro-batch measured so far (0: none)
         self.measured_bytes_per_token = 0.0
         #: budgets are lowered only with the fused head (no logits row a token): with the logits head, the
         #: smaller micro-batches measured slower than checkpointing the large ones (docs/benchmarks.md)
-        self.lowers_budget = not logits
+        self.lowers_budget = not logits or self.selective
         self.decisions: list[bool] = []
         if self.auto:
             self._set(False)
@@ -156,13 +207,16 @@ class Recompute:
         """``ppo.max_tokens_per_micro_batch`` as this role trains it: under ``auto`` with the fused head
         (``logits=False``), lowered (to a multiple of 8, not under :data:`MIN_BUDGET`) to the tokens whose
         activations fit in the free memory now (at :attr:`bytes_per_token`: the shape's estimate until a
-        micro-batch measured it); ``budget`` as given otherwise (and when even the floor would need
-        checkpointing). With the logits head the budget stays: on an H100 the 1.5B reasoning update
-        lowered to 10,784-token micro-batches ran 17.4 s (plus a recompile) against 12.9 s checkpointing
-        32,768-token ones."""
+        micro-batch measured it); with selective checkpointing, to the tokens that fit checkpointed that
+        way (:attr:`kept_share` of that rate); ``budget`` as given otherwise (and when even the floor would
+        not fit). With the logits head and full checkpointing the budget stays: on an H100 the 1.5B
+        reasoning update lowered to 10,784-token micro-batches ran 17.4 s (plus a recompile) against
+        12.9 s checkpointing 32,768-token ones."""
         if not self.auto or not self.lowers_budget or budget <= 0:
             return budget
-        fits = int(FREE_SHARE * free_bytes(self.device) // max(1.0, self.bytes_per_token)) // 8 * 8
+        # selective: what fits with the products' outputs kept (such a micro-batch checkpoints); else without
+        rate = self.bytes_per_token * (self.kept_share if self.selective else 1.0)
+        fits = int(FREE_SHARE * free_bytes(self.device) // max(1.0, rate)) // 8 * 8
         return max(MIN_BUDGET, fits) if MIN_BUDGET <= fits < budget else budget
 
     @contextlib.contextmanager
