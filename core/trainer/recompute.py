@@ -59,10 +59,17 @@ _KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name))
 
 
+#: the flash-attn package's forward operators (``attn_implementation=flash_attention_2``), kept as well
+_KEPT_EXTERNAL = ("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward")
+
+
 def _keep_products(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in _KEPT_OPS
+    if not keep and callable(getattr(op, "name", None)):
+        keep = op.name() in _KEPT_EXTERNAL
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts():

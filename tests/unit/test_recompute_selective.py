@@ -66,6 +66,12 @@ def test_the_policy_keeps_products_and_recomputes_the_rest():
     assert recompute._keep_products(None, torch.ops.aten.mul.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
     assert recompute._keep_products(None, torch.ops.aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
 
+    class FlashForward:  # an operator of the flash-attn package (not installed here)
+        def name(self):
+            return "flash_attn::_flash_attn_varlen_forward"
+
+    assert recompute._keep_products(None, FlashForward()) == CheckpointPolicy.MUST_SAVE
+
 
 def test_auto_lowers_the_budget_to_what_fits_selectively(monkeypatch):
     model = _model("selective")
