@@ -357,7 +357,8 @@ def _engine_problems(engine: DictConfig) -> list[str]:
                              "smaller pages need attention=sdpa")
     if not engine.graph_batch_buckets or any(b < 1 for b in engine.graph_batch_buckets):
         bad("graph_batch_buckets", f"must be batch sizes >= 1, got {list(engine.graph_batch_buckets)}")
-    for key, check in (("split_k", decode.split_k_tuple), ("attention_tuning", decode.check_attention_tuning)):
+    for key, check in (("split_k", decode.split_k_tuple), ("split_k_few_rows", decode.split_k_tuple),
+                       ("attention_tuning", decode.check_attention_tuning)):
         given = {k: v for k, v in OmegaConf.to_container(engine[key]).items() if v is not None}
         try:
             check(given)

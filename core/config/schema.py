@@ -299,6 +299,9 @@ class RolloutEngineConfig:
     rope_in_attention: bool = True
     #: Split-K of the decode step's products.
     split_k: SplitKConfig = field(default_factory=SplitKConfig)
+    #: Split-K of the decode step's products for batch buckets of at most 8 rows (the long tail of a rollout of
+    #: varied lengths, where the products read the weights for few rows). All null: as split_k.
+    split_k_few_rows: SplitKConfig = field(default_factory=SplitKConfig)
     #: Take the gate/up product as weight @ norm(x)^T (null: on when the step is compiled on CUDA).
     mlp_transposed: Optional[bool] = None
     #: Tuning of the Triton attention kernel.
@@ -326,6 +329,7 @@ class RolloutEngineConfig:
     def engine_kwargs(self) -> dict[str, Any]:
         """These settings as keyword arguments of ``RolloutEngine``."""
         split = {k: v for k, v in dataclasses.asdict(self.split_k).items() if v is not None}
+        few = {k: v for k, v in dataclasses.asdict(self.split_k_few_rows).items() if v is not None}
         tuning = {k: v for k, v in dataclasses.asdict(self.attention_tuning).items() if v is not None}
         return dict(use_cuda_graphs=self.use_cuda_graphs, graph_batch_buckets=list(self.graph_batch_buckets),
                     admit_fraction=self.admit_fraction, eos_check_interval=self.eos_check_interval,
@@ -333,7 +337,7 @@ class RolloutEngineConfig:
                     max_prefill_tokens=self.max_prefill_tokens, fused_sampling=self.fused_sampling,
                     compile=self.compile, compile_mode=str(self.compile_mode), attention=str(self.attention),
                     attention_length_step=self.attention_length_step, rope_in_attention=self.rope_in_attention,
-                    split_k=split or "auto", attention_tuning=tuning,
+                    split_k=split or "auto", split_k_few_rows=few or None, attention_tuning=tuning,
                     mlp_transposed="auto" if self.mlp_transposed is None else self.mlp_transposed,
                     prompt_sharing=self.prompt_sharing, kv_cache=str(self.kv_cache), page_size=self.page_size,
                     kv_pages=self.kv_pages, kv_memory_fraction=self.kv_memory_fraction, release_kv=self.release_kv)

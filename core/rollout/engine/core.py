@@ -42,8 +42,9 @@ from rlcore.rollout.adapters import has_adapter_layers, unwrap
 from rlcore.rollout.engine import pages
 from rlcore.rollout.engine import vmem
 from rlcore.rollout.engine.graphs import DecodeGraphs
-from rlcore.rollout.engine.settings import (DEFAULT_BUCKETS, check_limits, check_page_size,  # noqa: F401
-                                            check_settings, choose_attention, choose_products, length_step)
+from rlcore.rollout.engine.settings import (DEFAULT_BUCKETS, FEW_ROWS, check_limits,  # noqa: F401
+                                            check_page_size, check_settings, choose_attention, choose_products,
+                                            length_step)
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
 from rlcore.rollout.sampling import validate_params
 
@@ -115,6 +116,8 @@ class RolloutEngine:
             the q/k/v slices by the attention kernel when it applies RoPE).
             ``"auto"`` (default): :data:`rlcore.rollout.engine.decode.AUTO_SPLIT_K` when the step is compiled
             on CUDA (the compiler fuses the sums), else none; ``None`` or ``{}``: none.
+        split_k_few_rows: the same for batch buckets of at most :data:`FEW_ROWS` rows (a long rollout's
+            tail, where a product reads its weights for a handful of rows); ``None`` (default): as ``split_k``.
         mlp_transposed: take the decode step's gate/up product as ``weight @ norm(x)^T`` (the
             library's tiles fit that tall output better at a few hundred rows; SiLU·mul and the down
             product read the transposed layout). ``"auto"`` (default): on when the step is compiled on
@@ -162,6 +165,7 @@ class RolloutEngine:
                  fused_sampling: bool = True, compile: bool | None = None, compile_mode: str = "default",
                  attention: str = "auto", attention_length_step: int | None = None,
                  rope_in_attention: bool = True, split_k: Mapping[str, int] | str | None = "auto",
+                 split_k_few_rows: Mapping[str, int] | None = None,
                  attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True,
                  mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
                  kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION,
@@ -211,6 +215,17 @@ class RolloutEngine:
                                             split_k=self.split_k, mlp_transposed=self.mlp_transposed)
         self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k,
                                            self.mlp_transposed) if self.compile else self._plain)
+        #: buckets of at most FEW_ROWS rows: their own step functions where split_k_few_rows differs
+        self.split_k_few_rows = self.split_k if split_k_few_rows is None else decode.split_k_tuple(split_k_few_rows)
+        self._plain_few = self._fns_few = None
+        if self.split_k_few_rows != self.split_k:
+            if any(k > 1 for k in self.split_k_few_rows):
+                decode.probe_float32_partials(self.device)
+            self._plain_few = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
+                                                    split_k=self.split_k_few_rows, mlp_transposed=self.mlp_transposed)
+            self._fns_few = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention,
+                                                   self.split_k_few_rows, self.mlp_transposed)
+                             if self.compile else self._plain_few)
         #: memory kept out of the free memory before the page pool is sized
         self.kv_reserve_bytes = int(kv_reserve_bytes)
         self._allocate(kv_pages, float(kv_memory_fraction), self.kv_reserve_bytes, release_kv)
@@ -391,14 +406,16 @@ class RolloutEngine:
 
     def _decode_eager(self, n: int, length: int) -> torch.Tensor:
         """One decode step without graphs; falls back to the plain pieces if compilation fails."""
-        if self._fns.compiled:
+        few = self._fns_few is not None and n <= FEW_ROWS
+        fns, plain = (self._fns_few, self._plain_few) if few else (self._fns, self._plain)
+        if fns.compiled:
             try:
-                return self._step(n, length, self._fns)
+                return self._step(n, length, fns)
             except Exception as error:  # noqa: BLE001 - compiler failures take many forms
                 log.warning("rollout engine: compiled decode step failed (%s: %s); running it uncompiled",
                             type(error).__name__, str(error)[:500])
-                self._fns, self.compile = self._plain, False
-        return self._step(n, length, self._plain)
+                self._fns, self._fns_few, self.compile = self._plain, self._plain_few, False
+        return self._step(n, length, plain)
 
     def _step(self, n: int, length: int, fns: decode.StepFunctions) -> torch.Tensor:
         cos, sin = (self.cos, self.sin) if fns.rope_in_attention else (self.step_cos, self.step_sin)

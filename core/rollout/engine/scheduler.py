@@ -28,6 +28,7 @@ import torch
 
 from rlcore.kernels import step_kernels
 from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad, mask_after_eos
+from rlcore.rollout.engine.settings import FEW_ROWS
 from rlcore.rollout.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ PAGE_LOOKAHEAD = 4
 PAGE_BATCH = 16
 #: decode steps of a batch bucket of at most this many rows count as the call's tail
 #: (``rollout/tail_steps``, ``rollout/tail_s``: the long tail of a rollout with varied lengths)
-TAIL_ROWS = 8
+TAIL_ROWS = FEW_ROWS
 
 
 class Scheduler:

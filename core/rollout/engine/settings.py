@@ -50,6 +50,9 @@ def _check_kv_memory_fraction(value) -> None:
 
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: batch buckets of at most this many rows are a rollout's tail: they count as ``rollout/tail_steps`` and
+#: decode with the engine's ``split_k_few_rows``
+FEW_ROWS = 8
 
 
 def length_step(max_seq_len: int) -> int:
