@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -81,19 +81,34 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(_keep_products)
 
 
+class _Dims(NamedTuple):
+    """A decoder config's sizes (Hugging Face names, GPT-2 names as fallbacks) and bytes an element."""
+
+    hidden: int
+    layers: int
+    inter: int
+    kv: int  # key/value heads x head dim
+    vocab: int
+    elt: int
+
+
+def _dims(config: Any, dtype: torch.dtype) -> _Dims:
+    h = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(config, "head_dim", 0) or (h // max(1, heads)))
+    return _Dims(hidden=h, layers=int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0),
+                 inter=int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * h),
+                 kv=kv_heads * head_dim, vocab=int(getattr(config, "vocab_size", 0) or 0),
+                 elt=torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4)
+
+
 def selective_bytes_per_token(config: Any, dtype: torch.dtype, logits: bool = True) -> int:
     """Estimated activation bytes a token keeps with selective checkpointing: per layer its input,
     the q/k/v, attention, o, gate, up and down products' outputs (``5 h + 2 kv + 2 i`` elements,
     the attention's log-sum-exp left out), plus the logits row as :func:`activation_bytes_per_token`."""
-    h = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
-    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
-    inter = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * h)
-    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
-    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
-    head_dim = int(getattr(config, "head_dim", 0) or (h // max(1, heads)))
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    elt = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
-    return layers * (5 * h + 2 * kv_heads * head_dim + 2 * inter) * elt + (vocab * elt if logits else 0)
+    d = _dims(config, dtype)
+    return d.layers * (5 * d.hidden + 2 * d.kv + 2 * d.inter) * d.elt + (d.vocab * d.elt if logits else 0)
 
 
 def activation_bytes_per_token(config: Any, dtype: torch.dtype, logits: bool = True) -> int:
@@ -106,16 +121,9 @@ def activation_bytes_per_token(config: Any, dtype: torch.dtype, logits: bool = T
     log-softmax, :mod:`rlcore.kernels.linear_logprob`, holds a bounded chunk). Memory-efficient attention (flash, SDPA) keeps no
     ``[T, T]`` scores, so none are counted. A planning estimate, not an exact count.
     """
-    h = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
-    layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
-    inter = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * h)
-    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
-    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
-    head_dim = int(getattr(config, "head_dim", 0) or (h // max(1, heads)))
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    elt = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
-    per_layer = (6 * h + 2 * kv_heads * head_dim + 4 * inter) * elt + (2 * h * 4 if elt < 4 else 0)
-    return layers * per_layer + (vocab * elt if logits else 0)
+    d = _dims(config, dtype)
+    per_layer = (6 * d.hidden + 2 * d.kv + 4 * d.inter) * d.elt + (2 * d.hidden * 4 if d.elt < 4 else 0)
+    return d.layers * per_layer + (d.vocab * d.elt if logits else 0)
 
 
 def free_bytes(device: torch.device) -> int:
