@@ -174,15 +174,14 @@ def enable_gradient_checkpointing(model: nn.Module, selective: bool = False) -> 
     layers = set(map(id, decoder_layers(model)))
     if not layers:
         raise ConfigError([f"gradient_checkpointing: {type(model).__name__} has no decoder layers to checkpoint"])
-    wrapper = None
+    wrap = {}
     if selective:
         from functools import partial
 
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        wrapper = partial(checkpoint_wrapper, context_fn=selective_contexts)
-    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in layers,
-                                   **({"checkpoint_wrapper_fn": wrapper} if wrapper else {}))
+        wrap["checkpoint_wrapper_fn"] = partial(checkpoint_wrapper, context_fn=selective_contexts)
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in layers, **wrap)
     return model
 
 

@@ -175,14 +175,15 @@ class Recompute:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self.estimated_bytes_per_token = activation_bytes_per_token(config, dtype, logits)
         self.selective = bool(selective)
-        #: share of a token's activation bytes a checkpointed micro-batch keeps (1: full checkpointing keeps
-        #: only each layer's input, counted as nothing here)
+        #: share of a token's activation bytes a selectively checkpointed micro-batch keeps (0 with full
+        #: checkpointing: each layer's input only, not counted)
         self.kept_share = (selective_bytes_per_token(config, dtype, logits) / max(1, self.estimated_bytes_per_token)
                            if self.selective else 0.0)
         self.measured_tokens = 0  # tokens of the largest micro-batch measured so far (0: none)
         self.measured_bytes_per_token = 0.0
-        #: budgets are lowered only with the fused head (no logits row a token): with the logits head, the
-        #: smaller micro-batches measured slower than checkpointing the large ones (docs/benchmarks.md)
+        #: budgets are lowered with the fused head (no logits row a token) or selective checkpointing: with the
+        #: logits head and full checkpointing, smaller micro-batches measured slower than checkpointing the large
+        #: ones (docs/benchmarks.md)
         self.lowers_budget = not logits or self.selective
         self.decisions: list[bool] = []
         if self.auto:

@@ -122,3 +122,38 @@ def test_a_run_with_selective_checkpointing_trains_like_one_without(tmp_path, co
     for p, s in zip(plain, selective):
         for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "reward/mean"):
             assert s[key] == pytest.approx(p[key], rel=1e-4, abs=1e-5), key
+
+
+def test_layers_of_a_model_without_the_hugging_face_switch_checkpoint_selectively_too():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.silu(self.fc(x))
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for block in self.layers:
+                x = block(x)
+            return x
+
+    x = torch.randn(5, 8)
+    ops, grads = {}, {}
+    for mode in ("none", "full", "selective"):
+        torch.manual_seed(0)
+        model = Plain()
+        if mode != "none":
+            enable_gradient_checkpointing(model, selective=mode == "selective")
+        loss = model(x).sum()
+        with _Count() as counted:
+            loss.backward()
+        ops[mode], grads[mode] = counted.ops, [p.grad for p in model.parameters()]
+    assert ops["full"]["addmm"] > ops["none"]["addmm"] == ops["selective"]["addmm"]  # the products are kept
+    for mode in ("full", "selective"):
+        assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"]))
