@@ -558,9 +558,9 @@ class Trainer:
                                                               "rollout/observation_tokens", "rollout/env_waits",
                                                               "rollout/decode_steps", "rollout/tail_steps",
                                                               "rollout/tail_s", "rollout/kv_released_bytes",
-                                                              "rollout/kv_acquire_s", "rollout/host_syncs")
+                                                              "rollout/kv_acquire_s")
                    if key in rollout.stats},
-                # the engine's host seconds by part of its loop (where a decode-bound rollout waits)
+                # the engine's host seconds by part of its loop and its device reads (rollout/host_syncs)
                 **{key: float(value) for key, value in rollout.stats.items() if key.startswith("rollout/host_")}}
 
     @torch.no_grad()

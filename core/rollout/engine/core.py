@@ -211,21 +211,14 @@ class RolloutEngine:
         self.share_pages = self.paged and bool(prompt_sharing)
         self.prompt_sharing = not self.paged and self.attention == "triton" and bool(prompt_sharing)
         self.split_k, self.mlp_transposed = choose_products(split_k, mlp_transposed, self.compile, self.device)
-        self._plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
-                                            split_k=self.split_k, mlp_transposed=self.mlp_transposed)
-        self._fns = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention, self.split_k,
-                                           self.mlp_transposed) if self.compile else self._plain)
+        self._plain, self._fns = self._step_functions(self.split_k, compile_mode)
         #: buckets of at most FEW_ROWS rows: their own step functions where split_k_few_rows differs
         self.split_k_few_rows = self.split_k if split_k_few_rows is None else decode.split_k_tuple(split_k_few_rows)
         self._plain_few = self._fns_few = None
         if self.split_k_few_rows != self.split_k:
             if any(k > 1 for k in self.split_k_few_rows):
                 decode.probe_float32_partials(self.device)
-            self._plain_few = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention,
-                                                    split_k=self.split_k_few_rows, mlp_transposed=self.mlp_transposed)
-            self._fns_few = (decode.step_functions(self.spec, compile_mode, self.rope_in_attention,
-                                                   self.split_k_few_rows, self.mlp_transposed)
-                             if self.compile else self._plain_few)
+            self._plain_few, self._fns_few = self._step_functions(self.split_k_few_rows, compile_mode)
         #: memory kept out of the free memory before the page pool is sized
         self.kv_reserve_bytes = int(kv_reserve_bytes)
         self._allocate(kv_pages, float(kv_memory_fraction), self.kv_reserve_bytes, release_kv)
@@ -379,24 +372,20 @@ class RolloutEngine:
             self.kv_bytes = self._kv.nbytes
             table = None
         self.cache = self._kv.tensor
-        slot_rows = torch.arange(b, device=dev)[:, None] * spec.num_kv_heads
-        self.state = decode.DecodeState(
-            tokens=torch.zeros(b, dtype=torch.long, device=dev),
-            positions=torch.zeros(b, dtype=torch.long, device=dev),
-            cache_index=torch.zeros(b, dtype=torch.long, device=dev),
-            bias=torch.zeros(b, s, dtype=self.dtype, device=dev),
-            flat_base=((torch.arange(2, device=dev)[:, None, None] * b * spec.num_kv_heads + slot_rows[None]
-                        + torch.arange(spec.num_kv_heads, device=dev)[None, None]) * s),
-            zero=torch.zeros(1, 1, dtype=self.dtype, device=dev),
-            attention_counters=torch.zeros(b * spec.num_kv_heads, dtype=torch.int32, device=dev),
-            table=table, page_size=self.page_size if self.paged else 0,
-        )
-        if self.prompt_sharing:
-            self.state.share_source = torch.arange(b, dtype=torch.int32, device=dev)
-            self.state.share_end = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.state = decode.DecodeState.empty(spec, b, s, self.dtype, dev, table, self.page_size if self.paged else 0,
+                                              self.prompt_sharing)
         cos, sin = llama.rope_table(self.model, s, dev)
         self.cos, self.sin = cos, llama.signed_sin(sin)  # float32, for prefill
         self.step_cos, self.step_sin = self.cos.to(self.dtype), self.sin.to(self.dtype)
+
+    def _step_functions(self, split: tuple[int, ...], compile_mode: str) -> tuple:
+        """``(plain, used)`` step functions of products cut by ``split``: ``used`` compiled when the
+        engine compiles, else the plain ones."""
+        plain = decode.step_functions(self.spec, rope_in_attention=self.rope_in_attention, split_k=split,
+                                      mlp_transposed=self.mlp_transposed)
+        if not self.compile:
+            return plain, plain
+        return plain, decode.step_functions(self.spec, compile_mode, self.rope_in_attention, split, self.mlp_transposed)
 
     def _mark_static(self) -> None:
         try:

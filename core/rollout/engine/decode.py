@@ -71,6 +71,28 @@ class DecodeState:
     table: torch.Tensor | None = None
     page_size: int = 0
 
+    @classmethod
+    def empty(cls, spec: DecoderSpec, slots: int, columns: int, dtype: torch.dtype, device: torch.device,
+              table: torch.Tensor | None = None, page_size: int = 0, sharing: bool = False) -> "DecodeState":
+        """The state of ``slots`` idle slots of ``columns`` cache columns each (``sharing``: with the
+        prompt-sharing rows, every slot reading its own row)."""
+        b, s, kv_heads = slots, columns, spec.num_kv_heads
+        slot_rows = torch.arange(b, device=device)[:, None] * kv_heads
+        state = cls(
+            tokens=torch.zeros(b, dtype=torch.long, device=device),
+            positions=torch.zeros(b, dtype=torch.long, device=device),
+            cache_index=torch.zeros(b, dtype=torch.long, device=device),
+            bias=torch.zeros(b, s, dtype=dtype, device=device),
+            flat_base=((torch.arange(2, device=device)[:, None, None] * b * kv_heads + slot_rows[None]
+                        + torch.arange(kv_heads, device=device)[None, None]) * s),
+            zero=torch.zeros(1, 1, dtype=dtype, device=device),
+            attention_counters=torch.zeros(b * kv_heads, dtype=torch.int32, device=device),
+            table=table, page_size=page_size)
+        if sharing:
+            state.share_source = torch.arange(b, dtype=torch.int32, device=device)
+            state.share_end = torch.zeros(b, dtype=torch.int32, device=device)
+        return state
+
 
 # ----------------------------------------------------------------------------- the pieces
 
