@@ -69,8 +69,8 @@ if triton is not None:
         rotated key float32, value float32)``. The projection values are read through :func:`_proj`.
 
         Rounded to ``out_dtype`` where the Hugging Face model rounds (its values are what the
-        trainer recomputes): the projection, the cos/sin rows, each of the two products and their
-        sum (:func:`_round` is a no-op in float32)."""
+        trainer recomputes): the projections (the value's too), the cos/sin rows, each of the two
+        products and their sum (:func:`_round` is a no-op in float32)."""
         turned = (feats + dim // 2) % dim
         cos = _round(tl.load(cos_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32), out_dtype)
         sin = _round(tl.load(sin_ptr + rope_at + feats, mask=feat_ok, other=0.0).to(tl.float32), out_dtype)
@@ -84,8 +84,9 @@ if triton is not None:
                            PARTS, PBIAS), out_dtype)
         key_turned = _round(_proj(row_new + k_off + turned, pbias_ptr + new_cols + k_off + turned, feat_ok,
                                   part_stride, PARTS, PBIAS), out_dtype)
-        value = _proj(row_new + v_off + feats, pbias_ptr + new_cols + v_off + feats, feat_ok, part_stride,
-                      PARTS, PBIAS)
+        # the value too: it enters this column's softmax term from registers, not from the cache
+        value = _round(_proj(row_new + v_off + feats, pbias_ptr + new_cols + v_off + feats, feat_ok, part_stride,
+                             PARTS, PBIAS), out_dtype)
         return q, _round(key * cos, out_dtype) + _round(key_turned * sin, out_dtype), value
 
     @triton.jit
@@ -227,7 +228,8 @@ if triton is not None:
         new_col = -1
         if NEW:
             # rotate the G query rows and the new key; the new key/value go to the cache at the
-            # slot's column and enter the softmax from registers (part 0); the column is skipped below
+            # slot's column and enter the softmax from registers (part 0, after the cached columns);
+            # the column is skipped below
             new_col = tl.load(col_ptr + slot)
             if ROWS:
                 rope_at = slot * s_rope
@@ -247,14 +249,25 @@ if triton is not None:
                     at = slot * sc_b + new_col.to(tl.int64) * sc_s + feats * sc_d
                 tl.store(k_ptr + head * sc_h + at, key, mask=feat_ok)
                 tl.store(v_ptr + head * sc_h + at, value.to(v_ptr.dtype.element_ty), mask=feat_ok)
-                run_max = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale
-                run_sum = tl.full([BLOCK_G], 1.0, tl.float32)
-                acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + value.to(tl.float32)[None, :]
             # columns after the new one hold no key of this slot yet: not read at all
             hi = tl.minimum(hi, new_col)
         run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok,
                                               run_max, run_sum, acc, scale, shared_end, shared_shift, table_row, sc_b,
                                               IEEE, BLOCK_N, SUB, PAGED, PAGE)
+        if NEW:
+            if part == 0:
+                # the new column is the row's last: its probability is taken against the running
+                # maximum of the columns before it and rounded for the value product like theirs
+                # (flash attention's last block), not carried unrounded from the start
+                score = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale
+                new_max = tl.maximum(run_max, score)
+                alpha = tl.exp(run_max - new_max)
+                p = tl.exp(score - new_max)
+                run_sum = run_sum * alpha + p
+                if not IEEE:
+                    p = p.to(v_ptr.dtype.element_ty).to(tl.float32)
+                acc = acc * alpha[:, None] + p[:, None] * value.to(v_ptr.dtype.element_ty).to(tl.float32)[None, :]
+                run_max = new_max
         _store_result(acc, run_max, run_sum, out_ptr, slot * so_n + head * so_h, so_g, so_d, stat_ptr, stat_plane,
                       final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, count_ptr, slot * tl.num_programs(1) + head,
                       part, rows, feats, group, dim, SPLIT, BLOCK_G, BLOCK_D)

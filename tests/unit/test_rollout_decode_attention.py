@@ -326,6 +326,36 @@ def test_float32_parts_give_an_output_in_the_cache_dtype():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA (Triton's interpreter truncates when it casts to bf16)"))])
+def test_float32_parts_attend_as_the_rounded_projection(dtype):
+    """Float32 partial products and a bias (the decode step's split-K) give the output and cache of the
+    projection rounded once to the cache's dtype: the new column's value enters the softmax rounded,
+    as the model's v projection is, not as the float32 sum."""
+    gen = torch.Generator().manual_seed(12)
+    n, heads, kv_heads, dim, columns, length = 3, 4, 2, 32, 40, 24
+    width = (heads + 2 * kv_heads) * dim
+    pieces = torch.randn(2, n, width, generator=gen)
+    proj_bias = torch.randn(width, generator=gen).to(dtype)
+    layer = torch.randn(2, n, kv_heads, columns, dim, generator=gen).to(dtype)
+    bias = torch.zeros(n, columns, dtype=dtype)
+    bias[1, :5] = float("-inf")
+    cos, sin = torch.randn(2, columns, dim, generator=gen)
+    positions, at = torch.tensor([3, 11, 20]), torch.tensor([length - 1, 9, 15])
+    to = dict(device=DEVICE)
+    args = (bias.to(**to), length, cos.to(**to), sin.to(**to), positions.to(**to), at.to(**to), heads, kv_heads)
+    summed = (pieces.sum(0) + proj_bias.float()).to(dtype)
+    assert not torch.equal(summed.float(), pieces.sum(0) + proj_bias.float())  # the rounding is there to see
+    expected_layer, got_layer = layer.clone().to(**to), layer.clone().to(**to)
+    expected = decode_attention.attend_new(summed.to(**to), expected_layer, *args)
+    got = decode_attention.attend_new(pieces.to(**to), got_layer, *args, proj_bias=proj_bias.to(**to))
+    assert torch.equal(got_layer, expected_layer)
+    assert torch.equal(got, expected)
+
+
+@needs_kernel
 def test_projection_slices_and_bias_are_added_before_rope():
     """``attend_new`` given the q/k/v projection as 2 partial products and the bias equals
     ``attend_new`` of the finished projection ``sum + bias`` (output and cache)."""
