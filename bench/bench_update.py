@@ -84,7 +84,9 @@ HEADS = ("logits", "fused", "liger")
 #: cut, rlcore.trainer.packing.least_padding_groups)
 #: ``...+selective`` (with ``+recompute``) checkpoints selectively (``gradient_checkpointing_policy=selective``:
 #: the products' and attention's outputs kept, the pointwise work recomputed; the budget lowered to what fits so)
-MODIFIERS = ("recompute", "keep", "masked", "greedy", "selective")
+#: ``...+whole`` (with ``+recompute``) checkpoints every layer of a micro-batch that does not fit (the rule before
+#: micro-batches checkpointed only the layers they need to)
+MODIFIERS = ("recompute", "keep", "masked", "greedy", "selective", "whole")
 
 
 def parse_variant(name: str) -> tuple[str, str, set[str]]:
@@ -181,7 +183,8 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
             if recompute:
                 enable_gradient_checkpointing(m, selective="selective" in mods)
                 policies = {"actor": Recompute(m, "auto", m.config, torch.device(args.device),
-                                               logits=head == "logits", selective="selective" in mods)}
+                                               logits=head == "logits", selective="selective" in mods,
+                                               partial="whole" not in mods)}
             if compiled:
                 compile_layers(m, "actor")
             opt = torch.optim.SGD(m.parameters(), lr=1e-3)

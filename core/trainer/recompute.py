@@ -4,8 +4,10 @@ Checkpointing (recomputing each decoder layer's activations in the backward pass
 costs about a third more compute. With ``auto`` a micro-batch recomputes only when the estimated
 activation memory of its forward (:func:`activation_bytes_per_token` x its tokens) exceeds the
 memory free at that moment: the free memory of the device plus what PyTorch's caching allocator
-holds unused (CUDA), the available physical memory (CPU). Short micro-batches run at full speed,
-long ones fit. ``true``/``false`` keep checkpointing on/off for every micro-batch.
+holds unused (CUDA), the available physical memory (CPU); and then only in as many decoder layers
+as it takes to fit (the first ones; :meth:`Recompute.layers_needed`), so a micro-batch a little
+too large for the memory recomputes a little, not a third. Short micro-batches run at full speed,
+long ones fit. ``true``/``false`` keep checkpointing on/off for every layer of every micro-batch.
 
 The estimate from the model's shape is a planning figure (it counts every saved tensor as if none
 were shared or freed early: 3.2 MB a token at 1.5B with the logits row, where a 32,768-token
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from typing import Any, Iterator, NamedTuple
 
@@ -160,10 +163,12 @@ class Recompute:
     :param selective: a checkpointed layer keeps its products' outputs (``<role>.gradient_checkpointing_policy
         =selective``, enabled with :func:`selective_contexts`); under ``auto`` the token budget is then
         lowered to what fits that way.
+    :param partial: under ``auto``, a micro-batch that does not fit checkpoints only the layers it needs
+        to (:meth:`layers_needed`); False: every layer.
     """
 
     def __init__(self, model: torch.nn.Module, setting: Any, config: Any, device: torch.device, role: str = "actor",
-                 logits: bool = True, selective: bool = False):
+                 logits: bool = True, selective: bool = False, partial: bool = True):
         self.role = role
         self.auto = str(setting).lower() == "auto"
         self.device = torch.device(device)
@@ -185,13 +190,21 @@ class Recompute:
         #: logits head and full checkpointing, smaller micro-batches measured slower than checkpointing the large
         #: ones (docs/benchmarks.md)
         self.lowers_budget = not logits or self.selective
-        self.decisions: list[bool] = []
+        #: share of the estimated rate that the decoder layers hold (the rest: the logits row), the part
+        #: checkpointing a layer can give back
+        dims = _dims(config, dtype)
+        layer_bytes = activation_bytes_per_token(config, dtype, logits=False)
+        self.layer_share = layer_bytes / max(1, self.estimated_bytes_per_token) if dims.layers else 1.0
+        #: checkpoint only as many layers as a micro-batch needs (False: all of them or none)
+        self.partial = bool(partial)
+        self.decisions: list[float] = []
         if self.auto:
-            self._set(False)
+            self._set(0)
 
-    def _set(self, on: bool) -> None:
-        for layer in self.layers:
-            layer.gradient_checkpointing = on
+    def _set(self, count: int) -> None:
+        """Checkpointing on in the first ``count`` switchable layers, off in the others."""
+        for i, layer in enumerate(self.layers):
+            layer.gradient_checkpointing = i < count
 
     @property
     def bytes_per_token(self) -> float:
@@ -219,6 +232,22 @@ class Recompute:
         """Whether a micro-batch of ``tokens`` tokens should recompute (its activations would not fit)."""
         return tokens * self.bytes_per_token > FREE_SHARE * free_bytes(self.device)
 
+    def layers_needed(self, tokens: int) -> int:
+        """How many of the switchable layers a micro-batch of ``tokens`` tokens checkpoints: none when its
+        activations fit in :data:`FREE_SHARE` of the free memory; else the fewest whose checkpointing
+        gives back the excess (each gives back its share of the decoder layers' bytes, less what
+        selective checkpointing keeps: :attr:`kept_share`); all of them where that is not enough or
+        ``partial`` is off."""
+        total = len(self.layers)
+        need = tokens * self.bytes_per_token
+        over = need - FREE_SHARE * free_bytes(self.device)
+        if over <= 0 or not total:
+            return 0
+        freed = need * self.layer_share * (1.0 - self.kept_share) / total
+        if not self.partial or freed <= 0:
+            return total
+        return min(total, math.ceil(over / freed))
+
     def token_budget(self, budget: int) -> int:
         """``ppo.max_tokens_per_micro_batch`` as this role trains it: under ``auto`` with the fused head
         (``logits=False``), lowered (to a multiple of 8, not under :data:`MIN_BUDGET`) to the tokens whose
@@ -241,11 +270,11 @@ class Recompute:
         if not self.auto:
             yield
             return
-        on = self.needed(tokens)
-        self.decisions.append(on)
-        self._set(on)
+        count = self.layers_needed(tokens)
+        self.decisions.append(count / len(self.layers))
+        self._set(count)
         try:
-            if on:
+            if count:
                 yield
             else:
                 with peak.window(self.device) as measured:
@@ -253,10 +282,11 @@ class Recompute:
                 if measured.above_base is not None:
                     self.observe(tokens, measured.above_base)
         finally:
-            self._set(False)
+            self._set(0)
 
     def take_metrics(self) -> dict[str, float]:
-        """``<role>/recompute_frac``: share of the micro-batches since the last call that recomputed."""
+        """``<role>/recompute_frac``: share of the layer forwards of the micro-batches since the last call
+        that were checkpointed (a micro-batch recomputing half its layers counts a half)."""
         if not self.decisions:
             return {}
         out = {f"{self.role}/recompute_frac": sum(self.decisions) / len(self.decisions),

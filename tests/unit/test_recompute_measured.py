@@ -141,3 +141,63 @@ def test_the_first_update_measures_and_the_next_one_plans_with_the_measured_rate
     assert policy["actor"].take_metrics()["actor/recompute_frac"] == 0.0
     _close(first, whole)
     _close(second, whole)
+
+
+def _flags(policy, tokens):
+    with policy.for_tokens(tokens):
+        return [layer.gradient_checkpointing for layer in policy.layers]
+
+
+def test_a_micro_batch_a_little_too_large_checkpoints_only_the_layers_it_needs(monkeypatch):
+    model = tiny_causal_lm("qwen2", num_hidden_layers=8)
+    enable_gradient_checkpointing(model)
+    policy = recompute.Recompute(model, "auto", model.config, torch.device("cpu"))
+    rate = policy.bytes_per_token
+    per_layer = rate * policy.layer_share / 8  # what checkpointing one layer gives back, a token
+    assert 0 < policy.layer_share < 1  # the logits row is not a layer's
+    tokens = 1000
+    # the micro-batch overshoots the usable memory by 2.5 layers' worth: 3 layers checkpoint, the first ones
+    free = (tokens * rate - 2.5 * tokens * per_layer) / recompute.FREE_SHARE
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: free)
+    assert policy.layers_needed(tokens) == 3
+    assert _flags(policy, tokens) == [True] * 3 + [False] * 5
+    assert not any(layer.gradient_checkpointing for layer in policy.layers)  # off again after the micro-batch
+    assert _flags(policy, tokens // 2) == [False] * 8  # half the tokens fit
+    # more than the layers can give back (the logits row stays): every layer
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: tokens * rate * (1 - policy.layer_share) / 2)
+    assert _flags(policy, tokens) == [True] * 8
+    assert policy.take_metrics()["actor/recompute_frac"] == (3 / 8 + 0 + 1) / 3
+    # selective checkpointing gives back less a layer: more layers for the same excess
+    selective = recompute.Recompute(model, "auto", model.config, torch.device("cpu"), selective=True)
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: free)
+    assert 3 < selective.layers_needed(tokens) <= 8
+    # partial=False: all layers or none, as before
+    whole = recompute.Recompute(model, "auto", model.config, torch.device("cpu"), partial=False)
+    assert _flags(whole, tokens) == [True] * 8 and _flags(whole, tokens // 2) == [False] * 8
+
+
+def test_a_partly_checkpointed_update_has_the_gradients_of_none(monkeypatch):
+    from rlcore.rlmath import masked_mean
+
+    def gradients(count):
+        model = tiny_causal_lm("qwen2", num_hidden_layers=4, seed=3)
+        enable_gradient_checkpointing(model)
+        policy = recompute.Recompute(model, "auto", model.config, torch.device("cpu"))
+        model.train()
+        monkeypatch.setattr(policy, "layers_needed", lambda tokens: count)
+        runs = [0] * 4
+        for i, layer in enumerate(policy.layers):
+            layer.mlp.register_forward_pre_hook(lambda *a, i=i: runs.__setitem__(i, runs[i] + 1))
+        ids = torch.randint(1, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+        with policy.for_tokens(ids.numel()):
+            logits = model(input_ids=ids).logits
+            loss = masked_mean(torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0],
+                               torch.ones(3, 23))
+            loss.backward()
+        assert runs == [2] * count + [1] * (4 - count)  # the checkpointed layers ran their forward again
+        return [p.grad.clone() for p in model.parameters()]
+
+    none, some, every = gradients(0), gradients(2), gradients(4)
+    for a, b, c in zip(none, some, every):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
