@@ -173,6 +173,7 @@ class Recompute:
         self.auto = str(setting).lower() == "auto"
         self.device = torch.device(device)
         self.layers = switchable_layers(model) if self.auto else []
+        self.params = [p for p in model.parameters() if p.requires_grad] if self.auto else []
         if self.auto and not self.layers:
             log.info("%s.gradient_checkpointing=auto: %s has no switchable decoder layers; training without "
                      "activation checkpointing", role, type(model).__name__)
@@ -228,19 +229,30 @@ class Recompute:
                      tokens, self.estimated_bytes_per_token / 1e6)
         self.measured_tokens, self.measured_bytes_per_token = int(tokens), float(rate)
 
+    def usable_bytes(self) -> float:
+        """Memory a micro-batch's activations may take now: :data:`FREE_SHARE` of the free memory, less the
+        gradients its backward will allocate (the trained parameters without a ``.grad`` yet: the first
+        micro-batch after the optimizer step cleared them)."""
+        pending = 0
+        for param in self.params:
+            if param.grad is None:
+                local = getattr(param, "_local_tensor", param)  # a DTensor's shard on this rank
+                pending += local.numel() * local.element_size()
+        return FREE_SHARE * free_bytes(self.device) - pending
+
     def needed(self, tokens: int) -> bool:
         """Whether a micro-batch of ``tokens`` tokens should recompute (its activations would not fit)."""
-        return tokens * self.bytes_per_token > FREE_SHARE * free_bytes(self.device)
+        return tokens * self.bytes_per_token > self.usable_bytes()
 
     def layers_needed(self, tokens: int) -> int:
         """How many of the switchable layers a micro-batch of ``tokens`` tokens checkpoints: none when its
-        activations fit in :data:`FREE_SHARE` of the free memory; else the fewest whose checkpointing
+        activations fit in :meth:`usable_bytes`; else the fewest whose checkpointing
         gives back the excess (each gives back its share of the decoder layers' bytes, less what
         selective checkpointing keeps: :attr:`kept_share`); all of them where that is not enough or
         ``partial`` is off."""
         total = len(self.layers)
         need = tokens * self.bytes_per_token
-        over = need - FREE_SHARE * free_bytes(self.device)
+        over = need - self.usable_bytes()
         if over <= 0 or not total:
             return 0
         freed = need * self.layer_share * (1.0 - self.kept_share) / total
@@ -261,7 +273,7 @@ class Recompute:
             return budget
         # selective: what fits with the products' outputs kept (such a micro-batch checkpoints); else without
         rate = self.bytes_per_token * (self.kept_share if self.selective else 1.0)
-        fits = int(FREE_SHARE * free_bytes(self.device) // max(1.0, rate)) // 8 * 8
+        fits = int(max(0.0, self.usable_bytes()) // max(1.0, rate)) // 8 * 8
         return max(MIN_BUDGET, fits) if MIN_BUDGET <= fits < budget else budget
 
     @contextlib.contextmanager
