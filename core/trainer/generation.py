@@ -50,17 +50,23 @@ def _shifted(on_finished: FinishedCallback, offset: int) -> FinishedCallback:
     return lambda indices, responses: on_finished([offset + i for i in indices], responses)
 
 
-def release_kv(backend: RolloutBackend) -> int:
+def release_kv(backend: RolloutBackend, plugin: Optional[str] = None) -> int:
     """Let ``backend`` hand its KV cache's memory back after a rollout (its optional ``release_kv()``,
     :meth:`rlcore.rollout.engine.RolloutEngine.release_kv`), so the update has it; the bytes freed. A
-    backend takes the memory again when it next generates."""
+    backend takes the memory again when it next generates.
+
+    :raises PluginError: naming ``plugin`` (the plugin that built the backend; default: its class) when the
+        answer is not an int >= 0."""
+    from rlcore.errors import PluginError
+
     release = getattr(backend, "release_kv", None)
     if not callable(release):
         return 0
     freed = release()
     if not isinstance(freed, int) or isinstance(freed, bool) or freed < 0:
-        raise TypeError(f"{type(backend).__name__}.release_kv() returned {freed!r}; expected the bytes freed, an "
-                        "int >= 0")
+        raise PluginError(f"plugin '{plugin or type(backend).__name__}': its rollout backend "
+                          f"{type(backend).__name__}.release_kv() returned {freed!r}; expected the bytes freed, "
+                          "an int >= 0")
     return freed
 
 
@@ -147,7 +153,7 @@ class ActorGeneration:
             report = on_finished if on_finished is not None and whole and reports_finished(backend) else None
             one_call = len(share.prompts) if whole and getattr(backend, "continuous_batching", False) else None
             batch = self._in_micro_batches(backend, share.prompts, share.params, report, one_call)
-            released = release_kv(backend)
+            released = release_kv(backend, self.contract.plugin(backend) if self.contract is not None else None)
             if released:
                 batch.stats["rollout/kv_released_bytes"] = float(released)
         own = share.own(batch)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlcore.errors import PluginError
+
 from rlcore.rollout.base import RolloutBatch, SamplingParams
 from rlcore.rollout.engine import RolloutEngine
 from rlcore.rollout.engine import vmem
@@ -220,7 +222,15 @@ def test_the_trainer_releases_after_each_rollout(freed):
 def test_a_backend_release_answer_is_checked(bad):
     backend = _Backend(bad)
     gen = generation.ActorGeneration(torch.nn.Linear(2, 2), _Reshard(), lambda module, tp: backend, micro_batch=8)
-    with pytest.raises(TypeError, match="_Backend.release_kv"):
+    with pytest.raises(PluginError, match=r"plugin '_Backend'.*_Backend\.release_kv\(\) returned"):
+        gen.generate([[1]], GREEDY)
+    # with the trainer's contract the error names the plugin that built the backend
+    from rlcore.contract import RolloutContract
+
+    contract = RolloutContract(names={id(backend): "my-engine"})
+    gen = generation.ActorGeneration(torch.nn.Linear(2, 2), _Reshard(), lambda module, tp: backend, micro_batch=8,
+                                     contract=contract)
+    with pytest.raises(PluginError, match="plugin 'my-engine'"):
         gen.generate([[1]], GREEDY)
 
 
