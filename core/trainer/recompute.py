@@ -53,6 +53,11 @@ MIN_BUDGET = 4096
 MEASURE_MIN_TOKENS = 2048
 #: Headroom on a measured rate (allocator rounding, a longer micro-batch's attention buffers).
 MARGIN = 1.15
+#: Share of the usable memory a micro-batch that checkpoints only some of its layers plans to fill: such a
+#: plan has none of the slack that checkpointing every layer leaves, and the free memory counts the
+#: allocator's unused blocks, which fragmentation may keep from serving one large request (measured: a
+#: 1.5B reasoning update planned at the whole share ran out of memory with 7.95 GB unused in the cache)
+PARTIAL_SHARE = 0.75
 
 #: Operations whose outputs selective checkpointing keeps (the matrix products and attention): the
 #: rest of a checkpointed layer (norms, RoPE, SiLU·mul, residual adds) is recomputed in the backward.
@@ -196,6 +201,8 @@ class Recompute:
         dims = _dims(config, dtype)
         layer_bytes = activation_bytes_per_token(config, dtype, logits=False)
         self.layer_share = layer_bytes / max(1, self.estimated_bytes_per_token) if dims.layers else 1.0
+        #: the logits row's gradient a token (the logits head's backward), not in the estimate's rate
+        self.head_bytes_per_token = float(self.estimated_bytes_per_token - layer_bytes)
         #: checkpoint only as many layers as a micro-batch needs (False: all of them or none)
         self.partial = bool(partial)
         self.decisions: list[float] = []
@@ -246,18 +253,23 @@ class Recompute:
 
     def layers_needed(self, tokens: int) -> int:
         """How many of the switchable layers a micro-batch of ``tokens`` tokens checkpoints: none when its
-        activations fit in :meth:`usable_bytes`; else the fewest whose checkpointing
-        gives back the excess (each gives back its share of the decoder layers' bytes, less what
-        selective checkpointing keeps: :attr:`kept_share`); all of them where that is not enough or
-        ``partial`` is off."""
+        activations fit in :meth:`usable_bytes`; else the fewest whose checkpointing brings them, with
+        the head's gradient row while the rate is the shape's estimate, within :data:`PARTIAL_SHARE` of
+        it (each layer gives back its share of the decoder layers' bytes, less what selective
+        checkpointing keeps: :attr:`kept_share`); all of them where that is not enough or ``partial``
+        is off."""
         total = len(self.layers)
         need = tokens * self.bytes_per_token
-        over = need - self.usable_bytes()
-        if over <= 0 or not total:
+        usable = self.usable_bytes()
+        if need <= usable or not total:
             return 0
         freed = need * self.layer_share * (1.0 - self.kept_share) / total
         if not self.partial or freed <= 0:
             return total
+        # a partial plan: only a share of the usable memory, plus (with the shape's estimate) the head's
+        # backward, which holds a gradient row of logits a token beside the stored activations
+        head = tokens * self.head_bytes_per_token if not self.measured_tokens else 0.0
+        over = need + head - PARTIAL_SHARE * usable
         return min(total, math.ceil(over / freed))
 
     def token_budget(self, budget: int) -> int:
