@@ -209,9 +209,9 @@ class ModelRoleConfig:
     #: Gradient clipping by global norm (0 = off).
     grad_clip: float = 1.0
     #: Recompute activations in the backward pass to save memory: true | false | auto (per micro-batch, on when
-    #: its activation memory, estimated from the shape until measured on CUDA, exceeds the free memory, and then
-    #: in as many decoder layers as it takes to fit; with the fused head a token budget is first lowered to what
-    #: fits; see docs/architecture.md, Training on variable lengths).
+    #: its activation memory, estimated from the shape until measured on CUDA, exceeds the free memory; once
+    #: measured, only in as many decoder layers as it takes to fit; with the fused head a token budget is first
+    #: lowered to what fits; see docs/architecture.md, Training on variable lengths).
     gradient_checkpointing: Any = "auto"
     #: What a checkpointed layer recomputes: full (its whole forward: the least memory, a third more compute) |
     #: selective (the outputs of its matrix products and attention are kept, only the pointwise work between them is

@@ -4,9 +4,9 @@ Checkpointing (recomputing each decoder layer's activations in the backward pass
 costs about a third more compute. With ``auto`` a micro-batch recomputes only when the estimated
 activation memory of its forward (:func:`activation_bytes_per_token` x its tokens) exceeds the
 memory free at that moment: the free memory of the device plus what PyTorch's caching allocator
-holds unused (CUDA), the available physical memory (CPU); and then only in as many decoder layers
-as it takes to fit (the first ones; :meth:`Recompute.layers_needed`), so a micro-batch a little
-too large for the memory recomputes a little, not a third. Short micro-batches run at full speed,
+holds unused (CUDA), the available physical memory (CPU); and, once the rate is measured (below),
+only in as many decoder layers as it takes to fit (the first ones; :meth:`Recompute.layers_needed`),
+so a micro-batch a little too large for the memory recomputes a little, not a third. Short micro-batches run at full speed,
 long ones fit. ``true``/``false`` keep checkpointing on/off for every layer of every micro-batch.
 
 The estimate from the model's shape is a planning figure (it counts every saved tensor as if none
@@ -55,8 +55,9 @@ MEASURE_MIN_TOKENS = 2048
 MARGIN = 1.15
 #: Share of the usable memory a micro-batch that checkpoints only some of its layers plans to fill: such a
 #: plan has none of the slack that checkpointing every layer leaves, and the free memory counts the
-#: allocator's unused blocks, which fragmentation may keep from serving one large request (measured: a
-#: 1.5B reasoning update planned at the whole share ran out of memory with 7.95 GB unused in the cache)
+#: allocator's unused blocks, which fragmentation may keep from serving one large request (measured on an
+#: H100: a 1.5B reasoning update planned at the whole share from the shape's estimate ran out of memory
+#: with 7.95 GB unused in the cache; partial plans now also wait for a measured rate)
 PARTIAL_SHARE = 0.75
 
 #: Operations whose outputs selective checkpointing keeps (the matrix products and attention): the
@@ -201,8 +202,6 @@ class Recompute:
         dims = _dims(config, dtype)
         layer_bytes = activation_bytes_per_token(config, dtype, logits=False)
         self.layer_share = layer_bytes / max(1, self.estimated_bytes_per_token) if dims.layers else 1.0
-        #: the logits row's gradient a token (the logits head's backward), not in the estimate's rate
-        self.head_bytes_per_token = float(self.estimated_bytes_per_token - layer_bytes)
         #: checkpoint only as many layers as a micro-batch needs (False: all of them or none)
         self.partial = bool(partial)
         self.decisions: list[float] = []
@@ -253,24 +252,22 @@ class Recompute:
 
     def layers_needed(self, tokens: int) -> int:
         """How many of the switchable layers a micro-batch of ``tokens`` tokens checkpoints: none when its
-        activations fit in :meth:`usable_bytes`; else the fewest whose checkpointing brings them, with
-        the head's gradient row while the rate is the shape's estimate, within :data:`PARTIAL_SHARE` of
-        it (each layer gives back its share of the decoder layers' bytes, less what selective
-        checkpointing keeps: :attr:`kept_share`); all of them where that is not enough or ``partial``
-        is off."""
+        activations fit in :meth:`usable_bytes`; else, once a micro-batch measured the rate
+        (:meth:`observe`), the fewest whose checkpointing brings them within :data:`PARTIAL_SHARE` of it
+        (each layer gives back its share of the decoder layers' bytes, less what selective checkpointing
+        keeps: :attr:`kept_share`); all of them while the rate is the shape's estimate, where that is not
+        enough, or with ``partial`` off."""
         total = len(self.layers)
         need = tokens * self.bytes_per_token
         usable = self.usable_bytes()
         if need <= usable or not total:
             return 0
         freed = need * self.layer_share * (1.0 - self.kept_share) / total
-        if not self.partial or freed <= 0:
+        # a partial plan needs the measured rate (it counts the head's backward and what the shape's
+        # estimate misses) and fills only a share of the usable memory
+        if not self.partial or not self.measured_tokens or freed <= 0:
             return total
-        # a partial plan: only a share of the usable memory, plus (with the shape's estimate) the head's
-        # backward, which holds a gradient row of logits a token beside the stored activations
-        head = tokens * self.head_bytes_per_token if not self.measured_tokens else 0.0
-        over = need + head - PARTIAL_SHARE * usable
-        return min(total, math.ceil(over / freed))
+        return min(total, math.ceil((need - PARTIAL_SHARE * usable) / freed))
 
     def token_budget(self, budget: int) -> int:
         """``ppo.max_tokens_per_micro_batch`` as this role trains it: under ``auto`` with the fused head

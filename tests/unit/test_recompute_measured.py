@@ -160,16 +160,18 @@ def test_a_micro_batch_a_little_too_large_checkpoints_only_the_layers_it_needs(m
     per_layer = rate * policy.layer_share / 8  # what checkpointing one layer gives back, a token
     assert 0 < policy.layer_share < 1  # the logits row is not a layer's
     tokens = 1000
-    # the micro-batch overshoots the usable memory by a layer's worth; a partial plan fills only
-    # PARTIAL_SHARE of it and, at the shape's estimate, counts the head's gradient row: a few layers checkpoint,
-    # the first ones
+    # the micro-batch overshoots the usable memory by a layer's worth
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     usable = tokens * rate - tokens * per_layer
     free = (usable + grads) / recompute.FREE_SHARE
     monkeypatch.setattr(recompute, "free_bytes", lambda device: free)
     assert policy.usable_bytes() == pytest.approx(usable)
-    head = tokens * (rate - recompute.activation_bytes_per_token(model.config, torch.float32, logits=False))
-    expected = math.ceil((tokens * rate + head - recompute.PARTIAL_SHARE * usable) / (tokens * per_layer))
+    assert policy.layers_needed(tokens) == 8  # at the shape's estimate: every layer
+    # once measured (here: the estimate's rate), a partial plan fills only PARTIAL_SHARE of the usable memory:
+    # a few layers checkpoint, the first ones
+    policy.observe(recompute.MEASURE_MIN_TOKENS, int(recompute.MEASURE_MIN_TOKENS * rate / recompute.MARGIN))
+    assert policy.bytes_per_token == pytest.approx(rate)
+    expected = math.ceil((tokens * rate - recompute.PARTIAL_SHARE * usable) / (tokens * per_layer))
     assert 1 < expected < 8 and policy.layers_needed(tokens) == expected
     assert _flags(policy, tokens) == [True] * expected + [False] * (8 - expected)
     assert not any(layer.gradient_checkpointing for layer in policy.layers)  # off again after the micro-batch
@@ -180,10 +182,12 @@ def test_a_micro_batch_a_little_too_large_checkpoints_only_the_layers_it_needs(m
     assert policy.take_metrics()["actor/recompute_frac"] == pytest.approx((expected / 8 + 0 + 1) / 3)
     # selective checkpointing gives back less a layer: more layers for the same excess
     selective = recompute.Recompute(model, "auto", model.config, torch.device("cpu"), selective=True)
+    selective.observe(recompute.MEASURE_MIN_TOKENS, int(recompute.MEASURE_MIN_TOKENS * rate / recompute.MARGIN))
     monkeypatch.setattr(recompute, "free_bytes", lambda device: free)
     assert expected < selective.layers_needed(tokens) <= 8
     # partial=False: all layers or none, as before
     whole = recompute.Recompute(model, "auto", model.config, torch.device("cpu"), partial=False)
+    whole.observe(recompute.MEASURE_MIN_TOKENS, int(recompute.MEASURE_MIN_TOKENS * rate / recompute.MARGIN))
     assert _flags(whole, tokens) == [True] * 8 and _flags(whole, tokens // 2) == [False] * 8
 
 
