@@ -205,8 +205,14 @@ class Recompute:
         #: checkpoint only as many layers as a micro-batch needs (False: all of them or none)
         self.partial = bool(partial)
         self.decisions: list[float] = []
+        #: gradient accumulations into the trained parameters so far (a hook on each, under ``auto``): tells
+        #: whether a micro-batch that ran out of memory added to ``.grad`` (:meth:`retry_after_oom`)
+        self.accumulations = 0
+        self.oom_retries = 0
         if self.auto:
             self._set(0)
+            for param in self.params:
+                param.register_post_accumulate_grad_hook(self._accumulated)
 
     def _set(self, count: int) -> None:
         """Checkpointing on in the first ``count`` switchable layers, off in the others."""
@@ -286,12 +292,13 @@ class Recompute:
         return max(MIN_BUDGET, fits) if MIN_BUDGET <= fits < budget else budget
 
     @contextlib.contextmanager
-    def for_tokens(self, tokens: int) -> Iterator[None]:
-        """Run one micro-batch's forward and backward with checkpointing as its size needs (``auto``)."""
+    def for_tokens(self, tokens: int, every: bool = False) -> Iterator[None]:
+        """Run one micro-batch's forward and backward with checkpointing as its size needs (``auto``);
+        ``every``: with every layer checkpointed (a retry after :meth:`retry_after_oom`)."""
         if not self.auto:
             yield
             return
-        count = self.layers_needed(tokens)
+        count = len(self.layers) if every else self.layers_needed(tokens)
         self.decisions.append(count / len(self.layers))
         self._set(count)
         try:
@@ -312,5 +319,34 @@ class Recompute:
             return {}
         out = {f"{self.role}/recompute_frac": sum(self.decisions) / len(self.decisions),
                f"{self.role}/activation_mb_per_token": self.bytes_per_token / 1e6}
-        self.decisions = []
+        if self.oom_retries:
+            out[f"{self.role}/recompute_oom_retries"] = float(self.oom_retries)
+        self.decisions, self.oom_retries = [], 0
         return out
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self.accumulations += 1
+
+    def retry_after_oom(self, accumulations: int) -> bool:
+        """After an out-of-memory error in a micro-batch's forward or backward under ``auto``: whether it
+        may run again with every layer checkpointed: it checkpointed fewer, no gradient reached a trained
+        parameter since :attr:`accumulations` was ``accumulations`` (so nothing of it was added to
+        ``.grad``), and the process trains alone (another would wait in its collectives). If so, partial
+        plans stop for the rest of the run, the allocator's unused blocks go back to the device, and
+        ``<role>/recompute_oom_retries`` counts it."""
+        import torch.distributed as dist
+
+        if not self.auto or not self.decisions or self.decisions[-1] >= 1.0 or self.accumulations != accumulations:
+            return False
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return False
+        self.decisions.pop()  # the micro-batch is counted once, as it runs again
+        self.partial = False
+        self.oom_retries += 1
+        log.warning("%s.gradient_checkpointing=auto: a micro-batch checkpointing %s ran out of memory before any "
+                    "gradient was accumulated; it runs again with every layer checkpointed, and so does every "
+                    "micro-batch that does not fit from now on", self.role,
+                    "no layer" if not self.measured_tokens else "some of its layers")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True

@@ -424,12 +424,29 @@ def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, s
                      k: int = 0) -> tuple[Experience, torch.Tensor]:
     """The actor's forward and backward of the samples ``idx`` of ``exp`` (cut to their columns with
     ``ppo.trim_padding``, checkpointed as ``recompute`` decides): the micro-batch and the log-probs
-    of :func:`actor_micro_loss`. ``k``: the micro-batch's place in its step (for :data:`CHECK_FINITE`)."""
+    of :func:`actor_micro_loss`. ``k``: the micro-batch's place in its step (for :data:`CHECK_FINITE`).
+    Out of memory under ``gradient_checkpointing=auto`` before any of its gradient was accumulated, the
+    micro-batch runs again with every layer checkpointed (:meth:`~rlcore.trainer.recompute.Recompute.retry_after_oom`)."""
     mb = exp.select(idx)
     if ppo.trim_padding:
         mb = mb.trimmed()
-    with _recomputing(recompute.get("actor"), _tokens(mb, packed)):
-        old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
+    policy, tokens = recompute.get("actor"), _tokens(mb, packed)
+    accumulations, recorded = getattr(policy, "accumulations", 0), {key: len(v) for key, v in stats.items()}
+    again = False
+    try:
+        with _recomputing(policy, tokens):
+            old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
+    except torch.OutOfMemoryError:
+        # gradient_checkpointing=auto guessed short: the same micro-batch again, every layer checkpointed,
+        # where nothing of it reached .grad (outside this block, so the failed try's tensors are freed)
+        if policy is None or not policy.retry_after_oom(accumulations):
+            raise
+        again = True
+    if again:
+        for key in list(stats):
+            del stats[key][recorded.get(key, 0):]
+        with policy.for_tokens(tokens, every=True):
+            old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
     if CHECK_FINITE:
         _check_micro_batch(actor, mb, old, stats, k)
     return mb, old

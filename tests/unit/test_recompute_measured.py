@@ -243,3 +243,65 @@ def test_a_run_checkpointing_some_layers_trains_like_one_without(tmp_path, monke
         assert s["actor/recompute_frac"] == 0.5
         for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "reward/mean"):
             assert s[key] == pytest.approx(p[key], rel=1e-4, abs=1e-5), key
+
+
+def _auto(holder):
+    def policies(roles):  # one policy for the update, kept to read its metrics
+        holder["actor"] = recompute.Recompute(roles["actor"], "auto", roles["actor"].config, torch.device("cpu"))
+        return holder
+    return policies
+
+
+def test_a_micro_batch_out_of_memory_before_its_gradient_runs_again_with_every_layer_checkpointed(monkeypatch):
+    from test_trainer_packing import _close, _experience, _step
+
+    from rlcore.trainer import update
+
+    model = tiny_causal_lm("qwen2")
+    enable_gradient_checkpointing(model)
+    exp = _experience(model, None, seed=8, packed=False)
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: 1 << 40)  # everything fits: no checkpointing
+    plain_m, plain, _ = _step(model, None, exp, packed=False, micro_batch_size=4)
+    real, seen = update.actor_micro_loss, []
+
+    def short_of_memory_once(actor, *args, **kwargs):
+        seen.append([layer.gradient_checkpointing for layer in recompute.switchable_layers(actor)])
+        if len(seen) == 2:  # the second micro-batch, before anything of it reached .grad
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return real(actor, *args, **kwargs)
+
+    monkeypatch.setattr(update, "actor_micro_loss", short_of_memory_once)
+    holder = {}
+    got_m, got, _ = _step(model, None, exp, packed=False, micro_batch_size=4, recompute_policies=_auto(holder))
+    assert seen[1] == [False, False] and seen[2] == [True, True]  # the retry checkpoints every layer
+    assert all(flags == [False, False] for flags in seen[3:])  # the later ones fit: none
+    policy = holder["actor"]
+    assert not policy.partial
+    metrics = policy.take_metrics()
+    assert metrics["actor/recompute_oom_retries"] == 1.0
+    assert metrics["actor/recompute_frac"] == pytest.approx(1 / (len(seen) - 1))  # the failed try not counted
+    _close(got, plain)  # the same gradient: the failed try added nothing
+    for key in ("loss/policy", "actor/clipfrac"):
+        assert got_m[key] == pytest.approx(plain_m[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("case", ["after its gradient", "every layer checkpointed"])
+def test_an_out_of_memory_error_that_cannot_be_retried_is_raised(monkeypatch, case):
+    from test_trainer_packing import _experience, _step
+
+    from rlcore.trainer import update
+
+    model = tiny_causal_lm("qwen2")
+    enable_gradient_checkpointing(model)
+    exp = _experience(model, None, seed=8, packed=False)
+    monkeypatch.setattr(recompute, "free_bytes", lambda device: 1 << 40 if case == "after its gradient" else 0)
+    real = update.actor_micro_loss
+
+    def short_of_memory(actor, *args, **kwargs):
+        if case == "after its gradient":
+            real(actor, *args, **kwargs)  # its backward accumulated into .grad
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(update, "actor_micro_loss", short_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="a stand-in"):
+        _step(model, None, exp, packed=False, micro_batch_size=4, recompute_policies=_auto({}))
