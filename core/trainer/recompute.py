@@ -209,6 +209,9 @@ class Recompute:
         #: whether a micro-batch that ran out of memory added to ``.grad`` (:meth:`retry_after_oom`)
         self.accumulations = 0
         self.oom_retries = 0
+        #: the hooks see every accumulation only where autograd adds to plain parameters (a sharding
+        #: wrapper, e.g. FSDP2's DTensors, writes .grad itself): retries only then
+        self.retriable = not any(hasattr(p, "_local_tensor") for p in self.params)
         if self.auto:
             self._set(0)
             for param in self.params:
@@ -331,12 +334,14 @@ class Recompute:
         """After an out-of-memory error in a micro-batch's forward or backward under ``auto``: whether it
         may run again with every layer checkpointed: it checkpointed fewer, no gradient reached a trained
         parameter since :attr:`accumulations` was ``accumulations`` (so nothing of it was added to
-        ``.grad``), and the process trains alone (another would wait in its collectives). If so, partial
+        ``.grad``; the parameters are plain, not sharded: :attr:`retriable`), and the process trains
+        alone (another would wait in its collectives). If so, partial
         plans stop for the rest of the run, the allocator's unused blocks go back to the device, and
         ``<role>/recompute_oom_retries`` counts it."""
         import torch.distributed as dist
 
-        if not self.auto or not self.decisions or self.decisions[-1] >= 1.0 or self.accumulations != accumulations:
+        if (not self.auto or not self.retriable or not self.decisions or self.decisions[-1] >= 1.0
+                or self.accumulations != accumulations):
             return False
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return False

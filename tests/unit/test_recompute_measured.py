@@ -305,3 +305,16 @@ def test_an_out_of_memory_error_that_cannot_be_retried_is_raised(monkeypatch, ca
     monkeypatch.setattr(update, "actor_micro_loss", short_of_memory)
     with pytest.raises(torch.OutOfMemoryError, match="a stand-in"):
         _step(model, None, exp, packed=False, micro_batch_size=4, recompute_policies=_auto({}))
+
+
+def test_sharded_parameters_are_not_retried():
+    """Parameters a sharding wrapper owns (DTensors: it writes their .grad itself, past the hooks) give no retry."""
+    model = tiny_causal_lm("qwen2")
+    enable_gradient_checkpointing(model)
+    assert recompute.Recompute(model, "auto", model.config, torch.device("cpu")).retriable
+    next(model.parameters())._local_tensor = torch.zeros(1)  # what a DTensor carries
+    policy = recompute.Recompute(model, "auto", model.config, torch.device("cpu"))
+    assert not policy.retriable
+    with policy.for_tokens(8):
+        pass
+    assert not policy.retry_after_oom(policy.accumulations)
