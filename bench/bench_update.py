@@ -73,8 +73,9 @@ VARIANTS = {"plain": (False, False, True, False, False, False), "trim": (True, F
             "compiled-budget": (True, True, True, True, False, True),
             "compiled-packed-budget": (True, True, True, True, True, True)}
 #: how the log-probs leave the last hidden states: the model's logits (the default before ppo.logprob_head),
-#: the fused head (rlcore.kernels.linear_logprob), or liger-kernel's fused linear cross-entropy per token
-HEADS = ("logits", "fused", "liger")
+#: the fused head (rlcore.kernels.linear_logprob), liger-kernel's fused linear cross-entropy per token, or
+#: cut-cross-entropy's (``linear_cross_entropy``, exact gradients: ``filter_eps=None``)
+HEADS = ("logits", "fused", "liger", "cce")
 #: variant suffixes: ``<variant>+<head>`` picks the head, ``...+recompute`` adds
 #: gradient_checkpointing=auto with the trainer's token-budget rule (rlcore.trainer.recompute), ``...+keep``
 #: keeps the budget as given (checkpointing what does not fit, as before the rule)
@@ -106,6 +107,16 @@ def liger_token_logprobs(hidden, weight, labels, temperature, with_entropy=False
 
     loss = LigerFusedLinearCrossEntropyFunction.apply(hidden / temperature, weight, labels.long(), None, None, -100,
                                                       0.0, 0.0, "none")[0]
+    logp = -loss.float()
+    return logp, (torch.zeros_like(logp) if with_entropy else None)
+
+
+def cce_token_logprobs(hidden, weight, labels, temperature, with_entropy=False, chunk_bytes=0):
+    """cut-cross-entropy's linear cross-entropy per token (``reduction="none"``, no gradient filtering, so
+    the gradient is exact): ``-loss`` is the log-prob; it computes no entropy (zeros, for the metric)."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    loss = linear_cross_entropy(hidden / temperature, weight, labels.long(), reduction="none", filter_eps=None)
     logp = -loss.float()
     return logp, (torch.zeros_like(logp) if with_entropy else None)
 
@@ -172,8 +183,8 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
     aligned_rows.ENABLED = "masked" not in mods
     packing.LEAST_PADDING = "greedy" not in mods
     fused_impl = linear_logprob.linear_token_logprobs
-    if head == "liger":
-        linear_logprob.linear_token_logprobs = liger_token_logprobs
+    if head in ("liger", "cce"):
+        linear_logprob.linear_token_logprobs = liger_token_logprobs if head == "liger" else cce_token_logprobs
     try:
         for repeat in range(args.repeats + 1 + bool(profile)):  # warm-up, timed repeats, profiled run
             profiled = repeat == args.repeats + 1
