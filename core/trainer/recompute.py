@@ -209,6 +209,7 @@ class Recompute:
         #: whether a micro-batch that ran out of memory added to ``.grad`` (:meth:`retry_after_oom`)
         self.accumulations = 0
         self.oom_retries = 0
+        self.oom_tokens = 0  # the smallest micro-batch that ran out of memory (0: none)
         #: the hooks see every accumulation only where autograd adds to plain parameters (a sharding
         #: wrapper, e.g. FSDP2's DTensors, writes .grad itself): retries only then
         self.retriable = not any(hasattr(p, "_local_tensor") for p in self.params)
@@ -269,6 +270,8 @@ class Recompute:
         total = len(self.layers)
         need = tokens * self.bytes_per_token
         usable = self.usable_bytes()
+        if self.oom_tokens and tokens >= self.oom_tokens and total:
+            return total
         if need <= usable or not total:
             return 0
         freed = need * self.layer_share * (1.0 - self.kept_share) / total
@@ -330,14 +333,15 @@ class Recompute:
     def _accumulated(self, param: torch.Tensor) -> None:
         self.accumulations += 1
 
-    def retry_after_oom(self, accumulations: int) -> bool:
+    def retry_after_oom(self, accumulations: int, tokens: int = 0) -> bool:
         """After an out-of-memory error in a micro-batch's forward or backward under ``auto``: whether it
         may run again with every layer checkpointed: it checkpointed fewer, no gradient reached a trained
         parameter since :attr:`accumulations` was ``accumulations`` (so nothing of it was added to
         ``.grad``; the parameters are plain, not sharded: :attr:`retriable`), and the process trains
         alone (another would wait in its collectives). If so, partial
         plans stop for the rest of the run, the allocator's unused blocks go back to the device, and
-        ``<role>/recompute_oom_retries`` counts it."""
+        ``<role>/recompute_oom_retries`` counts it; micro-batches of ``tokens`` tokens or more checkpoint
+        every layer from then on."""
         import torch.distributed as dist
 
         if (not self.auto or not self.retriable or not self.decisions or self.decisions[-1] >= 1.0
@@ -345,13 +349,15 @@ class Recompute:
             return False
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return False
-        self.decisions.pop()  # the micro-batch is counted once, as it runs again
+        share = self.decisions.pop()  # the micro-batch is counted once, as it runs again
         self.partial = False
         self.oom_retries += 1
-        log.warning("%s.gradient_checkpointing=auto: a micro-batch checkpointing %s ran out of memory before any "
-                    "gradient was accumulated; it runs again with every layer checkpointed, and so does every "
-                    "micro-batch that does not fit from now on", self.role,
-                    "no layer" if not self.measured_tokens else "some of its layers")
+        if tokens > 0:
+            self.oom_tokens = min(self.oom_tokens or tokens, tokens)
+        log.warning("%s.gradient_checkpointing=auto: a micro-batch of %d tokens checkpointing %s ran out of memory "
+                    "before any gradient was accumulated; it runs again with every layer checkpointed, and so do "
+                    "the micro-batches of as many tokens or more, and every one that does not fit, from now on",
+                    self.role, tokens, "no layer" if share == 0 else "some of its layers")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return True

@@ -439,7 +439,7 @@ def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, s
     except torch.OutOfMemoryError:
         # gradient_checkpointing=auto guessed short: the same micro-batch again, every layer checkpointed,
         # where nothing of it reached .grad (outside this block, so the failed try's tensors are freed)
-        if policy is None or not policy.retry_after_oom(accumulations):
+        if policy is None or not policy.retry_after_oom(accumulations, tokens):
             raise
         again = True
     if again:

@@ -276,7 +276,9 @@ def test_a_micro_batch_out_of_memory_before_its_gradient_runs_again_with_every_l
     assert seen[1] == [False, False] and seen[2] == [True, True]  # the retry checkpoints every layer
     assert all(flags == [False, False] for flags in seen[3:])  # the later ones fit: none
     policy = holder["actor"]
-    assert not policy.partial
+    assert not policy.partial and policy.oom_tokens > 0
+    assert policy.layers_needed(policy.oom_tokens) == len(policy.layers)  # as large a one checkpoints from now on
+    assert policy.layers_needed(policy.oom_tokens - 1) == 0
     metrics = policy.take_metrics()
     assert metrics["actor/recompute_oom_retries"] == 1.0
     assert metrics["actor/recompute_frac"] == pytest.approx(1 / (len(seen) - 1))  # the failed try not counted
