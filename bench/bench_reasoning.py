@@ -47,7 +47,8 @@ the shapes (``--budget-s`` caps a shape's share), and each system a timeout; a r
 is reported with what it had done
 (TRL: decode steps and time inside ``generate``, a lower bound of its step and an extrapolation,
 labelled as such); results are written to ``--out`` after every run (``--resume`` keeps the finished
-ones of an earlier call).
+ones of an earlier call), and when the driver is sent SIGTERM (an outer ``timeout``): the running worker
+is stopped and recorded as a timed-out one is, and nothing else starts.
 
 Systems: ``rlcore`` (the default rollout backend: the engine where it supports the model), ``trl``
 (HF ``generate``, gradient checkpointing on: TRL's default), ``trl-cb`` (TRL with transformers'
@@ -65,6 +66,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -672,9 +674,19 @@ def worker(kind: str, spec_path: str, out_path: str) -> int:
     return 0
 
 
+class Terminated(Exception):
+    """The driver was sent SIGTERM (e.g. by an outer ``timeout``): the running worker is stopped and
+    what it had done recorded, as for a timeout, and no further run starts."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def launch(kind: str, spec: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], Any]:
-    """Run a worker; ``(result, exit code or "timeout")``. A timed-out worker's progress file is
-    returned as ``{"progress": ...}``."""
+    """Run a worker; ``(result, exit code, "timeout" or "terminated")``. A worker stopped by its timeout or
+    by the driver's SIGTERM is returned with its progress file as ``{"progress": ...}`` (and the step's
+    result where it had finished it)."""
     tag = f"{kind}-{spec.get('system', '')}-{time.strftime('%H%M%S')}-{os.getpid()}-{time.perf_counter_ns() % 10**6}"
     spec = dict(spec, progress_file=os.path.join(spec["workdir"], f"progress-{tag}.json"))
     spec_path = os.path.join(spec["workdir"], f"spec-{tag}.json")
@@ -686,19 +698,21 @@ def launch(kind: str, spec: dict[str, Any], timeout_s: float) -> tuple[dict[str,
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         code: Any = proc.wait(timeout=max(1.0, timeout_s))
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, Terminated) as stop:
         os.killpg(proc.pid, 9)
         proc.wait()
-        code = "timeout"
+        code = "terminated" if isinstance(stop, Terminated) else "timeout"
     wall = time.perf_counter() - start
     result: dict[str, Any] = {}
-    if code != "timeout" and os.path.exists(out_path):
+    stopped = code in ("timeout", "terminated")
+    if not stopped and os.path.exists(out_path):
         with open(out_path) as f:
             result = json.load(f)
-    elif code != "timeout":
+    elif not stopped:
         result = {"error": f"worker exit {code}"}
-    if code == "timeout":
-        result = {"error": f"timed out after {wall:.0f} s"}
+    if stopped:
+        result = {"error": f"timed out after {wall:.0f} s" if code == "timeout" else
+                  f"stopped by SIGTERM after {wall:.0f} s"}
         if os.path.exists(spec["progress_file"]):
             with open(spec["progress_file"]) as f:
                 result["progress"] = json.load(f)
@@ -774,6 +788,8 @@ def run_shape(shape: str, spec: dict[str, Any], systems: list[str], payload: dic
         if code != 0:
             payload["results"].append({"shape": shape, "system": "build", **info})
             _write(out, payload)
+            if code == "terminated":
+                raise Terminated()
             return
         _write(info_path, info)
     payload.setdefault("workloads", {})[shape] = {k: v for k, v in info.items() if k != "stop_ids"} | {
@@ -798,6 +814,11 @@ def run_shape(shape: str, spec: dict[str, Any], systems: list[str], payload: dic
             result, code = launch("rlcore" if system == "rlcore" else "trl", run_spec, timeout)
             row = {"shape": shape, "system": system, "setting": setting, **result}
             attempts.append({"setting": setting, "error": result.get("error"), "wall_s": result["wall_s"]})
+            if code == "terminated":  # record what the run did, then stop
+                row["attempts"] = attempts
+                payload["results"].append(row)
+                _write(out, payload)
+                raise Terminated()
             if code != OOM_EXIT:
                 break
         row["attempts"] = attempts
@@ -930,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     print(payload["env"], flush=True)
     end = time.perf_counter() + spec["total_budget_s"]
+    signal.signal(signal.SIGTERM, _on_sigterm)  # an outer `timeout` still leaves a results file
     for index, shape in enumerate(shapes):
         # each shape gets an equal share of the time left, or --budget-s when that is smaller
         share = (end - time.perf_counter()) / (len(shapes) - index)
@@ -939,6 +961,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             run_shape(shape, spec, systems, payload, args.out, deadline)
+        except Terminated:
+            print("== stopped by SIGTERM: results so far written", flush=True)
+            _write(args.out, payload)
+            break
         except Exception as error:  # noqa: BLE001 - the next shape still runs
             traceback.print_exc()
             payload["results"].append({"shape": shape, "system": "driver", "error": f"{type(error).__name__}: {error}"})

@@ -119,3 +119,24 @@ def test_cuda_only_scripts_say_they_need_cuda(tmp_path, script):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script),
                            "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "CUDA" in proc.stdout + proc.stderr
+
+
+def test_reasoning_benchmark_stopped_by_sigterm_writes_what_it_did(tmp_path):
+    """An outer ``timeout`` (SIGTERM to the driver) mid-run: the driver stops its worker, writes the
+    results file with the run marked as stopped (its progress kept) and exits, starting nothing else."""
+    import signal
+    import time
+
+    out = tmp_path / "reasoning.json"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "bench_reasoning.py"), "--smoke", "--systems",
+                             "rlcore", "--workdir", str(tmp_path), "--out", str(out)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob("tiny-qwen3/progress-rlcore-*.json")):
+        time.sleep(0.2)  # the rlcore worker has started
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)  # it exits soon after the signal (raises if not)
+    row = json.loads(out.read_text())["results"][-1]
+    assert row["system"] == "rlcore" and "stopped by SIGTERM" in (row.get("error") or row["numerics"]["error"])
+    assert "progress" in row
