@@ -443,8 +443,10 @@ def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, s
             raise
         again = True
     if again:
-        for key in list(stats):
+        for key in list(stats):  # the failed try's values out, and the keys it alone added
             del stats[key][recorded.get(key, 0):]
+            if not stats[key] and key not in recorded:
+                del stats[key]
         with policy.for_tokens(tokens, every=True):
             old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
     if CHECK_FINITE:
