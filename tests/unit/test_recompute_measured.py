@@ -223,22 +223,13 @@ def test_a_partly_checkpointed_update_has_the_gradients_of_none(monkeypatch):
 def test_a_run_checkpointing_some_layers_trains_like_one_without(tmp_path, monkeypatch, compiled):
     """``auto`` with every micro-batch checkpointing one of its two layers (compiled layers too: the
     layers then run with different switches) gives the metrics of a run without checkpointing."""
-    from rlcore.config.loader import load_config
-    from rlcore.plugin_manager import build_plugin_manager
-    from rlcore.protocols import DistInfo
-    from rlcore.testing import demo_overrides
-    from rlcore.trainer.loop import Trainer
+    from test_recompute_selective import two_demo_steps
 
-    def steps(path, *overrides):
-        cfg = load_config([], [*demo_overrides(path), "trainer.progress=false", "trainer.gpu_monitor=false",
-                               "trainer.export_final=false", "plugins=[]", f"actor.compile={str(compiled).lower()}",
-                               f"critic.compile={str(compiled).lower()}", *overrides])
-        trainer = Trainer(cfg, build_plugin_manager([]), DistInfo())
-        return [trainer.train_step(step) for step in (1, 2)]
-
-    plain = steps(tmp_path / "plain", "actor.gradient_checkpointing=false", "critic.gradient_checkpointing=false")
+    plain = two_demo_steps(tmp_path / "plain", compiled, "actor.gradient_checkpointing=false",
+                           "critic.gradient_checkpointing=false")
     monkeypatch.setattr(recompute.Recompute, "layers_needed", lambda self, tokens: 1)
-    some = steps(tmp_path / "some", "actor.gradient_checkpointing=auto", "critic.gradient_checkpointing=auto")
+    some = two_demo_steps(tmp_path / "some", compiled, "actor.gradient_checkpointing=auto",
+                          "critic.gradient_checkpointing=auto")
     for p, s in zip(plain, some):
         assert s["actor/recompute_frac"] == 0.5
         for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "reward/mean"):

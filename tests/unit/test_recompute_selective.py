@@ -103,24 +103,28 @@ def test_the_setting_is_checked():
         load_config([], ["actor.gradient_checkpointing_policy=some"])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("compiled", [False, True])
-def test_a_run_with_selective_checkpointing_trains_like_one_without(tmp_path, compiled):
+def two_demo_steps(path, compiled: bool, *overrides: str) -> list[dict]:
+    """The metrics of the demo's first two steps in ``path`` (layers compiled or not), with ``overrides``."""
     from rlcore.plugin_manager import build_plugin_manager
     from rlcore.protocols import DistInfo
     from rlcore.testing import demo_overrides
     from rlcore.trainer.loop import Trainer
 
-    def steps(path, *overrides):
-        cfg = load_config([], [*demo_overrides(path), "trainer.progress=false", "trainer.gpu_monitor=false",
-                               "trainer.export_final=false", "plugins=[]", f"actor.compile={str(compiled).lower()}",
-                               f"critic.compile={str(compiled).lower()}", *overrides])
-        trainer = Trainer(cfg, build_plugin_manager([]), DistInfo())
-        return [trainer.train_step(step) for step in (1, 2)]
+    cfg = load_config([], [*demo_overrides(path), "trainer.progress=false", "trainer.gpu_monitor=false",
+                           "trainer.export_final=false", "plugins=[]", f"actor.compile={str(compiled).lower()}",
+                           f"critic.compile={str(compiled).lower()}", *overrides])
+    trainer = Trainer(cfg, build_plugin_manager([]), DistInfo())
+    return [trainer.train_step(step) for step in (1, 2)]
 
-    plain = steps(tmp_path / "plain", "actor.gradient_checkpointing=false", "critic.gradient_checkpointing=false")
-    selective = steps(tmp_path / "selective", "actor.gradient_checkpointing=true", "critic.gradient_checkpointing=true",
-                      "actor.gradient_checkpointing_policy=selective", "critic.gradient_checkpointing_policy=selective")
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_run_with_selective_checkpointing_trains_like_one_without(tmp_path, compiled):
+    plain = two_demo_steps(tmp_path / "plain", compiled, "actor.gradient_checkpointing=false",
+                           "critic.gradient_checkpointing=false")
+    selective = two_demo_steps(tmp_path / "selective", compiled, "actor.gradient_checkpointing=true",
+                               "critic.gradient_checkpointing=true", "actor.gradient_checkpointing_policy=selective",
+                               "critic.gradient_checkpointing_policy=selective")
     for p, s in zip(plain, selective):
         for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "reward/mean"):
             assert s[key] == pytest.approx(p[key], rel=1e-4, abs=1e-5), key
