@@ -256,21 +256,27 @@ if triton is not None:
                                               IEEE, BLOCK_N, SUB, PAGED, PAGE)
         if NEW:
             if part == 0:
-                # the new column is the row's last: its probability is taken against the running
-                # maximum of the columns before it and rounded for the value product like theirs
-                # (flash attention's last block), not carried unrounded from the start
-                score = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale
-                new_max = tl.maximum(run_max, score)
-                alpha = tl.exp(run_max - new_max)
-                p = tl.exp(score - new_max)
-                run_sum = run_sum * alpha + p
-                if not IEEE:
-                    p = p.to(v_ptr.dtype.element_ty).to(tl.float32)
-                acc = acc * alpha[:, None] + p[:, None] * value.to(v_ptr.dtype.element_ty).to(tl.float32)[None, :]
-                run_max = new_max
+                run_max, run_sum, acc = _fold_new(q, key, value.to(v_ptr.dtype.element_ty), run_max, run_sum, acc,
+                                                  scale, IEEE)
         _store_result(acc, run_max, run_sum, out_ptr, slot * so_n + head * so_h, so_g, so_d, stat_ptr, stat_plane,
                       final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, count_ptr, slot * tl.num_programs(1) + head,
                       part, rows, feats, group, dim, SPLIT, BLOCK_G, BLOCK_D)
+
+    @triton.jit
+    def _fold_new(q, key, value, run_max, run_sum, acc, scale, IEEE: tl.constexpr):
+        """Fold the new column (``key``, ``value`` in the cache's dtype) into the online softmax, last: it
+        is the row's last column, so its probability is taken against the running maximum of the columns
+        before it and rounded for the value product like theirs (flash attention's last block), not
+        carried unrounded from the start."""
+        score = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale
+        new_max = tl.maximum(run_max, score)
+        alpha = tl.exp(run_max - new_max)
+        p = tl.exp(score - new_max)
+        run_sum = run_sum * alpha + p
+        if not IEEE:
+            p = p.to(value.dtype).to(tl.float32)
+        acc = acc * alpha[:, None] + p[:, None] * value.to(tl.float32)[None, :]
+        return new_max, run_sum, acc
 
     @triton.jit
     def _store_result(acc, run_max, run_sum, out_ptr, out_off, so_g, so_d, stat_ptr, stat_plane, final_ptr, sf_g, sf_d,

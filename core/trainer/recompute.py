@@ -258,7 +258,7 @@ class Recompute:
 
     def needed(self, tokens: int) -> bool:
         """Whether a micro-batch of ``tokens`` tokens should recompute (its activations would not fit)."""
-        return tokens * self.bytes_per_token > self.usable_bytes()
+        return self.layers_needed(tokens) > 0
 
     def layers_needed(self, tokens: int) -> int:
         """How many of the switchable layers a micro-batch of ``tokens`` tokens checkpoints: none when its
