@@ -252,6 +252,11 @@ def _check_values(cfg: DictConfig, errors: list[str], refused: dict[str, str] | 
         for key in ("warmup_steps", "grad_clip", "weight_decay"):
             if cfg[role][key] < 0:
                 errors.append(f"'{role}.{key}' must be >= 0, got {cfg[role][key]}")
+    from rlcore.trainer.sdpa import problem as sdpa_problem
+
+    bad = sdpa_problem(cfg.trainer.sdpa_backends)
+    if bad:
+        errors.append(f"'trainer.sdpa_backends' {bad}")
     rbs = cfg.ppo.rollout_batch_size
     if not (rbs == "auto" or (isinstance(rbs, int) and not isinstance(rbs, bool) and rbs > 0)):
         errors.append(f"'ppo.rollout_batch_size' = {rbs!r} must be a positive integer or 'auto'")

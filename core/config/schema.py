@@ -630,6 +630,10 @@ class TrainerConfig:
     seed: int = 0
     #: Device of single-process runs: auto | cpu | cuda.
     device: str = "auto"
+    #: Scaled-dot-product attention kernels PyTorch may pick on CUDA (training forwards with
+    #: attn_implementation=sdpa, the engine's prefill): a list of flash, efficient, cudnn, math. null: PyTorch's
+    #: own choice (rlcore.trainer.sdpa).
+    sdpa_backends: Optional[list[str]] = None
     #: Processes to start on this node with torch's elastic launcher (1 = this process only).
     nproc_per_node: int = 1
     #: Show a progress bar.

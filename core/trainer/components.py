@@ -17,7 +17,7 @@ from rlcore.data.loader import PromptLoader
 from rlcore.errors import ConfigError, PluginError
 from rlcore.protocols import CheckpointPolicy, DistInfo, PlacementPolicy, PlacementRequest, ReshardPolicy
 from rlcore.protocols import RewardBackend, RolloutBackend, Stateful
-from rlcore.trainer import models
+from rlcore.trainer import models, sdpa
 from rlcore.trainer.checkpoint import RNGState
 from rlcore.trainer.generation import ActorGeneration, rollout_request  # noqa: F401 - read here too
 
@@ -231,6 +231,9 @@ def _build_components(cfg: DictConfig, pm: Any, dist: DistInfo, built: Built) ->
     placement = build_placement(pm, dist, actor_cfg, critic_cfg, obj(cfg.reward_model), obj(cfg.placement),
                                 uses_critic=trains_critic(algo.adv_estimator), built=built)
     device = placement.device_for("actor")
+    switches = sdpa.apply(tcfg.sdpa_backends, device)
+    if switches is not None:  # put back when the run ends
+        built.add("sdpa", ("trainer.sdpa_backends", switches))
     model_path = actor_cfg.model_path
     tokenizer = models.load_tokenizer(model_path)
 

@@ -30,7 +30,11 @@ def test_auto_measures_activations_of_a_micro_batch_without_checkpointing():
     model = model.to("cuda", torch.bfloat16).train()
     enable_gradient_checkpointing(model)
     policy = recompute.Recompute(model, "auto", model.config, torch.device("cuda"))
-    ids = torch.randint(3, 512, (2, recompute.MEASURE_MIN_TOKENS), device="cuda")
+    ids = torch.randint(3, 512, (4, recompute.MEASURE_MIN_TOKENS), device="cuda")
+    # the process's first backward allocates once what no micro-batch adds again (the library's
+    # workspaces, the gradients): at this tiny shape that is more than the activations themselves
+    model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+    torch.cuda.synchronize()
     with policy.for_tokens(ids.numel()):
         model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
     assert policy.measured_tokens == ids.numel()
@@ -40,8 +44,8 @@ def test_auto_measures_activations_of_a_micro_batch_without_checkpointing():
 @pytest.mark.parametrize("selective", [False, True])
 def test_a_partly_checkpointed_micro_batch_stays_within_the_memory_it_planned_for(monkeypatch, selective):
     """Once a micro-batch without checkpointing measured the rate, a micro-batch with the free memory set
-    to about 60% of what it needs checkpoints some layers, not all, and its forward and backward add at
-    most the memory the plan allowed."""
+    to about 60% of what it needs (85% with selective checkpointing) checkpoints some layers, not all,
+    and its forward and backward add at most the memory the plan allowed."""
     model = tiny_causal_lm("qwen2", hidden_size=1024, num_hidden_layers=8, num_attention_heads=8,
                            num_key_value_heads=2, intermediate_size=3072, max_position_embeddings=8192,
                            vocab_size=4096)
@@ -58,7 +62,9 @@ def test_a_partly_checkpointed_micro_batch_stays_within_the_memory_it_planned_fo
     assert policy.measured_tokens == 8192
     ids = torch.randint(3, 4096, (4, 4096), device="cuda")
     tokens = ids.numel()
-    usable = 0.6 * tokens * policy.bytes_per_token
+    # selective checkpointing frees about half a layer's activations: it needs less of a shortfall to
+    # checkpoint some layers and not all
+    usable = (0.85 if selective else 0.6) * tokens * policy.bytes_per_token
     monkeypatch.setattr(recompute, "free_bytes", lambda device: usable / recompute.FREE_SHARE)  # gradients exist now
     count = policy.layers_needed(tokens)
     assert 0 < count < len(policy.layers)
