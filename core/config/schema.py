@@ -216,8 +216,9 @@ class ModelRoleConfig:
     #: What a checkpointed layer recomputes: full (its whole forward: the least memory, a third more compute) |
     #: selective (the outputs of its matrix products and attention are kept, only the pointwise work between them is
     #: recomputed: about half the activation memory of no checkpointing for a few percent more compute; with
-    #: gradient_checkpointing=auto the token budget is lowered to what fits that way).
-    gradient_checkpointing_policy: CheckpointPolicyKind = CheckpointPolicyKind.full
+    #: gradient_checkpointing=auto the token budget is lowered to what fits that way). null: selective with
+    #: gradient_checkpointing=auto (measured faster, docs/benchmarks.md), full with true.
+    gradient_checkpointing_policy: Optional[CheckpointPolicyKind] = None
     #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products;
     #: the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
     compile: Optional[bool] = None
@@ -320,11 +321,10 @@ class RolloutEngineConfig:
     #: Share of the free GPU memory the paged cache's pool takes when kv_pages is null.
     kv_memory_fraction: float = 0.5
     #: Hand the KV cache's memory back to the device after each rollout, so the update can use it, and take it again
-    #: at the same addresses (the decode's CUDA graphs stay valid) when the next rollout starts: false = the cache stays
-    #: allocated (default; measured no faster at the 1.5B reasoning shape on an H100, docs/benchmarks.md), true =
-    #: released (an error where it cannot be: CUDA's virtual memory API is needed), null = where the device allows it.
-    #: For an update that runs out of memory next to the cache.
-    release_kv: Optional[bool] = False
+    #: at the same addresses (the decode's CUDA graphs stay valid) when the next rollout starts: null = where the
+    #: device allows it (default: CUDA with its virtual memory API; the update checkpoints less, docs/benchmarks.md),
+    #: true = released (an error where it cannot be), false = the cache stays allocated.
+    release_kv: Optional[bool] = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """These settings as keyword arguments of ``RolloutEngine``."""

@@ -378,7 +378,12 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
 
 
 def _selective(role_cfg: Any) -> bool:
-    return str(getattr(role_cfg, "gradient_checkpointing_policy", "full")) == "selective"
+    """``<role>.gradient_checkpointing_policy``: selective where it says so, or where it is null and
+    checkpointing is chosen by memory (``auto``); full otherwise."""
+    policy = getattr(role_cfg, "gradient_checkpointing_policy", None)
+    if policy is None:
+        return str(getattr(role_cfg, "gradient_checkpointing", "")) == "auto"
+    return str(policy) == "selective"
 
 
 def _enable_checkpointing(model: torch.nn.Module, role_cfg: Any) -> bool:

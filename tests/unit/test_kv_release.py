@@ -168,7 +168,7 @@ def test_engine_releases_and_takes_its_cache_again(fake_driver, kv_cache):
 def test_engine_refuses_required_release_it_cannot_do():
     with pytest.raises(ValueError, match="release_kv=true"):
         RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16, release_kv=True)
-    for setting in (None, False):  # auto on CPU, and the default: kept
+    for setting in (None, False):  # the default (where the device can) on CPU, and off: kept
         engine = RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16, release_kv=setting)
         assert engine.release_kv() == 0 and not engine.kv_released
     assert "rollout/kv_acquire_s" not in engine.generate(PROMPTS[:2], GREEDY).stats
@@ -234,10 +234,13 @@ def test_a_backend_release_answer_is_checked(bad):
         gen.generate([[1]], GREEDY)
 
 
-def test_the_default_keeps_the_cache_even_where_it_could_release(fake_driver):
+def test_the_default_releases_where_the_device_can_and_keeps_the_cache_elsewhere(fake_driver):
     from rlcore.config.schema import RolloutEngineConfig
 
     setting = RolloutEngineConfig().engine_kwargs()["release_kv"]
     engine = RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16, release_kv=setting)
-    assert setting is False and not engine._kv.releasable and engine.release_kv() == 0
-    assert fake_driver.calls == []
+    assert setting is None and engine._kv.releasable and engine.release_kv() > 0 and engine.kv_released
+    fake_driver.calls.clear()
+    off = RolloutEngine(tiny_causal_lm("qwen2"), max_batch_size=2, max_seq_len=16,
+                        release_kv=RolloutEngineConfig(release_kv=False).engine_kwargs()["release_kv"])
+    assert not off._kv.releasable and off.release_kv() == 0 and fake_driver.calls == []

@@ -98,7 +98,7 @@ def test_auto_lowers_the_budget_to_what_fits_selectively(monkeypatch):
 def test_the_setting_is_checked():
     cfg = load_config([], ["actor.gradient_checkpointing_policy=selective"])
     assert str(cfg.actor.gradient_checkpointing_policy) == "selective"
-    assert str(load_config([], []).actor.gradient_checkpointing_policy) == "full"
+    assert load_config([], []).actor.gradient_checkpointing_policy is None
     with pytest.raises(ConfigError, match="gradient_checkpointing_policy"):
         load_config([], ["actor.gradient_checkpointing_policy=some"])
 
@@ -163,3 +163,15 @@ def test_layers_of_a_model_without_the_hugging_face_switch_checkpoint_selectivel
     assert ops["full"]["addmm"] > ops["none"]["addmm"] == ops["selective"]["addmm"]  # the products are kept
     for mode in ("full", "selective"):
         assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"]))
+
+
+@pytest.mark.parametrize("overrides, selective", [
+    ([], True),  # the default: auto checkpointing, selective where it checkpoints
+    (["actor.gradient_checkpointing=true"], False),  # always on: the least memory
+    (["actor.gradient_checkpointing=true", "actor.gradient_checkpointing_policy=selective"], True),
+    (["actor.gradient_checkpointing_policy=full"], False),
+])
+def test_a_null_policy_is_selective_under_auto_and_full_when_always_on(overrides, selective):
+    from rlcore.trainer.components import _selective
+
+    assert _selective(load_config([], overrides).actor) is selective
