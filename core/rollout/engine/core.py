@@ -145,8 +145,8 @@ class RolloutEngine:
             of the free memory before ``kv_memory_fraction`` applies (default 0).
         release_kv: let :meth:`release_kv` hand the KV cache's memory back to the device between
             rollouts, to be taken again at the same addresses (the CUDA graphs stay valid) when the
-            engine next runs (:mod:`rlcore.rollout.engine.vmem`); ``False`` (default): never, ``True``:
-            required (``ValueError`` where it cannot be done), ``None``: where the device allows it (CUDA).
+            engine next runs (:mod:`rlcore.rollout.engine.vmem`); ``None`` (default): where the device allows
+            it (CUDA), ``True``: required (``ValueError`` where it cannot be done), ``False``: never.
     """
 
     #: one ``generate`` call takes any number of prompts and queues those beyond its slots, admitting
@@ -169,7 +169,7 @@ class RolloutEngine:
                  attention_tuning: Mapping[str, object] | None = None, prompt_sharing: bool = True,
                  mlp_transposed: bool | str = "auto", kv_cache: str = "paged", page_size: int = pages.PAGE_SIZE,
                  kv_pages: int | None = None, kv_memory_fraction: float = pages.KV_MEMORY_FRACTION,
-                 kv_reserve_bytes: int = 0, lagged_turn_ends: bool = True, release_kv: bool | None = False):
+                 kv_reserve_bytes: int = 0, lagged_turn_ends: bool = True, release_kv: bool | None = None):
         check_settings(max_batch_size, max_seq_len, attention, compile_mode, mlp_transposed, kv_cache, page_size,
                         kv_pages, kv_memory_fraction)
         model = unwrap(model)  # a LoRA (peft) model: its decoder, read with the adapters merged
