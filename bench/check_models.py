@@ -20,6 +20,11 @@ attention, no compilation, no graphs).
 
 Run (GPU):  python bench/check_models.py --out $OUT/check_models.json   (``--budget-s``: start no shape after it)
 Smoke (CPU): python bench/check_models.py --shapes tiny-qwen3,tiny-llama3 --dtype fp32 --variants eager
+
+The Triton variants run on CPU through Triton's interpreter (``TRITON_INTERPRET=1``), in ``fp16`` or
+``fp32`` only: the interpreter's float32-to-bf16 conversion does not round to nearest as the GPU and
+PyTorch do, so bf16 there measures the interpreter. Under it the kernel takes its float32 path, and the
+trainer's attention is PyTorch's CPU kernel, so a CPU gap says nothing of the GPU's rounding.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ VARIANTS = {
     "eager": dict(attention="sdpa", compile=False, use_cuda_graphs=False),
     # the two halves of the default, apart: which one moves the log-probs
     "triton-eager": dict(attention="triton", compile=False),
+    # inside the Triton attention path: RoPE applied apart (not in the kernel), the attended length not
+    # split across programs
+    "triton-eager-rope-apart": dict(attention="triton", compile=False, rope_in_attention=False),
+    "triton-eager-one-split": dict(attention="triton", compile=False, attention_tuning={"splits": 1}),
     "sdpa-compiled": dict(attention="sdpa"),
     # which compiled op rounds apart: RMSNorm kept out of Inductor's fusion (an opaque op running the
     # eager code), and the compiled step without emulate_precision_casts
@@ -111,7 +120,7 @@ def patched(name: str | None):
     finally:
         for (module, attr), value in saved.items():
             setattr(module, attr, value)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def make_prompts(count: int, vocab: int, seed: int, low: int = 16, high: int = 160) -> list[list[int]]:
