@@ -44,3 +44,23 @@ def test_nothing_changes_off_cuda_or_when_null(switches_kept):
     assert sdpa.apply(["flash"], torch.device("cpu")) is None
     assert sdpa.apply(None, torch.device("cuda")) is None
     assert state() == found
+
+
+def test_a_run_sets_the_switches_while_it_runs_and_puts_them_back_at_its_end(tmp_path, monkeypatch, switches_kept):
+    """The switches are part of the run's built answers: on (here forced, as on CUDA) from the build to
+    the end of the run, whatever they were before, and back afterwards."""
+    from rlcore.plugin_manager import build_plugin_manager
+    from rlcore.protocols import DistInfo
+    from rlcore.testing import demo_overrides
+    from rlcore.trainer.loop import Trainer
+
+    monkeypatch.setattr(sdpa, "apply", lambda names, device: sdpa.SdpaSwitches(names) if names else None)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    found = state()
+    cfg = load_config([], [*demo_overrides(tmp_path), "trainer.progress=false", "trainer.gpu_monitor=false",
+                           "trainer.export_final=false", "plugins=[]", "trainer.max_steps=1",
+                           "trainer.sdpa_backends=[flash,math]"])
+    trainer = Trainer(cfg, build_plugin_manager([]), DistInfo())
+    assert state() == {"flash": True, "efficient": False, "cudnn": False, "math": True}
+    trainer.train()
+    assert state() == found
