@@ -31,6 +31,12 @@ the numerics: the rollout's log-probs against the trainer's recomputation (mean/
 difference, KL estimates), for rlcore's rollout backend and for HF ``generate`` on the same
 trainer, on ``--numerics-prompts`` prompts x n samples of at most ``--numerics-cap`` tokens.
 
+``--fixed-lengths`` (rlcore only): the lengths are drawn up front from the same capped geometric
+distribution, one stream per rollout call of a run, and given to the engine as per-prompt token
+limits with no stop token, so that runs of different settings decode the same lengths (the longest
+response, whose sequential decode steps set the rollout's time, among them) and their step times
+compare side by side; without it each run draws its lengths anew through the sampled tokens.
+
 Warm-up: ``--warmup`` steps (default 1) with responses cut at ``--warmup-cap`` tokens (compilation of
 the engine's step and the training layers), then on CUDA the engine captures the decode graphs of
 every batch and length bucket (``RolloutEngine.warmup``, timed as ``engine_warmup_s``), so that the
@@ -314,6 +320,8 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     t0 = time.perf_counter()
     trainer = Trainer(cfg, build_plugin_manager(list(cfg.plugins)), init_distributed(cfg.trainer.device))
     trainer.c.eos_ids = list(spec["stop_ids"])  # the stop rule (see the module docstring)
+    if spec.get("fixed_lengths"):
+        fix_lengths(trainer, spec)
     setup_s = time.perf_counter() - t0
     rollouts: list[tuple[list[int], list[int]]] = []
     plain_generate = trainer.c.generation.generate
@@ -413,6 +421,38 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
         traceback.print_exc()
         result["numerics"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     return result
+
+
+def geometric_lengths(count: int, p: float, cap: int, seed: str) -> list[int]:
+    """``count`` lengths drawn from the geometric distribution of success probability ``p`` (support
+    1, 2, ...), cut at ``cap``: the stop rule's lengths, drawn up front from a stream named by ``seed``."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    log_q = math.log1p(-p)
+    return [min(cap, max(1, math.ceil(math.log1p(-rng.random()) / log_q))) for _ in range(count)]
+
+
+def fix_lengths(trainer, spec: dict[str, Any]) -> None:
+    """``--fixed-lengths``: every rollout call's responses get lengths drawn up front from the stop
+    rule's distribution (:func:`geometric_lengths`, ``p = k / V``; the n-th call of a run draws from the
+    n-th stream), given to the engine as per-prompt ``max_new_tokens``, with no stop token, so that runs
+    of different settings decode the same lengths and their step times compare."""
+    from rlcore.rollout.engine import RolloutEngine
+
+    p = len(spec["stop_ids"]) / int(trainer.c.policy.config.vocab_size)
+    trainer.c.eos_ids = []
+    plain = RolloutEngine.generate
+    calls = [0]
+
+    def generate(self, prompts, params, on_finished=None, max_new_tokens=None):
+        if max_new_tokens is None:
+            calls[0] += 1
+            max_new_tokens = geometric_lengths(len(prompts), p, params.max_new_tokens, f"fixed-{calls[0]}")
+        return plain(self, prompts, params, on_finished, max_new_tokens)
+
+    RolloutEngine.generate = generate  # this worker process runs one system's run
 
 
 def _the_backend(trainer):
@@ -909,6 +949,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="models, runs and progress files (default: a temp dir)")
     parser.add_argument("--keep-models", action="store_true", help="keep each shape's saved model")
     parser.add_argument("--resume", action="store_true", help="keep the finished runs already in --out")
+    parser.add_argument("--fixed-lengths", action="store_true",
+                        help="rlcore: response lengths drawn up front from the stop rule's distribution, the same "
+                             "in every run, instead of sampled stop tokens (compares settings' step times)")
     args = parser.parse_args(argv)
     sys.path.insert(0, HERE)
     import torch
@@ -936,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
             systems = [s for s in systems if not s.startswith("trl")]
     if spec["prompt_min"] > spec["prompt_max"]:
         raise SystemExit("--prompt-min must not exceed --prompt-max")
-    spec.update(device="cuda" if torch.cuda.is_available() and not args.smoke else "cpu",
+    spec.update(fixed_lengths=bool(args.fixed_lengths),
+                device="cuda" if torch.cuda.is_available() and not args.smoke else "cpu",
                 rlcore_overrides=list(args.rlcore_override), keep_models=args.keep_models,
                 settings_override={"slots": args.slots, "micro": args.micro, "trl_micro": args.trl_micro},
                 features=rlcore_features() if "rlcore" in systems else {"token_budget": False, "paged_kv": False},

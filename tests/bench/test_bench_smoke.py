@@ -99,6 +99,27 @@ def test_reasoning_benchmark_smoke(tmp_path):
         assert row["numerics"][name]["tokens"] > 0 and row["numerics"][name]["abs_diff_max"] < 1e-3
 
 
+def test_reasoning_benchmark_with_fixed_lengths_decodes_the_same_lengths_in_two_settings(tmp_path):
+    """--fixed-lengths: two runs of different settings decode the same response lengths, drawn up front,
+    without the stop tokens that otherwise end them."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_reasoning
+
+    def lengths(name: str, *extra: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        _run("bench_reasoning.py", "--smoke", "--systems", "rlcore", "--numerics-prompts", "0", "--fixed-lengths",
+             "--workdir", str(tmp_path / name), "--out", str(out), *extra, cwd=tmp_path)
+        payload = json.loads(out.read_text())
+        return payload["results"][0]["lengths"], payload["workloads"]["tiny-qwen3"]
+
+    (first, workload), (second, _) = lengths("a"), lengths("b", "--rlcore-override", "actor.lr=1e-4")
+    assert first == second
+    cap = bench_reasoning.PRESETS["smoke"]["cap"]
+    expected = bench_reasoning.geometric_lengths(first["count"], workload["stop_count"] / workload["vocab"], cap,
+                                                 f"fixed-{bench_reasoning.PRESETS['smoke']['warmup'] + 1}")
+    assert first["max"] == max(expected) and first["mean"] == pytest.approx(sum(expected) / len(expected))
+
+
 def test_model_check_smoke(tmp_path):
     """The engine-vs-HF model check on a tiny Qwen3 shape (eager path, float32)."""
     out = tmp_path / "models.json"

@@ -6,7 +6,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
 
-from bench_reasoning import capped_mean, length_stats, make_prompts, stop_count, stop_ids  # noqa: E402
+from bench_reasoning import (  # noqa: E402
+    capped_mean, geometric_lengths, length_stats, make_prompts, stop_count, stop_ids)
 
 
 def test_stop_count_gives_the_target_mean_under_the_cap():
@@ -40,3 +41,15 @@ def test_prompts_avoid_the_stop_ids_and_span_the_lengths():
     assert all(64 <= len(p) <= 512 for p in prompts)
     assert not set(stops) & {t for p in prompts for t in p}
     assert min(map(len, prompts)) < 100 and max(map(len, prompts)) > 470
+
+
+def test_fixed_lengths_are_the_stop_rules_distribution_drawn_the_same_every_run():
+    """--fixed-lengths: the same stream gives the same lengths; the lengths follow the capped geometric
+    distribution the stop rule would give (its mean, its cap)."""
+    vocab, cap = 4096, 256
+    p = stop_count(vocab, 60, cap) / vocab
+    lengths = geometric_lengths(4000, p, cap, "fixed-1")
+    assert lengths == geometric_lengths(4000, p, cap, "fixed-1")
+    assert lengths != geometric_lengths(4000, p, cap, "fixed-2")
+    assert min(lengths) >= 1 and max(lengths) == cap
+    assert abs(sum(lengths) / len(lengths) - capped_mean(p, cap)) < 3
