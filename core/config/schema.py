@@ -222,6 +222,10 @@ class ModelRoleConfig:
     #: Compile each decoder layer with torch.compile for training (fuses the pointwise work between matrix products;
     #: the first steps include compiling). null: on when the role trains on CUDA, off elsewhere.
     compile: Optional[bool] = None
+    #: With compiled layers, their backward recomputes the pointwise results that feed matrix products (the norms'
+    #: outputs, SiLU·mul) instead of keeping them from the forward: a third less activation memory a layer (Qwen2-1.5B
+    #: shape), the same gradients, a pointwise pass more in the backward (not yet timed on a GPU, hence off).
+    compile_recompute_pointwise: bool = False
     #: Training dtype of the weights.
     dtype: TrainDtype = TrainDtype.fp32
     #: Attention of this role's training forwards (the model's ``attn_implementation``). null: the model's own

@@ -371,9 +371,11 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
         critic = models.ValueModel.from_causal_lm(base)
         _enable_checkpointing(critic.backbone, critic_cfg)
     if _wants_compile(actor_cfg.compile, device):  # after the reference copy: the reference runs uncompiled
-        compile_layers(actor, "actor", fallback=actor_cfg.compile is None)
+        compile_layers(actor, "actor", fallback=actor_cfg.compile is None,
+                       recompute_pointwise=bool(actor_cfg.compile_recompute_pointwise))
     if critic is not None and _wants_compile(critic_cfg.compile, placement.device_for("critic")):
-        compile_layers(critic, "critic", fallback=critic_cfg.compile is None)
+        compile_layers(critic, "critic", fallback=critic_cfg.compile is None,
+                       recompute_pointwise=bool(critic_cfg.compile_recompute_pointwise))
     return actor, ref, critic
 
 

@@ -89,3 +89,69 @@ def test_compiled_layers_give_the_eager_models_bf16_values_exactly():
         expected = model(ids).logits
         got = compile_layers(copy.deepcopy(model), "actor")(ids).logits
     assert torch.equal(got, expected)
+
+
+def _compiled_layer_run(layer, x, rope):
+    """The layer's output and the activations its backward keeps, ``{storage: (bytes, last dim)}``."""
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        saved[storage.data_ptr()] = (storage.nbytes(), t.shape[-1] if t.dim() else 0)
+        return t
+
+    positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    cos, sin = rope(x, positions)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    return (out[0] if isinstance(out, tuple) else out), {k: v for k, v in saved.items() if k not in params}
+
+
+def test_recomputing_pointwise_results_keeps_fewer_activations_and_gives_the_same_gradients():
+    """``compile_recompute_pointwise``: the compiled layer's backward recomputes the pointwise results
+    that feed its matrix products (SiLU·mul, the norms' outputs) instead of keeping them: of the MLP's
+    intermediate-width activations it keeps gate and up only, a third less in all than the default
+    split, and the gradients are those of the default split bit for bit."""
+    import copy
+
+    import torch._functorch.config as functorch_config
+
+    from rlcore.distributed.fsdp import PARTITION_SETTINGS, compile_layers, decoder_layers
+    from rlcore.rollout.tiny import tiny_causal_lm
+
+    torch.manual_seed(0)
+    model = tiny_causal_lm("qwen2", hidden_size=128, intermediate_size=384, num_attention_heads=4,
+                           num_key_value_heads=2).to(torch.bfloat16)
+    rope = model.model.rotary_emb
+    x = torch.randn(2, 48, 128, dtype=torch.bfloat16)
+    weights = torch.linspace(-1, 1, x.numel()).view_as(x)
+    runs = {}
+    for name, settings in (("default", {k: not v for k, v in PARTITION_SETTINGS.items()}), ("ours", {})):
+        torch._dynamo.reset()
+        compiled = compile_layers(copy.deepcopy(model), "actor", recompute_pointwise=True)
+        layer = decoder_layers(compiled)[0]
+        inp = x.clone().requires_grad_(True)
+        with functorch_config.patch(settings):  # "default": the split without our settings
+            if name == "default":
+                layer._compiled_call_impl = getattr(layer._compiled_call_impl, "compiled", layer._compiled_call_impl)
+            out, saved = _compiled_layer_run(layer, inp, rope)
+        (out.float() * weights).sum().backward()
+        runs[name] = (saved, [inp.grad] + [p.grad for p in layer.parameters()])
+    wide = {name: sum(1 for _, dim in saved.values() if dim == 384) for name, (saved, _) in runs.items()}
+    assert wide == {"default": 3, "ours": 2}
+    total = {name: sum(b for b, _ in saved.values()) for name, (saved, _) in runs.items()}
+    assert total["ours"] <= 0.75 * total["default"]
+    for a, b in zip(runs["default"][1], runs["ours"][1]):
+        assert torch.equal(a, b)
+
+
+def test_the_setting_reaches_the_compiled_layers(tmp_path):
+    """``actor.compile_recompute_pointwise=true``: every compiled layer of the actor runs its compiled
+    call under the partition settings; off (the default), the plain compiled call."""
+    from rlcore.distributed.fsdp import decoder_layers
+
+    on, _ = steps(tmp_path / "on", "actor.compile=true", "actor.compile_recompute_pointwise=true", n=1)
+    off, _ = steps(tmp_path / "off", "actor.compile=true", n=1)
+    assert all(hasattr(layer._compiled_call_impl, "compiled") for layer in decoder_layers(on.c.policy))
+    assert not any(hasattr(layer._compiled_call_impl, "compiled") for layer in decoder_layers(off.c.policy))
