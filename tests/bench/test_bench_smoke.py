@@ -120,6 +120,17 @@ def test_reasoning_benchmark_with_fixed_lengths_decodes_the_same_lengths_in_two_
     assert first["max"] == max(expected) and first["mean"] == pytest.approx(sum(expected) / len(expected))
 
 
+def test_layer_saved_bytes_probe_orders_the_three_forms(tmp_path):
+    """The probe of a layer's kept activations: compiled layers keep less than eager ones, and less
+    again when their backward recomputes the pointwise results."""
+    out = tmp_path / "saved.json"
+    _run("probes/layer_saved_bytes.py", "--tokens", "64", "--json", str(out))
+    rows = json.loads(out.read_text())["results"]
+    eager, compiled, recomputed = (rows[k]["bytes_per_token"] for k in (
+        "eager", "compiled", "compiled+recompute_pointwise"))
+    assert eager > compiled > recomputed > 0
+
+
 def test_model_check_smoke(tmp_path):
     """The engine-vs-HF model check on a tiny Qwen3 shape (eager path, float32)."""
     out = tmp_path / "models.json"
