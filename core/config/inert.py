@@ -55,6 +55,8 @@ def inert_keys(cfg: DictConfig, world_size: int, ignore: Iterable[str] = ()) -> 
         ("ppo.micro_batch_size", cfg.ppo.max_tokens_per_micro_batch > 0,
          "ppo.max_tokens_per_micro_batch cuts the micro-batches"),
         ("ppo.rollout_is_cap", cfg.ppo.rollout_is == "none", "ppo.rollout_is is none"),
+        ("actor.compile_recompute_pointwise", cfg.actor.compile is False, "actor.compile is false"),
+        ("critic.compile_recompute_pointwise", cfg.critic.compile is False, "critic.compile is false"),
         ("reward.stream", world_size > 1 or cfg.reward_model.enable,
          "rewards are scored after the rollout in distributed runs and with a reward model"),
     ]

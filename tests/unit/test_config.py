@@ -138,6 +138,13 @@ def test_inert_keys_are_reported_with_a_reason():
     assert "custom_cls" in dict(inert_keys(custom, world_size=1))["data.cache_dir"]
 
 
+def test_recomputing_pointwise_results_without_compiled_layers_is_reported():
+    off = load_config([], ["actor.compile=false", "actor.compile_recompute_pointwise=true"])
+    assert dict(inert_keys(off, world_size=1))["actor.compile_recompute_pointwise"] == "actor.compile is false"
+    on = load_config([], ["actor.compile_recompute_pointwise=true"])  # compiled by default on CUDA
+    assert "actor.compile_recompute_pointwise" not in dict(inert_keys(on, world_size=1))
+
+
 def test_config_is_plain_yaml_round_trip():
     cfg = load_config([], ["ppo.kl_coeff=0.2"])
     again = OmegaConf.create(OmegaConf.to_yaml(cfg))
