@@ -87,7 +87,9 @@ HEADS = ("logits", "fused", "liger", "cce")
 #: the products' and attention's outputs kept, the pointwise work recomputed; the budget lowered to what fits so)
 #: ``...+whole`` (with ``+recompute``) checkpoints every layer of a micro-batch that does not fit (the rule before
 #: micro-batches checkpointed only the layers they need to)
-MODIFIERS = ("recompute", "keep", "masked", "greedy", "selective", "whole")
+#: ``...+pointwise`` (compiled variants) compiles the layers with ``recompute_pointwise``
+#: (``<role>.compile_recompute_pointwise``: the backward recomputes the pointwise results feeding matrix products)
+MODIFIERS = ("recompute", "keep", "masked", "greedy", "selective", "whole", "pointwise")
 
 
 def parse_variant(name: str) -> tuple[str, str, set[str]]:
@@ -197,7 +199,7 @@ def run_variant(model, exp, args, variant: str, profile: int = 0) -> tuple[list[
                                                logits=head == "logits", selective="selective" in mods,
                                                partial="whole" not in mods)}
             if compiled:
-                compile_layers(m, "actor")
+                compile_layers(m, "actor", recompute_pointwise="pointwise" in mods)
             opt = torch.optim.SGD(m.parameters(), lr=1e-3)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
             ppo = PPOConfig(micro_batch_size=args.micro, trim_padding=trim, group_by_length=group,

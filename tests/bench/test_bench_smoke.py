@@ -32,6 +32,8 @@ CASES = {
     "update_varlen": ["bench_update.py", "--samples", "6", "--prompt-len", "8", "--response-len", "12", "--micro", "2",
                       "--repeats", "1", "--max-tokens", "40", "--variants", "grouped,budget,packed,packed-budget",
                       "--json", "{out}"],
+    "update_pointwise": ["bench_update.py", "--samples", "4", "--prompt-len", "8", "--response-len", "8", "--micro", "2",
+                         "--repeats", "1", "--variants", "compiled,compiled+pointwise", "--json", "{out}"],
     "stream_reward": ["bench_stream_reward.py", "--tiny", "--prompts", "2", "--n", "2", "--max-new-tokens", "12",
                       "--reward-ms", "1", "--repeats", "1", "--out", "{out}"],
     "mismatch": ["bench_mismatch.py", "--tiny", "--prompts", "2", "--max-new-tokens", "8", "--out", "{out}"],
