@@ -263,15 +263,7 @@ def _build_components(cfg: DictConfig, pm: Any, dist: DistInfo, built: Built) ->
         raise problems[0]
 
     actor_module, ref, critic = _load_models(cfg, model_path, device, placement, actor_fsdp, dist)
-    actor = reshard.prepare(actor_module, "actor")
-    if ref is not None and actor_cfg.lora.rank > 0:
-        from rlcore.trainer.lora import AdaptersDisabled
-
-        ref = AdaptersDisabled(actor)  # the (sharded) actor with its adapters off: no second copy
-    elif ref is not None and dist.distributed:
-        ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
-    if critic is not None:
-        critic = reshard.prepare(critic, "critic", fsdp=resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp))
+    actor, ref, critic = _prepared(reshard, actor_module, ref, critic, cfg, dist)
     n = int(ppo.rollout_batch_size) * ppo.generation.n
     total = tcfg.max_steps * ppo.ppo_epochs * max(1, n // max(1, ppo.mini_batch_size or 10**9))
     actor_opt, actor_sched = models.build_optimizer(actor, actor_cfg, total)
@@ -281,18 +273,15 @@ def _build_components(cfg: DictConfig, pm: Any, dist: DistInfo, built: Built) ->
     kl_ctrl = rlmath.make_kl_controller(ppo.kl_ctrl, ppo.kl_coeff, ppo.kl_target, ppo.kl_horizon)
 
     from rlcore.trainer.packing_check import resolve_packing
-    from rlcore.trainer.recompute import Recompute
     from rlcore.trainer.update import Batching
 
     for model in (actor, ref):
         if model is not None:
             models.set_logprob_head(model, str(ppo.logprob_head))
-    recompute = {"actor": Recompute(actor, actor_cfg.gradient_checkpointing, actor_module.config, device,
-                                    logits=models.fused_head(actor, device) is None,
-                                    selective=_selective(actor_cfg))}
+    recompute = {"actor": _recompute(actor, actor_module.config, actor_cfg, device, "actor",
+                                     logits=models.fused_head(actor, device) is None)}
     if critic is not None:
-        recompute["critic"] = Recompute(critic, critic_cfg.gradient_checkpointing, critic.config,
-                                        placement.device_for("critic"), role="critic", selective=_selective(critic_cfg))
+        recompute["critic"] = _recompute(critic, critic.config, critic_cfg, placement.device_for("critic"), "critic")
     eos = tokenizer.eos_token_id
     return Components(
         tokenizer=tokenizer, policy=actor_module, actor=Trained(actor, actor_opt, actor_sched),
@@ -306,6 +295,33 @@ def _build_components(cfg: DictConfig, pm: Any, dist: DistInfo, built: Built) ->
         train_device=device, micro_batch=Batching.from_config(n, ppo, tcfg.gradient_accumulation_steps).micro,
         eos_ids=[eos] if isinstance(eos, int) else list(eos or []),
         packed=resolve_packing(ppo.pack_sequences, [actor, critic]), recompute=recompute, built=built)
+
+
+def _prepared(reshard: ReshardPolicy, actor: torch.nn.Module, ref: Optional[torch.nn.Module],
+              critic: Optional[torch.nn.Module], cfg: DictConfig, dist: DistInfo) -> tuple[Any, Any, Any]:
+    """The loaded models as the reshard policy prepares them for training: the actor; the reference as
+    the actor with its adapters off (LoRA), sharded like the actor (several processes) or as loaded; the
+    critic with its own FSDP settings."""
+    actor = reshard.prepare(actor, "actor")
+    if ref is not None and cfg.actor.lora.rank > 0:
+        from rlcore.trainer.lora import AdaptersDisabled
+
+        ref = AdaptersDisabled(actor)  # the (sharded) actor with its adapters off: no second copy
+    elif ref is not None and dist.distributed:
+        ref = reshard.prepare(ref, "ref")  # sharded like the actor instead of a full copy per rank
+    if critic is not None:
+        critic = reshard.prepare(critic, "critic", fsdp=resolve_fsdp(obj(cfg.fsdp), obj(cfg.critic).fsdp))
+    return actor, ref, critic
+
+
+def _recompute(model: torch.nn.Module, config: Any, role_cfg: Any, device: torch.device, role: str,
+               logits: bool = True) -> Any:
+    """The role's :class:`~rlcore.trainer.recompute.Recompute` (``<role>.gradient_checkpointing`` and its
+    policy); ``logits``: the role's log-probs come from the model's logits (not the fused head)."""
+    from rlcore.trainer.recompute import Recompute
+
+    return Recompute(model, role_cfg.gradient_checkpointing, config, device, role=role, logits=logits,
+                     selective=_selective(role_cfg))
 
 
 def _build_data(pm: Any, data_cfg: Any, tcfg: Any, ppo: Any, tokenizer: Any, device: torch.device,
@@ -341,7 +357,7 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
                  dist: DistInfo) -> tuple[torch.nn.Module, Optional[torch.nn.Module], Optional[torch.nn.Module]]:
     """``(actor, frozen reference or None, critic or None)``, full (not yet sharded) models, with
     gradient checkpointing and compiled layers as configured."""
-    from rlcore.distributed.fsdp import compile_layers, load_model_for_role
+    from rlcore.distributed.fsdp import load_model_for_role
 
     actor_cfg, critic_cfg, ppo, algo = obj(cfg.actor), obj(cfg.critic), obj(cfg.ppo), obj(cfg.algorithm)
     lora = actor_cfg.lora if actor_cfg.lora.rank > 0 else None
@@ -370,13 +386,20 @@ def _load_models(cfg: DictConfig, model_path: str, device: torch.device, placeme
             resolve_fsdp(obj(cfg.fsdp), critic_cfg.fsdp), dist)
         critic = models.ValueModel.from_causal_lm(base)
         _enable_checkpointing(critic.backbone, critic_cfg)
-    if _wants_compile(actor_cfg.compile, device):  # after the reference copy: the reference runs uncompiled
-        compile_layers(actor, "actor", fallback=actor_cfg.compile is None,
-                       recompute_pointwise=bool(actor_cfg.compile_recompute_pointwise))
-    if critic is not None and _wants_compile(critic_cfg.compile, placement.device_for("critic")):
-        compile_layers(critic, "critic", fallback=critic_cfg.compile is None,
-                       recompute_pointwise=bool(critic_cfg.compile_recompute_pointwise))
+    _compile(actor, actor_cfg, "actor", device)  # after the reference copy: the reference runs uncompiled
+    if critic is not None:
+        _compile(critic, critic_cfg, "critic", placement.device_for("critic"))
     return actor, ref, critic
+
+
+def _compile(model: torch.nn.Module, role_cfg: Any, role: str, device: torch.device) -> None:
+    """``<role>.compile`` (and ``<role>.compile_recompute_pointwise``): the role's decoder layers compiled
+    where it asks for it, or by default on CUDA."""
+    from rlcore.distributed.fsdp import compile_layers
+
+    if _wants_compile(role_cfg.compile, device):
+        compile_layers(model, role, fallback=role_cfg.compile is None,
+                       recompute_pointwise=bool(role_cfg.compile_recompute_pointwise))
 
 
 def _selective(role_cfg: Any) -> bool:
