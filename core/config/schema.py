@@ -224,8 +224,9 @@ class ModelRoleConfig:
     compile: Optional[bool] = None
     #: With compiled layers, their backward recomputes the pointwise results that feed matrix products (the norms'
     #: outputs, SiLU·mul) instead of keeping them from the forward: a third less activation memory a layer (Qwen2-1.5B
-    #: shape), the same gradients, a pointwise pass more in the backward (not yet timed on a GPU, hence off).
-    compile_recompute_pointwise: bool = False
+    #: shape), so fewer layers need checkpointing, for a pointwise pass more in the backward; the same gradients (bit
+    #: for bit on CPU, up to bf16 rounding on CUDA). Measured 6% faster in the reasoning update (docs/benchmarks.md).
+    compile_recompute_pointwise: bool = True
     #: Training dtype of the weights.
     dtype: TrainDtype = TrainDtype.fp32
     #: Attention of this role's training forwards (the model's ``attn_implementation``). null: the model's own

@@ -213,8 +213,9 @@ def layer_compile_options() -> dict[str, object]:
 #: ``ban_recompute_materialized_backward=False`` lets the backward recompute the pointwise results that
 #: feed matrix products (the norms' outputs, SiLU·mul) from tensors it keeps anyway instead of saving
 #: them: a third less activation memory a layer (Qwen2-1.5B's: 72.1 -> 48.6 KB a token in bf16) for a
-#: pointwise pass more in the backward, with the same gradients bit for bit
-#: (``tests/integration/test_train_compile.py``)
+#: pointwise pass more in the backward, with the same gradients (bit for bit on CPU,
+#: ``tests/integration/test_train_compile.py``; up to bf16 rounding on CUDA, where Inductor fuses the
+#: recomputed work into other kernels, ``tests/gpu/test_gpu_compile_pointwise.py``)
 PARTITION_SETTINGS = {"ban_recompute_materialized_backward": False}
 
 

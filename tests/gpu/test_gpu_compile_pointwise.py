@@ -1,5 +1,7 @@
 """On a CUDA machine: compiled layers with ``recompute_pointwise`` keep fewer activations than the
-default split (measured by the allocator) and give its gradients bit for bit. Skipped without CUDA."""
+default split (measured by the allocator) and give its gradients up to bf16 rounding (Inductor fuses
+the recomputed pointwise work into other kernels than the forward's, so the bits may differ on CUDA;
+on CPU they are equal, ``tests/integration/test_train_compile.py``). Skipped without CUDA."""
 
 import copy
 
@@ -33,4 +35,6 @@ def test_recomputing_pointwise_results_holds_less_memory_with_the_same_gradients
         runs[pointwise] = (kept, [p.grad.clone() for p in m.parameters()])
     assert runs[True][0] < 0.8 * runs[False][0], (runs[True][0], runs[False][0])
     for a, b in zip(runs[False][1], runs[True][1]):
-        assert torch.equal(a, b)
+        # same gradients up to bf16 rounding: the relative error of each tensor is a few bf16 ulps at most
+        err = (a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30)
+        assert err < 2e-2, err

@@ -147,11 +147,11 @@ def test_recomputing_pointwise_results_keeps_fewer_activations_and_gives_the_sam
 
 
 def test_the_setting_reaches_the_compiled_layers(tmp_path):
-    """``actor.compile_recompute_pointwise=true``: every compiled layer of the actor runs its compiled
-    call under the partition settings; off (the default), the plain compiled call."""
+    """``actor.compile_recompute_pointwise`` (on by default): every compiled layer of the actor runs its
+    compiled call under the partition settings; set false, the plain compiled call."""
     from rlcore.distributed.fsdp import decoder_layers
 
-    on, _ = steps(tmp_path / "on", "actor.compile=true", "actor.compile_recompute_pointwise=true", n=1)
-    off, _ = steps(tmp_path / "off", "actor.compile=true", n=1)
+    on, _ = steps(tmp_path / "on", "actor.compile=true", n=1)
+    off, _ = steps(tmp_path / "off", "actor.compile=true", "actor.compile_recompute_pointwise=false", n=1)
     assert all(hasattr(layer._compiled_call_impl, "compiled") for layer in decoder_layers(on.c.policy))
     assert not any(hasattr(layer._compiled_call_impl, "compiled") for layer in decoder_layers(off.c.policy))

@@ -139,10 +139,18 @@ def test_inert_keys_are_reported_with_a_reason():
 
 
 def test_recomputing_pointwise_results_without_compiled_layers_is_reported():
-    off = load_config([], ["actor.compile=false", "actor.compile_recompute_pointwise=true"])
+    off = load_config([], ["actor.compile=false", "actor.compile_recompute_pointwise=false"])
     assert dict(inert_keys(off, world_size=1))["actor.compile_recompute_pointwise"] == "actor.compile is false"
-    on = load_config([], ["actor.compile_recompute_pointwise=true"])  # compiled by default on CUDA
+    on = load_config([], ["actor.compile_recompute_pointwise=false"])  # compiled by default on CUDA
     assert "actor.compile_recompute_pointwise" not in dict(inert_keys(on, world_size=1))
+    # the default (on) is not a key the user set: nothing to report without compiled layers either
+    default = load_config([], ["actor.compile=false"])
+    assert "actor.compile_recompute_pointwise" not in dict(inert_keys(default, world_size=1))
+
+
+def test_compiled_layers_recompute_pointwise_results_by_default():
+    cfg = load_config([], [])
+    assert cfg.actor.compile_recompute_pointwise is True and cfg.critic.compile_recompute_pointwise is True
 
 
 def test_config_is_plain_yaml_round_trip():
