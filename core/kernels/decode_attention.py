@@ -120,11 +120,18 @@ if triton is not None:
 
     @triton.jit
     def _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok, run_max, run_sum, acc, scale,
-                      shared_end, shared_shift, table_row, sc_p, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SUB: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
+                      shared_end, shared_shift, table_row, sc_p, new_col, new_key, new_value, IEEE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SUB: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                      NEW: tl.constexpr):
         """Fold cache columns ``lo..hi-1`` (keys/values at ``k_base``/``v_base`` + column x
         ``sc_s``, plus ``shared_shift`` for the columns below ``shared_end``) into the online
         softmax, ``BLOCK_N`` at a time, in one pipelined loop.
+
+        ``NEW``: column ``new_col`` takes its key/value from registers (``new_key``, ``new_value``, in
+        the cache's dtype: the step's own, being written to the cache by another program) in place of
+        what the cache holds there, so the new column is folded within its block, with the same
+        running maximum as its neighbours, as the trainer's attention folds it (not apart, after the
+        other columns: that rounds the probabilities of the value product against another maximum).
 
         ``PAGED``: the columns live in pages of ``PAGE`` columns (a multiple of ``BLOCK_N``, so a
         block never straddles two pages): column ``c`` is at page ``table_row[c // PAGE]`` (``sc_p``
@@ -138,7 +145,7 @@ if triton is not None:
             cols = tl.arange(0, BLOCK_N)
         else:
             cols = tl.arange(0, SUB)[:, None] * (BLOCK_N // SUB) + tl.arange(0, BLOCK_N // SUB)[None, :]
-            first = tl.arange(0, SUB) == 0  # the state so far (the new column's) enters in sub-block 0
+            first = tl.arange(0, SUB) == 0  # the state so far enters in sub-block 0
             q = tl.broadcast_to(q[None, :, :], (SUB, q.shape[0], q.shape[1]))
             run_max = tl.where(first[:, None], run_max[None, :], _NEG)
             run_sum = tl.where(first[:, None], run_sum[None, :], 0.0)
@@ -159,6 +166,10 @@ if triton is not None:
             tile_ok = tl.expand_dims(col_ok, -1) & feat_ok
             k = tl.load(k_base + at, mask=tile_ok, other=0.0)
             v = tl.load(v_base + at, mask=tile_ok, other=0.0)
+            if NEW:
+                here = tl.expand_dims(col == new_col, -1)
+                k = tl.where(here, new_key, k)
+                v = tl.where(here, new_value, v)
             bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=float("-inf")).to(tl.float32)
             run_max, run_sum, acc = _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE, SUB)
         if SUB > 1:
@@ -228,8 +239,8 @@ if triton is not None:
         new_col = -1
         if NEW:
             # rotate the G query rows and the new key; the new key/value go to the cache at the
-            # slot's column and enter the softmax from registers (part 0, after the cached columns);
-            # the column is skipped below
+            # slot's column (part 0) and enter the softmax from registers in the block of the
+            # program whose columns hold it
             new_col = tl.load(col_ptr + slot)
             if ROWS:
                 rope_at = slot * s_rope
@@ -249,34 +260,18 @@ if triton is not None:
                     at = slot * sc_b + new_col.to(tl.int64) * sc_s + feats * sc_d
                 tl.store(k_ptr + head * sc_h + at, key, mask=feat_ok)
                 tl.store(v_ptr + head * sc_h + at, value.to(v_ptr.dtype.element_ty), mask=feat_ok)
+            value = value.to(v_ptr.dtype.element_ty)
             # columns after the new one hold no key of this slot yet: not read at all
-            hi = tl.minimum(hi, new_col)
+            hi = tl.minimum(hi, new_col + 1)
+        else:
+            key = tl.zeros([BLOCK_D], k_ptr.dtype.element_ty)
+            value = key
         run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok,
                                               run_max, run_sum, acc, scale, shared_end, shared_shift, table_row, sc_b,
-                                              IEEE, BLOCK_N, SUB, PAGED, PAGE)
-        if NEW:
-            if part == 0:
-                run_max, run_sum, acc = _fold_new(q, key, value.to(v_ptr.dtype.element_ty), run_max, run_sum, acc,
-                                                  scale, IEEE)
+                                              new_col, key, value, IEEE, BLOCK_N, SUB, PAGED, PAGE, NEW)
         _store_result(acc, run_max, run_sum, out_ptr, slot * so_n + head * so_h, so_g, so_d, stat_ptr, stat_plane,
                       final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, count_ptr, slot * tl.num_programs(1) + head,
                       part, rows, feats, group, dim, SPLIT, BLOCK_G, BLOCK_D)
-
-    @triton.jit
-    def _fold_new(q, key, value, run_max, run_sum, acc, scale, IEEE: tl.constexpr):
-        """Fold the new column (``key``, ``value`` in the cache's dtype) into the online softmax, last: it
-        is the row's last column, so its probability is taken against the running maximum of the columns
-        before it and rounded for the value product like theirs (flash attention's last block), not
-        carried unrounded from the start."""
-        score = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale
-        new_max = tl.maximum(run_max, score)
-        alpha = tl.exp(run_max - new_max)
-        p = tl.exp(score - new_max)
-        run_sum = run_sum * alpha + p
-        if not IEEE:
-            p = p.to(value.dtype).to(tl.float32)
-        acc = acc * alpha[:, None] + p[:, None] * value.to(tl.float32)[None, :]
-        return new_max, run_sum, acc
 
     @triton.jit
     def _store_result(acc, run_max, run_sum, out_ptr, out_off, so_g, so_d, stat_ptr, stat_plane, final_ptr, sf_g, sf_d,

@@ -245,6 +245,54 @@ def test_attend_new_rotates_writes_and_attends_like_pytorch(dtype, splits, rope_
     assert torch.equal(cols.cpu(), at[rows].cpu())
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [
+    torch.float32, torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA (Triton's interpreter truncates when it casts to bf16)"))])
+@pytest.mark.parametrize("splits, subblocks", [(1, 1), (3, 1), (1, 2), (3, 2)])
+def test_attend_new_folds_the_new_column_as_the_cached_path_does(dtype, splits, subblocks):
+    """Rotating inside the kernel gives, bit for bit, the attention of rotating apart, writing the cache
+    and attending over it: the new column (from registers) is folded within its block, with the running
+    maximum of its neighbours, as the cached path and the trainer's attention fold it. Folded apart,
+    after the other columns, its probability and theirs were rounded for the value product against
+    other maxima, and the engine's log-probs moved further from the trainer's than HF ``generate``'s."""
+    from rlcore.rollout.engine.llama import rotate, signed_sin
+
+    gen = torch.Generator().manual_seed(21)
+    n, kv_heads, group, dim, columns, length = 4, 2, 3, 32, 160, 150
+    heads = kv_heads * group
+    layer = (2 * torch.randn(2, n, kv_heads, columns, dim, generator=gen)).to(DEVICE, dtype)
+    proj = (2 * torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen)).to(DEVICE, dtype)
+    # each new key is the first query of its group (rotated alike): the query attends most to its own
+    # column, as a model's often does, so the new column sets the row's maximum
+    for g in range(kv_heads):
+        proj[:, (heads + g) * dim:(heads + g + 1) * dim] = proj[:, g * group * dim:(g * group + 1) * dim]
+    angles = torch.rand(columns, dim // 2, generator=gen) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), signed_sin(torch.cat([angles.sin()] * 2, -1))
+    positions = torch.tensor([40, 7, 149, 90])
+    at = torch.tensor([40, 7, 149, 90])  # the new column: early, in a first block, the last, mid-block
+    bias = torch.zeros(n, columns, dtype=dtype)
+    bias[3, 20:30] = float("-inf")
+    got_layer, expected_layer = layer.clone(), layer.clone()
+    got = decode_attention.attend_new(proj, got_layer, bias.to(DEVICE), length, cos.to(DEVICE), sin.to(DEVICE),
+                                      positions.to(DEVICE), at.to(DEVICE), heads, kv_heads, splits=splits,
+                                      subblocks=subblocks)
+    # apart: rotate as the model does, write the new key/value, attend with the later columns masked
+    c, s = cos[positions].to(DEVICE, dtype)[:, None], sin[positions].to(DEVICE, dtype)[:, None]
+    q = rotate(proj[:, :heads * dim].view(n, heads, dim), c, s)
+    key = rotate(proj[:, heads * dim:(heads + kv_heads) * dim].view(n, kv_heads, dim), c, s)
+    rows = torch.arange(n, device=DEVICE)
+    expected_layer[0, rows, :, at.to(DEVICE)] = key
+    expected_layer[1, rows, :, at.to(DEVICE)] = proj[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
+    later = torch.arange(columns)[None, :] > at[:, None]
+    masked = bias.masked_fill(later, float("-inf")).to(DEVICE)
+    expected = decode_attention.attend(q.view(n, kv_heads, group, dim), expected_layer, masked, length,
+                                       splits=splits, subblocks=subblocks)
+    assert torch.equal(got_layer, expected_layer)
+    assert torch.equal(got, expected.reshape(got.shape))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or decode_attention.triton is None,
                     reason="needs CUDA (Triton's interpreter truncates when it casts to bf16)")
 @pytest.mark.parametrize("parts", [1, 2])
