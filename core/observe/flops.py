@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
+
+from rlcore.shape import DecoderShape, config_value, decoder_shape
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +44,11 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def _get(cfg: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
-        if value is not None:
-            return value
-    return default
+def _shape(model_config: Any) -> DecoderShape:
+    shape = decoder_shape(model_config)
+    if shape.missing():
+        raise ValueError(f"cannot count the FLOPs of this model: its config has no {', '.join(shape.missing())}")
+    return shape
 
 
 def matmul_params(model_config: Any) -> float:
@@ -56,20 +57,16 @@ def matmul_params(model_config: Any) -> float:
     Reads Hugging Face config names (``hidden_size``/``n_embd``, ``num_hidden_layers``/``n_layer``,
     ``num_key_value_heads``, ``intermediate_size``, MoE ``num_experts_per_tok``).
     """
-    d = int(_get(model_config, "hidden_size", "n_embd", "d_model"))
-    layers = int(_get(model_config, "num_hidden_layers", "n_layer", "num_layers"))
-    heads = int(_get(model_config, "num_attention_heads", "n_head"))
-    kv_heads = int(_get(model_config, "num_key_value_heads", default=heads))
-    head_dim = int(_get(model_config, "head_dim", default=d // heads))
-    vocab = int(_get(model_config, "vocab_size", default=0))
-    attn = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # q, o, k, v
-    experts = int(_get(model_config, "num_experts_per_tok", default=1))
-    ff = _get(model_config, "moe_intermediate_size") if experts > 1 else None
-    ff = int(ff or _get(model_config, "intermediate_size", "n_inner", "ffn_dim", default=4 * d))
-    act = str(_get(model_config, "hidden_act", "activation_function", default="silu"))
-    gated = act in ("silu", "swiglu", "geglu") or "llama" in str(_get(model_config, "model_type", default=""))
+    shape = _shape(model_config)
+    d = shape.hidden
+    attn = d * shape.heads * shape.head_dim * 2 + d * shape.kv * 2  # q, o, k, v
+    experts = int(config_value(model_config, "num_experts_per_tok", default=1))
+    ff = config_value(model_config, "moe_intermediate_size") if experts > 1 else None
+    ff = int(ff or shape.inter)
+    act = str(config_value(model_config, "hidden_act", "activation_function", default="silu"))
+    gated = act in ("silu", "swiglu", "geglu") or "llama" in str(config_value(model_config, "model_type", default=""))
     mlp = (3 if gated else 2) * d * ff * experts
-    return float(layers * (attn + mlp) + d * vocab)
+    return float(shape.layers * (attn + mlp) + d * shape.vocab)
 
 
 def estimate_flops(model_config: Any, n_tokens: float, seq_len: int) -> float:
@@ -78,12 +75,9 @@ def estimate_flops(model_config: Any, n_tokens: float, seq_len: int) -> float:
     ``6 * N * tokens`` for the matmuls plus ``12 * layers * heads * head_dim * seq_len * tokens``
     for attention scores and values.
     """
-    layers = int(_get(model_config, "num_hidden_layers", "n_layer", "num_layers"))
-    d = int(_get(model_config, "hidden_size", "n_embd", "d_model"))
-    heads = int(_get(model_config, "num_attention_heads", "n_head"))
-    head_dim = int(_get(model_config, "head_dim", default=d // heads))
+    shape = _shape(model_config)
     dense = 6.0 * matmul_params(model_config) * float(n_tokens)
-    attention = 12.0 * layers * heads * head_dim * float(seq_len) * float(n_tokens)
+    attention = 12.0 * shape.layers * shape.heads * shape.head_dim * float(seq_len) * float(n_tokens)
     return dense + attention
 
 

@@ -34,7 +34,7 @@ class StepPerf:
             if device_peak:
                 seq = prompt_mask.shape[1] + response_mask.shape[1]
                 out["perf/mfu"] = estimate_flops(self.model_config, tokens, seq) / step_s / device_peak
-        except ImportError:
+        except (ImportError, ValueError):  # a config whose sizes cannot be read: no MFU, as on an unknown device
             pass
         if self.device.type == "cuda":
             out["memory/peak_gb"] = peak.max_allocated(self.device) / 2**30

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from rlcore.observe import peak
+from rlcore.shape import decoder_shape
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +35,14 @@ def estimate_sample_bytes(config, seq_len: int, *, dtype_bytes: int = 2, prompt_
     the sampler's two vocabulary-sized temporaries, plus the prefill activations of the prompt
     (residual, q/k/v and the gated MLP's two intermediate tensors per token).
     """
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    inter = getattr(config, "intermediate_size", None) or 4 * hidden
-    vocab = config.vocab_size
+    shape = decoder_shape(config)
+    if shape.missing():
+        raise ValueError(f"cannot estimate the generation memory of a sample: the model config has no "
+                         f"{', '.join(shape.missing())}")
     prompt = seq_len if prompt_len is None else prompt_len
-    kv = 2 * layers * kv_heads * head_dim * seq_len * dtype_bytes
-    logits = 3 * vocab * 4
-    activations = prompt * (4 * hidden + 2 * inter) * dtype_bytes
+    kv = 2 * shape.layers * shape.kv * seq_len * dtype_bytes
+    logits = 3 * shape.vocab * 4
+    activations = prompt * (4 * shape.hidden + 2 * shape.inter) * dtype_bytes
     return int(kv + logits + activations)
 
 

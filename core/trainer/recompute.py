@@ -40,6 +40,7 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from rlcore.observe import peak
+from rlcore.shape import decoder_shape
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +103,10 @@ class _Dims(NamedTuple):
 
 
 def _dims(config: Any, dtype: torch.dtype) -> _Dims:
-    h = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
-    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
-    kv_heads = int(getattr(config, "num_key_value_heads", 0) or heads)
-    head_dim = int(getattr(config, "head_dim", 0) or (h // max(1, heads)))
-    return _Dims(hidden=h, layers=int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0),
-                 inter=int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * h),
-                 kv=kv_heads * head_dim, vocab=int(getattr(config, "vocab_size", 0) or 0),
+    shape = decoder_shape(config)
+    # a config naming no heads: one head as wide as the model
+    kv = shape.kv if shape.heads else shape.hidden
+    return _Dims(hidden=shape.hidden, layers=shape.layers, inter=shape.inter, kv=kv, vocab=shape.vocab,
                  elt=torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4)
 
 
