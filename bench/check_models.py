@@ -58,6 +58,11 @@ VARIANTS = {
     # split across programs
     "triton-eager-rope-apart": dict(attention="triton", compile=False, rope_in_attention=False),
     "triton-eager-one-split": dict(attention="triton", compile=False, attention_tuning={"splits": 1}),
+    # the kernel's block of columns (its running maximum moves a block at a time, and the probabilities
+    # are rounded for the value product against it): the trainer's attention folds larger blocks than
+    # the default 32 columns at head dim 128 (a paged cache's pages hold whole blocks)
+    "block-64": dict(attention_tuning={"block_n": 64}),
+    "block-128": dict(attention_tuning={"block_n": 128}, page_size=128),
     "sdpa-compiled": dict(attention="sdpa"),
     # which compiled op rounds apart: RMSNorm kept out of Inductor's fusion (an opaque op running the
     # eager code), and the compiled step without emulate_precision_casts

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU measurements of the reasoning workload that are still open, in groups that each fit one
+# device command (at most 10 minutes, most about 4):
+#
+#   bash bench/gpu_round.sh numerics   # engine vs trainer log-probs: the Triton path's variants, both shapes
+#   bash bench/gpu_round.sh tail       # the few-row decode step (the attention kernel's speed)
+#   bash bench/gpu_round.sh reasoning  # the 1.5B reasoning step at cap 8k and 2k, same lengths every run
+#   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
+#   bash bench/gpu_round.sh big        # the 7B reasoning step (needs an H200's memory)
+#
+# Results and logs go to $OUT (default: a new temporary directory). On a machine without rlcore's
+# dependencies, source bench/device_env.sh first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+export OUT
+run() {  # run NAME SECONDS COMMAND...: the command under a time limit, its log in $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: exit $?"
+    grep -v DEBUG "$OUT/$name.log" | tail -8
+}
+case "${1:-}" in
+    numerics)
+        run kernel_fold 60 python3 -m pytest -q -p no:logging tests/unit/test_rollout_decode_attention.py -k folds_the_new
+        run check_models_qwen3 200 python3 bench/check_models.py --shapes qwen3-1.7b \
+            --variants default,triton-eager,triton-eager-rope-apart,block-64,block-128,eager --prompts 8 --budget-s 20 \
+            --out "$OUT/check_models_qwen3.json"
+        run check_models_qwen25 120 python3 bench/check_models.py --shapes qwen2.5-1.5b --variants default,eager \
+            --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen25.json" ;;
+    tail)
+        run tail_step 120 python3 bench/bench_decode_parts.py --shapes qwen2-1.5b --batch 8 --parts none --loop \
+            --loop-prompt 4096 --loop-new 257 --out "$OUT/tail_step.json" ;;
+    reasoning)
+        run reasoning_cap8k 230 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --warmup 2 \
+            --steps 2 --numerics-prompts 0 --total-budget-s 220 --timeout-rlcore 220 --fixed-lengths \
+            --out "$OUT/reasoning_cap8k.json"
+        run reasoning_cap2k 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --cap 2048 \
+            --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 --timeout-rlcore 150 \
+            --fixed-lengths --out "$OUT/reasoning_cap2k.json" ;;
+    tests)
+        run gpu_tests 500 python3 -m pytest -q -p no:logging tests/gpu tests/unit/test_rollout_decode_attention.py ;;
+    big)
+        run reasoning_7b 560 python3 bench/bench_reasoning.py --shapes qwen2.5-7b --systems rlcore --warmup 1 \
+            --steps 1 --numerics-prompts 0 --total-budget-s 540 --fixed-lengths --out "$OUT/reasoning_7b.json" ;;
+    *)
+        sed -n '2,11p' "$0"
+        exit 2 ;;
+esac
+echo "results in $OUT"
