@@ -979,6 +979,9 @@ def main(argv: list[str] | None = None) -> int:
             systems = [s for s in systems if not s.startswith("trl")]
     if spec["prompt_min"] > spec["prompt_max"]:
         raise SystemExit("--prompt-min must not exceed --prompt-max")
+    if args.fixed_lengths and any(o.startswith("ppo.partial_rollout.") for o in args.rlcore_override):
+        raise SystemExit("--fixed-lengths draws the lengths of each call's samples anew, so a sample carried into "
+                         "the next step (ppo.partial_rollout) would not keep its own: run partial rollouts without it")
     spec.update(fixed_lengths=bool(args.fixed_lengths),
                 device="cuda" if torch.cuda.is_available() and not args.smoke else "cpu",
                 rlcore_overrides=list(args.rlcore_override), keep_models=args.keep_models,

@@ -5,6 +5,7 @@
 #   bash bench/gpu_round.sh numerics   # engine vs trainer log-probs: the Triton path's variants, both shapes
 #   bash bench/gpu_round.sh tail       # the few-row decode step (the attention kernel's speed)
 #   bash bench/gpu_round.sh reasoning  # the 1.5B reasoning step at cap 8k and 2k, same lengths every run
+#   bash bench/gpu_round.sh tailcut    # the 1.5B step with the rollout's tail carried over, beside the defaults
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
 #   bash bench/gpu_round.sh big        # the 7B reasoning step (needs an H200's memory)
 #
@@ -40,13 +41,21 @@ case "${1:-}" in
         run reasoning_cap2k 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --cap 2048 \
             --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 --timeout-rlcore 150 \
             --fixed-lengths --out "$OUT/reasoning_cap2k.json" ;;
+    tailcut)  # sampled lengths (a carried sample keeps its own): several steps, samples trained a second compare
+        for v in defaults tail8; do
+            extra=()
+            [ "$v" = tail8 ] && extra=(--rlcore-override ppo.partial_rollout.tail_rows=8 --rlcore-override ppo.rollout_is=token)
+            run "reasoning_$v" 280 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --warmup 2 \
+                --steps 3 --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 "${extra[@]}" \
+                --out "$OUT/reasoning_$v.json"
+        done ;;
     tests)
         run gpu_tests 500 python3 -m pytest -q -p no:logging tests/gpu tests/unit/test_rollout_decode_attention.py ;;
     big)
         run reasoning_7b 560 python3 bench/bench_reasoning.py --shapes qwen2.5-7b --systems rlcore --warmup 1 \
             --steps 1 --numerics-prompts 0 --total-budget-s 540 --fixed-lengths --out "$OUT/reasoning_7b.json" ;;
     *)
-        sed -n '2,11p' "$0"
+        sed -n '2,12p' "$0"
         exit 2 ;;
 esac
 echo "results in $OUT"

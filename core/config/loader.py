@@ -488,23 +488,28 @@ def _check_recipes(cfg: DictConfig, errors: list[str]) -> None:
 
 def partial_rollout_problems(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     """What the rest of the config (and, given, the job's ``world_size``) must be for partial rollouts
-    (``ppo.partial_rollout.segment > 0``), each problem naming the segment and the conflicting key."""
-    segment = cfg.ppo.partial_rollout.segment
-    key = "'ppo.partial_rollout.segment'"
-    if segment < 0:
-        return [f"{key} must be >= 0 (0 = off), got {segment}"]
-    if segment == 0:
+    (``ppo.partial_rollout.segment > 0`` or ``ppo.partial_rollout.tail_rows > 0``), each problem naming the
+    partial-rollout key that is set and the conflicting key."""
+    partial = cfg.ppo.partial_rollout
+    bad = [f"'ppo.partial_rollout.{name}' must be >= 0 (0 = off), got {partial[name]}"
+           for name in ("segment", "tail_rows") if partial.get(name, 0) < 0]
+    if bad:
+        return bad
+    name = "segment" if partial.segment > 0 else "tail_rows"
+    value = partial.get(name, 0)
+    if value == 0:
         return []
-    head = f"{key} = {segment} (partial rollouts)"
+    key = f"'ppo.partial_rollout.{name}'"
+    head = f"{key} = {value} (partial rollouts)"
     algo, ppo = cfg.algorithm, cfg.ppo
     problems = []
     if str(ppo.rollout_is) == "none":
         problems.append(f"{head} trains carried samples whose first tokens came from older policies: set "
                         "'ppo.rollout_is' to token or sequence (the clipped importance weight that corrects for it), "
-                        "or ppo.partial_rollout.segment to 0")
+                        f"or ppo.partial_rollout.{name} to 0")
     if cfg.data.env_key:
         problems.append(f"{head} does not carry multi-turn episodes ('data.env_key' = {cfg.data.env_key!r}): unset "
-                        "data.env_key or set ppo.partial_rollout.segment=0")
+                        f"data.env_key or set ppo.partial_rollout.{name}=0")
     if algo.dynamic_sampling.enable:
         problems.append(f"{head} does not run with 'algorithm.dynamic_sampling.enable' (its extra rounds refill a "
                         "batch whose groups finish at different steps): turn one of them off")
@@ -517,11 +522,11 @@ def partial_rollout_problems(cfg: DictConfig, world_size: int | None = None) -> 
     nproc = int(cfg.trainer.nproc_per_node)
     if nproc > 1:
         problems.append(f"{head} runs in one process only, not 'trainer.nproc_per_node' = {nproc}: set "
-                        "trainer.nproc_per_node=1 or ppo.partial_rollout.segment=0")
+                        f"trainer.nproc_per_node=1 or ppo.partial_rollout.{name}=0")
     elif world_size is not None and world_size > 1:
         problems.append(f"{head} runs in one process only, not in a job of {world_size} processes (the world size "
                         "of the launcher, e.g. torchrun --nproc_per_node): start one process or set "
-                        "ppo.partial_rollout.segment=0")
+                        f"ppo.partial_rollout.{name}=0")
     return problems
 
 

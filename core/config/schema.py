@@ -453,8 +453,9 @@ class GenerationConfig:
 
 @dataclass
 class PartialRolloutConfig:
-    """Partial rollouts: each step decodes at most ``segment`` new tokens of a sample; unfinished samples are
-    carried into the next step and a prompt's group trains at the step its last sample finishes."""
+    """Partial rollouts: each step decodes at most ``segment`` new tokens of a sample, or stops decoding when only
+    ``tail_rows`` samples are left; unfinished samples are carried into the next step and a prompt's group trains
+    at the step its last sample finishes."""
 
     #: New tokens a sample decodes per step (0 = off). A sample without an end-of-sequence token and shorter than
     #: ``ppo.generation.max_new_tokens`` is carried into the next step, which decodes on after its tokens under the
@@ -463,6 +464,13 @@ class PartialRolloutConfig:
     #: no ``ppo.overlap_update``, no remax. At or above max_new_tokens every sample finishes in its first step (as
     #: off). See docs/architecture.md, Partial rollouts.
     segment: int = 0
+    #: End each step's generation once at most this many samples are still decoding and no prompt waits for a
+    #: slot (0 = off): the long tail of a rollout of varied lengths, where the device decodes a few rows at a time,
+    #: is carried into the next step instead, where those samples decode on beside the new ones (re-prefilled
+    #: under the current weights). With the rollout engine (another backend decodes every sample to its end);
+    #: the same needs as `segment` (ppo.rollout_is, one process, single-turn rollouts, ...), with which it
+    #: combines. See docs/architecture.md, Partial rollouts.
+    tail_rows: int = 0
 
 
 @dataclass

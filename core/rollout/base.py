@@ -30,6 +30,11 @@ class SamplingParams:
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    #: > 0: end the call once at most this many samples are still decoding and none waits for a slot;
+    #: those come back as they are, short of their limit and without EOS, marked in
+    #: :attr:`RolloutBatch.cut` (partial rollouts carry them on). A backend that cannot stop early
+    #: decodes every sample to its end (``cut`` None).
+    stop_at_rows: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -48,6 +53,9 @@ class RolloutBatch:
     Multi-turn rollouts (:mod:`rlcore.envs`) interleave model turns with observations: then
     ``response_attention`` ``[B, R]`` is 1 for every token of the sequence (observations too) and
     ``response_mask`` only for the model's tokens, the ones that train (loss, KL, entropy).
+
+    ``cut`` ``[B]`` bool marks the samples the call ended unfinished (``SamplingParams.stop_at_rows``:
+    no EOS, short of their limit); None where the call cut none.
     """
 
     prompt_ids: torch.Tensor
@@ -57,6 +65,7 @@ class RolloutBatch:
     logprobs: torch.Tensor
     stats: dict[str, float] = field(default_factory=dict)
     response_attention: Optional[torch.Tensor] = None
+    cut: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -114,6 +123,16 @@ def reports_finished(backend: object) -> bool:
         return False
 
 
+def takes_limits(backend: object) -> bool:
+    """Whether ``backend.generate`` takes each prompt's own token limit (``max_new_tokens``: the engine does)."""
+    import inspect
+
+    try:
+        return "max_new_tokens" in inspect.signature(backend.generate).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token-id lists into ``(ids [B, P], mask [B, P])``."""
@@ -155,7 +174,8 @@ def slice_rollout(batch: RolloutBatch, start: int, stop: int) -> RolloutBatch:
     r1 = int(used[-1]) + 1 if len(used) else 1
     return RolloutBatch(prompt_ids=batch.prompt_ids[start:stop, p0:], prompt_mask=pm[:, p0:],
                         response_ids=batch.response_ids[start:stop, :r1], response_mask=rm[:, :r1],
-                        logprobs=batch.logprobs[start:stop, :r1], stats=dict(batch.stats))
+                        logprobs=batch.logprobs[start:stop, :r1], stats=dict(batch.stats),
+                        cut=None if batch.cut is None else batch.cut[start:stop])
 
 
 def concat_batches(parts: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
@@ -179,11 +199,15 @@ def concat_batches(parts: Sequence[RolloutBatch], pad_token_id: int) -> RolloutB
     attention = None
     if any(b.response_attention is not None for b in parts):
         attention = torch.cat([pad(b.attention, r_width, 0, False) for b in parts])
+    cut = None
+    if any(b.cut is not None for b in parts):
+        cut = torch.cat([b.cut if b.cut is not None else torch.zeros(b.batch_size, dtype=torch.bool,
+                                                                    device=b.response_ids.device) for b in parts])
     return RolloutBatch(
         prompt_ids=torch.cat([pad(b.prompt_ids, p_width, pad_token_id, True) for b in parts]),
         prompt_mask=torch.cat([pad(b.prompt_mask, p_width, 0, True) for b in parts]),
         response_ids=torch.cat([pad(b.response_ids, r_width, pad_token_id, False) for b in parts]),
         response_mask=torch.cat([pad(b.response_mask, r_width, 0, False) for b in parts]),
         logprobs=torch.cat([pad(b.logprobs, r_width, 0.0, False) for b in parts]),
-        stats=stats, response_attention=attention,
+        stats=stats, response_attention=attention, cut=cut,
     )

@@ -42,6 +42,8 @@ def validate_params(params: SamplingParams, vocab_size: int | None = None) -> No
         raise ValueError(f"SamplingParams.top_k must be >= 0, got {params.top_k}")
     if not 0.0 < params.top_p <= 1.0:
         raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+    if params.stop_at_rows < 0:
+        raise ValueError(f"SamplingParams.stop_at_rows must be >= 0 (0 = off), got {params.stop_at_rows}")
     if vocab_size is not None:
         bad = [e for e in params.eos_token_ids if not 0 <= e < vocab_size]
         if bad:

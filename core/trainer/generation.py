@@ -18,7 +18,8 @@ import torch
 
 from rlcore.contract import RolloutContract, check_own_rows, check_share
 from rlcore.protocols import ReshardPolicy, RolloutBackend, RolloutRequest
-from rlcore.rollout.base import FinishedCallback, RolloutBatch, SamplingParams, concat_batches, reports_finished
+from rlcore.rollout.base import (FinishedCallback, RolloutBatch, SamplingParams, concat_batches, reports_finished,
+                                 takes_limits)
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,8 @@ class ActorGeneration:
         return self.backends[key]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 on_finished: Optional[FinishedCallback] = None, *, whole: bool = False) -> RolloutBatch:
+                 on_finished: Optional[FinishedCallback] = None, *, whole: bool = False,
+                 max_new_tokens: Optional[Sequence[int]] = None) -> RolloutBatch:
         """One sample per prompt, rows in the order of ``prompts``.
 
         ``whole``: a backend with ``continuous_batching`` (the engine) gets every prompt in one call
@@ -142,7 +144,11 @@ class ActorGeneration:
         ``on_finished`` (:data:`rlcore.rollout.base.FinishedCallback`) is handed to a backend that
         reports finished samples (:func:`rlcore.rollout.base.reports_finished`), with indices into
         ``prompts``, where this rank generates all of them; otherwise it is not called. A chunk
-        retried after an out-of-memory error may report samples again."""
+        retried after an out-of-memory error may report samples again.
+
+        ``max_new_tokens``: each prompt's own token limit (at most ``params.max_new_tokens``), given to a
+        backend whose ``generate`` takes it (the engine) where this rank generates every prompt; another
+        backend decodes up to ``params.max_new_tokens`` and the caller cuts the responses."""
         with self.reshard.generation(self.actor) as module:
             module.eval()
             backend = self.backend(module)
@@ -152,7 +158,8 @@ class ActorGeneration:
             whole = len(share.prompts) == len(prompts)
             report = on_finished if on_finished is not None and whole and reports_finished(backend) else None
             one_call = len(share.prompts) if whole and getattr(backend, "continuous_batching", False) else None
-            batch = self._in_micro_batches(backend, share.prompts, share.params, report, one_call)
+            limits = max_new_tokens if max_new_tokens is not None and whole and takes_limits(backend) else None
+            batch = self._in_micro_batches(backend, share.prompts, share.params, report, one_call, limits)
             released = release_kv(backend, self.contract.plugin(backend) if self.contract is not None else None)
             if released:
                 batch.stats["rollout/kv_released_bytes"] = float(released)
@@ -171,7 +178,7 @@ class ActorGeneration:
 
     def _in_micro_batches(self, backend: RolloutBackend, prompts: Sequence[Sequence[int]],
                           params: SamplingParams, on_finished: Optional[FinishedCallback] = None,
-                          first_chunk: Optional[int] = None) -> RolloutBatch:
+                          first_chunk: Optional[int] = None, limits: Optional[Sequence[int]] = None) -> RolloutBatch:
         """``backend.generate`` chunk by chunk (the first chunk of ``first_chunk`` prompts when given, until
         an out-of-memory error). A seeded call gives each chunk its own seed (``seed + first prompt
         index``) so repeated prompts in different chunks do not share noise."""
@@ -181,6 +188,8 @@ class ActorGeneration:
             size = min(first_chunk or self.micro_batch, len(prompts) - start)
             chunk_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + start)
             kw = {} if on_finished is None else {"on_finished": _shifted(on_finished, start)}
+            if limits is not None:
+                kw["max_new_tokens"] = [min(int(n), chunk_params.max_new_tokens) for n in limits[start:start + size]]
             chunk = prompts[start:start + size]
             if self.contract is not None:
                 self.contract.admit(backend, chunk)

@@ -29,6 +29,7 @@ from rlcore.trainer.experience import (
 )
 from rlcore.errors import CheckpointError, TrainingError
 from rlcore.trainer.partial import LoaderState, PartialSource, check_world
+from rlcore.trainer.partial import enabled as partial_enabled
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.sampled import Sampled  # noqa: F401 - part of this module's API (rollout sources return it)
@@ -95,8 +96,8 @@ class Trainer:
         self.notes: set[str] = set()
         #: where each step's scored samples come from: generated here (:meth:`collect`), or (``split``: a
         #: plugin's :class:`~rlcore.protocols.WorldSplit` and this rank's place in it) from the rollout ranks
-        #: with ``ppo.partial_rollout.segment``, unfinished samples carry over (:mod:`rlcore.trainer.partial`)
-        self.source: RolloutSource = (PartialSource(self) if int(self.ppo.partial_rollout.segment) > 0 else
+        #: with ``ppo.partial_rollout`` (a segment or tail rows), unfinished samples carry over (:mod:`rlcore.trainer.partial`)
+        self.source: RolloutSource = (PartialSource(self) if partial_enabled(self.ppo) else
                                       InPlaceSource(self) if split is None else
                                       split[0].rollout_source(self, split[1]))
 
@@ -197,7 +198,7 @@ class Trainer:
             m.update(adv_metrics)
             # 6. PPO epochs over mini-batches (with ppo.overlap_update, some micro-batches ran during the rollout).
             m.update(self.update(exp) if batch.overlap is None else self.update(exp, batch.overlap))
-        elif int(self.ppo.partial_rollout.segment) > 0:  # partial rollouts: no group finished in this step
+        elif partial_enabled(self.ppo):  # partial rollouts: no group finished in this step
             log.info("step %d: no group finished its samples (ppo.partial_rollout); the update is skipped", step)
         else:  # dynamic sampling kept no group on some rank: nothing to learn from this step
             log.warning("step %d: no informative group to train on; the update is skipped", step)

@@ -1,18 +1,22 @@
-"""Partial rollouts (``ppo.partial_rollout.segment``): a sample decodes at most ``segment`` new tokens a
-step; the unfinished ones are carried into the next step and a prompt's group trains at the step in
-which its last sample finishes.
+"""Partial rollouts (``ppo.partial_rollout.segment``, ``ppo.partial_rollout.tail_rows``): a sample decodes at
+most ``segment`` new tokens a step, and a step's generation ends once at most ``tail_rows`` samples are
+still decoding (the long tail of a rollout of varied lengths); the unfinished ones are carried into the
+next step and a prompt's group trains at the step in which its last sample finishes.
 
 Each step :class:`PartialSource` draws ``ppo.rollout_batch_size`` new prompts as the default source
 does, then generates, in one call, every unfinished sample of the carry buffer (its prompt followed by
 its response so far, re-prefilled as the prompt under the current weights) and the new samples, each
-with at most ``segment`` new tokens. A carried sample's new tokens are cut at its remaining budget
-(``ppo.generation.max_new_tokens`` minus its tokens so far) and joined to its earlier segments, tokens
-and rollout log-probs alike. A sample is finished when its response holds an end-of-sequence token,
-reaches ``max_new_tokens``, or stopped short of its segment without one (a backend that ended it on its
-own). The groups whose samples have all finished are scored and trained, oldest first; the others wait
-in the buffer (finished samples of an incomplete group too, with the group's reward inputs). The
-``rlcore_before_generation``/``rlcore_after_generation`` hooks see the step's one generation call (a
-carried sample's prompt holds its response so far); the trained batch holds each group's own prompt.
+with at most ``segment`` new tokens (``max_new_tokens`` without a segment) and the call's
+``SamplingParams.stop_at_rows`` set to ``tail_rows``. A carried sample's new tokens stop at its remaining
+budget (``ppo.generation.max_new_tokens`` minus its tokens so far: a per-prompt limit where the backend
+takes one, a cut afterwards otherwise) and are joined to its earlier segments, tokens and rollout
+log-probs alike. A sample is finished when its response holds an end-of-sequence token, reaches
+``max_new_tokens``, or stopped short of its limit without one and without being cut by ``tail_rows``
+(a backend that ended it on its own). The groups whose samples have all finished are scored and
+trained, oldest first; the others wait in the buffer (finished samples of an incomplete group too, with
+the group's reward inputs). The ``rlcore_before_generation``/``rlcore_after_generation`` hooks see the
+step's one generation call (a carried sample's prompt holds its response so far); the trained batch holds
+each group's own prompt.
 
 The tokens of a carried sample come from the policies of several steps: their rollout log-probs are
 those of the policy that sampled each segment, so ``ppo.rollout_is`` (required) weighs every token by
@@ -42,6 +46,12 @@ log = logging.getLogger(__name__)
 STATE_KEY = "partial_rollout"
 
 
+def enabled(ppo: Any) -> bool:
+    """Whether the ``ppo`` section turns partial rollouts on (a segment or tail rows)."""
+    partial = ppo.partial_rollout
+    return int(partial.segment) > 0 or int(getattr(partial, "tail_rows", 0) or 0) > 0
+
+
 def check_world(cfg: Any, world_size: int, split: Any = None) -> None:
     """Refuse partial rollouts in a job of several processes or one a plugin splits into training and
     rollout ranks (known when the trainer is built, before any model loads).
@@ -50,14 +60,15 @@ def check_world(cfg: Any, world_size: int, split: Any = None) -> None:
     """
     from rlcore.config.loader import partial_rollout_problems
 
-    segment = int(cfg.ppo.partial_rollout.segment)
-    if segment <= 0:
+    if not enabled(cfg.ppo):
         return
     problems = partial_rollout_problems(cfg, world_size)
     if split is not None:
-        problems.append(f"'ppo.partial_rollout.segment' = {segment} (partial rollouts) runs in one process only, "
-                        f"but a plugin splits this job into training and rollout ranks (rlcore_world_split, "
-                        f"{type(split[0]).__name__}): drop that plugin or set ppo.partial_rollout.segment=0")
+        partial = cfg.ppo.partial_rollout
+        name = "segment" if int(partial.segment) > 0 else "tail_rows"
+        problems.append(f"'ppo.partial_rollout.{name}' = {partial[name]} (partial rollouts) runs in one process "
+                        f"only, but a plugin splits this job into training and rollout ranks (rlcore_world_split, "
+                        f"{type(split[0]).__name__}): drop that plugin or set ppo.partial_rollout.{name}=0")
     if problems:
         raise ConfigError(problems)
 
@@ -134,20 +145,24 @@ class PartialSource:
     """The :class:`~rlcore.protocols.RolloutSource` of partial rollouts (see the module docstring).
 
     :param trainer: the :class:`~rlcore.trainer.loop.Trainer` whose prompts, generation, reward and
-        hooks it uses (``ppo.partial_rollout.segment > 0``).
+        hooks it uses (``ppo.partial_rollout.segment > 0`` or ``ppo.partial_rollout.tail_rows > 0``).
     """
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
         self.filler = trainer.c.prompts.fill
-        self.segment = int(trainer.ppo.partial_rollout.segment)
-        if self.segment <= 0:
-            raise ValueError(f"PartialSource: ppo.partial_rollout.segment must be > 0, got {self.segment}")
+        partial = trainer.ppo.partial_rollout
+        self.segment = int(partial.segment)
+        self.tail_rows = int(getattr(partial, "tail_rows", 0) or 0)
+        if self.segment < 0 or self.tail_rows < 0 or not (self.segment or self.tail_rows):
+            raise ValueError(f"PartialSource: ppo.partial_rollout needs segment > 0 or tail_rows > 0, got segment "
+                             f"{self.segment}, tail_rows {self.tail_rows}")
         self.max_new = int(trainer.gen_cfg.max_new_tokens)
         self.n = int(trainer.n)
         #: the carry buffer: groups drawn and not yet trained, oldest first
         self.groups: list[Group] = []
         self._metrics: dict[str, float] = {}
+        self._cut = 0  # samples the last generation call ended unfinished (tail_rows)
 
     # -- RolloutSource ---------------------------------------------------------------------------
     def next(self, step: int) -> Sampled:
@@ -203,14 +218,18 @@ class PartialSource:
         open_ = [(g, s) for g in self.groups for s in g.samples if not s.done]
         prompts = [g.prompt + s.tokens for g, s in open_]
         params = t.sampling(step)  # a lower cap of the step's own (a warm-up's) holds too
-        params = dataclasses.replace(params, max_new_tokens=min(self.segment, self.max_new, params.max_new_tokens))
+        cap = min(self.segment or self.max_new, self.max_new, params.max_new_tokens)
+        params = dataclasses.replace(params, max_new_tokens=cap, stop_at_rows=self.tail_rows)
+        # each sample's limit this step: the cap, or less where its response budget is nearly spent
+        limits = [max(1, min(cap, self.max_new - len(s.tokens))) for _, s in open_]
         t.hook.rlcore_before_generation(step=step, prompts=prompts)
         with t.timer("generate"):
             # one call: carried and new samples share the engine's slots (continuous batching)
-            rollout = c.generation.generate(prompts, params, whole=True)
+            rollout = c.generation.generate(prompts, params, whole=True, max_new_tokens=limits)
         t.hook.rlcore_after_generation(step=step, rollout=rollout)
         eos = set(int(e) for e in c.eos_ids)
         ids, mask, logprobs = rollout.response_ids.cpu(), rollout.response_mask.cpu().bool(), rollout.logprobs.cpu()
+        cut = rollout.cut.cpu().tolist() if rollout.cut is not None else [False] * len(open_)
         for row, (_, sample) in enumerate(open_):
             got = ids[row][mask[row]]
             keep = min(len(got), self.max_new - len(sample.tokens))
@@ -220,7 +239,8 @@ class PartialSource:
             sample.logprobs = lp if sample.logprobs is None else torch.cat([sample.logprobs, lp])
             sample.segments.append([step, keep])
             sample.done = (any(tok in eos for tok in new) or len(sample.tokens) >= self.max_new
-                           or len(got) < params.max_new_tokens)
+                           or (len(got) < limits[row] and not cut[row]))
+        self._cut = sum(map(bool, cut))
         return rollout
 
     def _assemble(self, groups: list[Group], generated: RolloutBatch) -> tuple[RolloutBatch, dict[str, list]]:
@@ -252,7 +272,7 @@ class PartialSource:
         trained = [s for g in done for s in g.samples]
         tokens = sum(len(s.tokens) for s in trained)
         stale = sum(n for s in trained for at, n in s.segments if at < step)
-        return {"partial/groups_trained": float(len(done)),
+        return {"partial/groups_trained": float(len(done)), "partial/samples_cut": float(self._cut),
                 "partial/samples_carried": float(sum(not s.done for g in self.groups for s in g.samples)),
                 "partial/groups_waiting": float(len(self.groups)),
                 "partial/stale_token_frac": stale / tokens if tokens else 0.0,

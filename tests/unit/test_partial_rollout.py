@@ -35,6 +35,7 @@ class Record:
         self.metrics: dict[int, dict[str, float]] = {}
         self.drawn: dict[int, list[tuple[int, ...]]] = {}  # step -> the prompts drawn (one per group)
         self.calls: dict[int, list[tuple]] = {}  # step -> [(prompts, max_new_tokens, RolloutBatch)] of generate
+        self.params: dict[int, list] = {}  # step -> the SamplingParams of each generate call
         self.trained: dict[int, object] = {}  # step -> the Sampled the trainer got
         self.buffer: dict[int, list] = {}  # step -> (prompt, [(tokens, segments, done)]) of each waiting group
 
@@ -65,6 +66,7 @@ def run(path, *overrides):
     def recording_generate(prompts, params, **kw):
         batch = generate(prompts, params, **kw)
         rec.calls.setdefault(step_of["now"], []).append(([list(p) for p in prompts], params.max_new_tokens, batch))
+        rec.params.setdefault(step_of["now"], []).append(params)
         return batch
 
     def recording_next(step):
@@ -151,18 +153,19 @@ def _chains(rec, eos, pad):
                             if cut == tokens[k:k + len(cut)]:
                                 lp = gen.logprobs[row][gen.response_mask[row].bool()][:len(cut)]
                                 assert torch.equal(lp, logprobs[k:k + len(cut)])  # the rollout's own log-probs
-                                found = (s, c, row, len(cut), asked, got)
+                                ended_early = gen.cut is not None and bool(gen.cut[row])
+                                found = (s, c, row, len(cut), asked, got, ended_early)
                                 break
                         if found:
                             break
                     if found or at is not None:
                         break
                 assert found is not None, f"trained sample {i} of step {step}: segment at {k} tokens not generated"
-                s, c, row, m, asked, got = found
+                s, c, row, m, asked, got, ended_early = found
                 used.add((s, c, row))
                 chain.append((s, m, len(got)))
                 k, at = k + m, s
-                ended = any(t in eos for t in got[:m]) or k >= MAX_NEW or len(got) < asked
+                ended = any(t in eos for t in got[:m]) or k >= MAX_NEW or (len(got) < asked and not ended_early)
                 assert ended == (k == len(tokens))  # carried exactly while unfinished
             assert k == len(tokens) and chain[-1][0] <= step
             traced.append((step, tuple(prompt), chain))
@@ -175,7 +178,9 @@ def test_every_drawn_group_trains_once_as_its_segments_joined(short):
     assert all(all(asked == SEGMENT for _, asked, _ in rec.calls[s]) for s in rec.calls)
     traced, used = _chains(rec, eos, trainer.c.tokenizer.pad_token_id)
     assert any(len(chain) > 1 for _, _, chain in traced)  # samples were carried across steps
-    assert any(got > kept for _, _, chain in traced for _, kept, got in chain)  # and cut at their budget
+    # each sample is asked for its budget left at most (12 = 5 + 5 + 2): the engine stops there, nothing is cut after
+    assert all(got == kept for _, _, chain in traced for _, kept, got in chain)
+    assert any([kept for _, kept, _ in chain] == [SEGMENT, SEGMENT, MAX_NEW - 2 * SEGMENT] for _, _, chain in traced)
     # every generated row belongs to exactly one trained sample or to a sample still waiting: none lost or repeated
     rows = sum(len(p) for calls in rec.calls.values() for p, _, _ in calls)
     waiting = rec.buffer[STEPS]
@@ -231,12 +236,61 @@ def test_the_partial_metrics_match_the_buffer_and_the_trained_samples(short):
     assert any(rec.metrics[s]["partial/segments_max"] > 1 for s in rec.metrics)
 
 
+# --------------------------------------------------------------------------------- the tail cut
+
+TAIL = ("ppo.partial_rollout.tail_rows=16", "actor.rollout_engine.eos_check_interval=2")
+
+
+@pytest.fixture(scope="module")
+def tail(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("tail"), f"trainer.max_steps={STEPS}", *TAIL)
+
+
+def test_the_tail_cut_carries_the_last_samples_into_the_next_step(tail):
+    """``tail_rows=16``: each step's generation ends once at most 16 of its samples still decode; those are
+    carried (their tokens so far kept, decoded on at the next step) and their groups train when they end."""
+    trainer, rec = tail
+    eos = set(trainer.c.eos_ids)
+    assert all(p.stop_at_rows == 16 and p.max_new_tokens == MAX_NEW for ps in rec.params.values() for p in ps)
+    calls = [gen for step in sorted(rec.calls) for _, _, gen in rec.calls[step]]
+    cut = [int(gen.cut.sum()) for gen in calls]
+    assert all(c <= 16 for c in cut) and sum(c > 0 for c in cut) >= 2  # tails were cut, never more than 16
+    for step in range(1, STEPS + 1):
+        assert rec.metrics[step]["partial/samples_cut"] == int(rec.calls[step][0][2].cut.sum())
+    for gen in calls:  # a cut sample has no end-of-sequence token and is short of the cap
+        for row in gen.cut.nonzero().flatten().tolist():
+            got = gen.response_ids[row][gen.response_mask[row].bool()].tolist()
+            assert 0 < len(got) < MAX_NEW and not eos & set(got)
+    traced, used = _chains(rec, eos, trainer.c.tokenizer.pad_token_id)
+    assert any(len(chain) > 1 for _, _, chain in traced)  # cut samples went on at a later step and trained
+    rows = sum(len(p) for calls in rec.calls.values() for p, _, _ in calls)
+    waiting = rec.buffer[STEPS]
+    assert rows == len(used) + sum(len(segs) for _, samples in waiting for _, segs, _ in samples)
+    drawn = Counter(p for prompts in rec.drawn.values() for p in prompts)
+    trained = Counter(tuple(r.rollout.prompt_ids[j][r.rollout.prompt_mask[j].bool()].tolist())
+                      for r in rec.trained.values() for j in range(0, r.rollout.batch_size, trainer.n))
+    assert drawn == trained + Counter(p for p, _ in waiting)
+
+
+def test_the_tail_cut_needs_what_a_segment_needs():
+    with pytest.raises(ConfigError, match=r"ppo\.partial_rollout\.tail_rows' must be >= 0"):
+        load_config([], ["ppo.partial_rollout.tail_rows=-2"])
+    with pytest.raises(ConfigError, match=r"ppo\.partial_rollout\.tail_rows' = 8 .*ppo\.rollout_is"):
+        load_config([], ["ppo.partial_rollout.tail_rows=8", "ppo.rollout_is=none"])
+    cfg = load_config([], ["ppo.partial_rollout.tail_rows=8", "ppo.rollout_is=token"])
+    with pytest.raises(ConfigError, match=r"ppo\.partial_rollout\.tail_rows.*job of 2 processes"):
+        check_world(cfg, 2)
+
+
 # --------------------------------------------------------------------------------- checkpoints
 
 
-@pytest.mark.parametrize("segment", [SEGMENT, 3])  # 3: no group finishes before the checkpoint, nothing trained yet
-def test_a_resumed_run_trains_as_the_uninterrupted_one(tmp_path, segment):
-    common = (f"ppo.partial_rollout.segment={segment}", "trainer.resume=auto")
+@pytest.mark.parametrize("partial", [(f"ppo.partial_rollout.segment={SEGMENT}",),
+                                     ("ppo.partial_rollout.segment=3",),  # no group finishes before the checkpoint
+                                     TAIL], ids=["segment", "short-segment", "tail"])
+def test_a_resumed_run_trains_as_the_uninterrupted_one(tmp_path, partial):
+    segment = 3 if partial == ("ppo.partial_rollout.segment=3",) else None
+    common = (*partial, "trainer.resume=auto")
     straight, r_straight = run(tmp_path / "straight", *common, "trainer.max_steps=4")
     first, r_first = run(tmp_path / "split", *common, "trainer.max_steps=2", "trainer.save_steps=2")
     assert r_first.metrics[2]["partial/samples_carried"] > 0 and r_first.buffer[2]  # the checkpoint holds a buffer

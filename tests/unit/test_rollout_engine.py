@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -311,3 +313,42 @@ def test_the_tail_of_a_call_is_counted_once_few_rows_decode(qwen2):
     assert got["rollout/tail_s"] > 0 and got["rollout/tail_step_ms"] > 0
     wide = engine.generate(prompts, GREEDY).stats  # all 16 rows to the end: no tail
     assert wide["rollout/tail_steps"] == 0 and wide["rollout/tail_s"] == 0
+
+
+@pytest.mark.parametrize("kv_cache,slots", [("static", 8), ("paged", 8), ("paged", 3)])
+def test_stop_at_rows_ends_the_call_with_the_last_samples_unfinished(qwen2, kv_cache, slots):
+    """``SamplingParams.stop_at_rows=K``: once at most K samples are still decoding and none waits (at an
+    EOS check), the call ends; those samples keep the tokens they had (a prefix of their full response,
+    short of their limit, no EOS), are marked in ``cut``, and are not reported as finished."""
+    limits = [2, 3, 16, 16, 5, 20, 4]
+    engine = RolloutEngine(qwen2, max_batch_size=slots, max_seq_len=40, kv_cache=kv_cache, admit_fraction=0.0,
+                           eos_check_interval=4)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    full = engine.generate(PROMPTS, params, max_new_tokens=limits)
+    assert full.cut is None
+    seen = {}
+    got = engine.generate(PROMPTS, dataclasses.replace(params, stop_at_rows=1), max_new_tokens=limits,
+                          on_finished=lambda idx, rows: seen.update(zip(idx, rows)))
+    # the 16-token samples end before the 20-token one, which is then the only one left at a check
+    assert got.cut.tolist() == [False] * 5 + [True, False]
+    assert got.stats["rollout/cut_samples"] == 1.0
+    lengths = got.response_mask.sum(-1).tolist()
+    assert lengths[:5] + lengths[6:] == limits[:5] + limits[6:]
+    assert 0 < lengths[5] < 20
+    for i, k in enumerate(lengths):
+        assert got.response_ids[i, :k].tolist() == full.response_ids[i, :k].tolist()
+        assert torch.equal(got.logprobs[i, :k], full.logprobs[i, :k])
+        assert torch.all(got.response_ids[i, k:] == params.pad_token_id) and torch.all(got.logprobs[i, k:] == 0)
+    assert sorted(seen) == [0, 1, 2, 3, 4, 6]  # the cut sample is not reported as finished
+
+
+def test_stop_at_rows_waits_for_the_queue_and_is_checked(qwen2):
+    """No sample is cut while prompts wait for a slot; a negative ``stop_at_rows`` is refused."""
+    engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=40, admit_fraction=0.0, eos_check_interval=1)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_at_rows=2)
+    got = engine.generate(PROMPTS, params)
+    # two slots, admitted in pairs: while the last prompt waited, no pair was cut; admitted alone, it was
+    assert got.cut.tolist() == [False] * 6 + [True]
+    assert (got.response_mask.sum(-1)[:6] == 12).all() and 0 < int(got.response_mask[6].sum()) < 12
+    with pytest.raises(ValueError, match="stop_at_rows"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, stop_at_rows=-1))

@@ -316,7 +316,11 @@ class RolloutEngine:
         called for them.
 
         ``max_new_tokens`` (single-turn prompts only): each prompt's own token limit, from 1 to
-        ``params.max_new_tokens``; a response stops at its limit or its EOS."""
+        ``params.max_new_tokens``; a response stops at its limit or its EOS.
+
+        ``params.stop_at_rows`` (single-turn prompts only; episodes always play to their end): the call
+        ends once at most that many samples are still decoding and no prompt waits for a slot; those
+        come back with the tokens they have, marked in the result's ``cut``."""
         from rlcore.envs.runner import episodes_of
         from rlcore.rollout.engine.scheduler import Scheduler
         from rlcore.rollout.engine.turns import TurnScheduler
@@ -327,9 +331,14 @@ class RolloutEngine:
         widest = max(len(p) for p in prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("RolloutEngine.generate: empty prompt")
-        if widest + params.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"RolloutEngine.generate: prompt length {widest} + max_new_tokens "
-                             f"{params.max_new_tokens} exceeds max_seq_len {self.max_seq_len}")
+        if max_new_tokens is not None and len(max_new_tokens) == len(prompts):  # each prompt with its own limit
+            longest = max(len(p) + min(int(n), params.max_new_tokens) for p, n in zip(prompts, max_new_tokens))
+        else:
+            longest = widest + params.max_new_tokens
+        if longest > self.max_seq_len:
+            raise ValueError(f"RolloutEngine.generate: a prompt with its new tokens takes {longest} columns "
+                             f"(longest prompt {widest}, max_new_tokens {params.max_new_tokens}), more than "
+                             f"max_seq_len {self.max_seq_len}")
         start = time.perf_counter()
         taken_s = self._take_kv()
         # the sharing kernel only when some prompt repeats (it loads two more numbers a slot)

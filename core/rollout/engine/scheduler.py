@@ -50,7 +50,14 @@ class Scheduler:
     Per slot ``s`` the host tracks the request it serves, ``born[s]`` (the decode-step count when it
     was prefilled: it then holds one token, and one more after each later step) and
     ``col0[s]`` (its next cache column is ``col0[s] + steps``).
+
+    With ``params.stop_at_rows = K > 0`` the call ends at the first EOS check that finds at most ``K``
+    slots decoding and no request waiting: those requests keep the tokens they have (their limit is
+    lowered to them) and are marked in the result's ``cut``.
     """
+
+    #: whether ``params.stop_at_rows`` may end the call early (episodes play to their end)
+    CUTS = True
 
     def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams,
                  on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None,
@@ -80,6 +87,7 @@ class Scheduler:
         self.steps = 0
         self.prefills = 0
         self.preempted = 0
+        self.cut: list[int] = []  # requests the call ended unfinished (stop_at_rows)
         self.reserve = 1  # pages kept free per live slot at admission; doubles with each preemption
         self.grow_due = 0
         if engine.paged:
@@ -125,14 +133,15 @@ class Scheduler:
         record(tokens, logprobs, self.eng.state.tokens, self.out_tokens, self.out_logprobs, self.out_col, self.done,
                self.eos)
 
-    def _finish(self, slots: list[int]) -> None:
+    def _finish(self, slots: list[int], report: bool = True) -> None:
         if not slots:
             return
         rows = self._rows(slots)
         reqs = self._rows([self.slot_req[s] for s in slots])
         self.res_tokens.index_copy_(0, reqs, self.out_tokens.index_select(0, rows))
         self.res_logprobs.index_copy_(0, reqs, self.out_logprobs.index_select(0, rows))
-        self._report(rows, [self.slot_req[s] for s in slots])
+        if report:
+            self._report(rows, [self.slot_req[s] for s in slots])
         self.eng._release(slots)
         for s in slots:
             self.slot_req[s] = None
@@ -266,6 +275,23 @@ class Scheduler:
             finished = sorted(set(finished) | {s for s in self.live if flags[s]})
         return finished
 
+    def _cut_due(self) -> bool:
+        """Whether the call ends now with its last samples unfinished (``params.stop_at_rows``): on an EOS
+        check step (the live slots' flags were just read), with at most that many decoding and none waiting."""
+        most = int(self.params.stop_at_rows)
+        return (self.CUTS and most > 0 and self.steps % self.eng.eos_check_interval == 0 and not self.queue
+                and 0 < len(self.live) <= most)
+
+    def _cut(self) -> None:
+        """End the live samples where they are: each keeps its tokens so far (its limit lowered to them), is
+        not reported as finished, and is marked in the result's ``cut``."""
+        slots = list(self.live)
+        for s in slots:
+            req = self.slot_req[s]
+            self.limit[req] = self._count(s)
+            self.cut.append(req)
+        self._finish(slots, report=False)
+
     def _at_limit(self) -> list[int]:
         """The live slots whose response reached its token limit."""
         return [s for s in self.live if self._count(s) >= self.limit[self.slot_req[s]]]
@@ -334,6 +360,8 @@ class Scheduler:
                     self.tail_s, self.tail_gaps = self.tail_s + t2 - last, self.tail_gaps + 1
             last = t2 if n <= TAIL_ROWS else None
             self._finish(self._finished(n))
+            if self._cut_due():
+                self._cut()
             host["finish"] += clock() - t2
 
     def loop_stats(self) -> dict[str, float]:
@@ -375,10 +403,15 @@ class Scheduler:
         logprobs = (self.res_logprobs * mask)[:, :width]
         stats = {**self.loop_stats(), "rollout/new_tokens": float(mask.sum().item()),
                  "rollout/kv_bytes": float(eng.kv_bytes)}
+        cut = None
+        if self.CUTS and self.params.stop_at_rows > 0:
+            cut = torch.zeros(len(self.prompts), dtype=torch.bool, device=eng.device)
+            cut[self.cut] = True
+            stats["rollout/cut_samples"] = float(len(self.cut))
         if eng.paged:
             per_page = eng.kv_bytes / eng.pool.pages
             stats.update({"rollout/preemptions": float(self.preempted),
                           "rollout/kv_pages_peak": float(eng.pool.peak),
                           "rollout/kv_bytes_peak": float(eng.pool.peak * per_page)})
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens,
-                            response_mask=mask[:, :width], logprobs=logprobs, stats=stats)
+                            response_mask=mask[:, :width], logprobs=logprobs, stats=stats, cut=cut)

@@ -109,6 +109,8 @@ class TurnScheduler(Scheduler):
         decode: ``token ids -> text`` (the tokenizer's, special tokens dropped).
     """
 
+    CUTS = False  # an episode plays to its end (``stop_at_rows`` is for single-turn samples)
+
     def __init__(self, engine: "RolloutEngine", prompts: Sequence[Sequence[int]], params: SamplingParams,
                  episodes: Sequence[Optional["Episode"]], stop_ids: set[int], stop_texts: Sequence[str], decode):
         # each request's response budget: its episode's token limit (env.max_tokens), at most max_new_tokens
