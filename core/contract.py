@@ -86,7 +86,8 @@ def rollout_problems(batch: Any, prompts: Sequence[Sequence[int]], max_new_token
     * a response holds at most ``max_new_tokens`` tokens; the model's tokens (``response_mask``) are
       among the attended ones (``response_attention``);
     * log-probs are finite everywhere and at most 0 on the response mask;
-    * every unmasked token id is inside the vocabulary ``[0, vocab_size)`` (when known).
+    * every unmasked token id is inside the vocabulary ``[0, vocab_size)`` (when known);
+    * ``cut``, when set, is a boolean tensor with one value per row.
     """
     problems = _shape_problems(batch, len(prompts))
     if problems:
@@ -130,6 +131,11 @@ def rollout_problems(batch: Any, prompts: Sequence[Sequence[int]], max_new_token
             if len(used) and (int(used.min()) < 0 or int(used.max()) >= vocab_size):
                 problems.append(f"{name} holds token id {int(used.max()) if int(used.max()) >= vocab_size else int(used.min())}"
                                 f", outside the vocabulary [0, {vocab_size})")
+    cut = getattr(batch, "cut", None)
+    if cut is not None and (not isinstance(cut, torch.Tensor) or cut.dtype != torch.bool
+                            or tuple(cut.shape) != (len(prompts),)):
+        got = f"{cut.dtype} of shape {tuple(cut.shape)}" if isinstance(cut, torch.Tensor) else type(cut).__name__
+        problems.append(f"cut is {got}, not a bool tensor of one value per row ({len(prompts)})")
     return problems
 
 

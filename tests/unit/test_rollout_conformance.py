@@ -80,6 +80,8 @@ def _set(**values):
     (_set(response_ids=lambda b: b.response_ids + 10_000), "outside the vocabulary"),
     (_set(response_mask=lambda b: b.response_mask * 3), "values other than 0 and 1"),
     (_set(prompt_ids=lambda b: b.prompt_ids.flip(0), prompt_mask=lambda b: b.prompt_mask.flip(0)), "not prompt 0"),
+    (_set(cut=lambda b: torch.zeros(b.batch_size + 1, dtype=torch.bool)), "cut is torch.bool of shape"),
+    (_set(cut=lambda b: torch.zeros(b.batch_size)), "cut is torch.float32"),
 ])
 def test_the_suite_names_every_rule_of_the_contract(change, expected):
     with pytest.raises(RolloutConformanceError, match=f"check 'shapes' failed: the batch breaks the contract: .*{expected}"):
