@@ -395,6 +395,9 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     result = {"step_s": step_s, "step_times": times, "setup_s": setup_s, "parts": parts,
               "tokens_per_step": sum(sequences) / steps_measured, "lengths": length_stats(lengths, spec["cap"]),
               "samples_trained": [len(resp) for _, resp in trained], "tokens_decoded": decoded,
+              # what partial rollouts compare by: the samples a measured step trains vary, so samples a second
+              "samples_per_s": (sum(len(resp) for _, resp in trained[first:] or trained[-1:])
+                                / max(sum(times[first:] or times[-1:]), 1e-9)),
               "update_mfu": flops / update_compute_s(mean) / peak if peak and update_compute_s(mean) > 0 else None,
               "update_overlapped_frac": mean.get("update/overlapped_frac"),
               # optimizer steps skipped for a non-finite loss or gradient norm, warm-up steps included
@@ -881,7 +884,8 @@ def _f(value, fmt: str = ".2f", empty: str = "-") -> str:
 def print_table(payload: dict[str, Any]) -> None:
     rows = payload["results"]
     print(f"\n{'shape':<13} {'system':<7} {'s/step':>8} {'vs':>6} {'rollout':>8} {'score':>6} {'logp':>6} "
-          f"{'update':>7} {'tok/s':>8} {'len mean':>8} {'p90':>6} {'max':>6} {'mfu':>5} {'gpu':>4} {'p10':>4}  setting")
+          f"{'update':>7} {'tok/s':>8} {'smp/s':>6} {'len mean':>8} {'p90':>6} {'max':>6} {'mfu':>5} {'gpu':>4} "
+          f"{'p10':>4}  setting")
     for r in rows:
         if "step_s" not in r:
             extra = ""
@@ -898,10 +902,12 @@ def print_table(payload: dict[str, Any]) -> None:
         p, ln, g = r["parts"], r["lengths"], r.get("gpu", {})
         mfu = r.get("update_mfu")
         print(f"{r['shape']:<13} {r['system']:<7} {r['step_s']:8.2f} {ratio:>6} {p['rollout']:8.2f} {p['scoring']:6.2f} "
-              f"{p['logprobs']:6.2f} {p['update']:7.2f} {r['tokens_per_s']:8.0f} {ln.get('mean', 0):8.0f} "
+              f"{p['logprobs']:6.2f} {p['update']:7.2f} {r['tokens_per_s']:8.0f} {_f(r.get('samples_per_s'), '.1f'):>6} "
+              f"{ln.get('mean', 0):8.0f} "
               f"{ln.get('p90', 0):6.0f} {ln.get('max', 0):6.0f} {_f(mfu * 100 if mfu else None, '.0f'):>5} "
               f"{_f(g.get('gpu/util_mean'), '.0f'):>4} {_f(g.get('gpu/util_p10'), '.0f'):>4}  {r['setting']}")
-    print("\n(vs: the system's step time over rlcore's; mfu: the update's, %; gpu: monitor mean / p10 utilisation, %)")
+    print("\n(vs: the system's step time over rlcore's; smp/s: samples trained a second; mfu: the update's, %; "
+          "gpu: monitor mean / p10 utilisation, %)")
     from rlcore.rollout.engine.scheduler import TAIL_ROWS
 
     for r in rows:  # rlcore's rollout: where its time went (the decode steps of at most TAIL_ROWS rows: the tail)
