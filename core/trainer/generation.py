@@ -158,7 +158,10 @@ class ActorGeneration:
             whole = len(share.prompts) == len(prompts)
             report = on_finished if on_finished is not None and whole and reports_finished(backend) else None
             one_call = len(share.prompts) if whole and getattr(backend, "continuous_batching", False) else None
-            limits = max_new_tokens if max_new_tokens is not None and whole and takes_limits(backend) else None
+            # per-prompt limits where this rank generates the prompts as given (a share in another order would
+            # misplace them)
+            limits = max_new_tokens if max_new_tokens is not None and takes_limits(backend) and (
+                share.prompts is prompts or [list(p) for p in share.prompts] == [list(p) for p in prompts]) else None
             batch = self._in_micro_batches(backend, share.prompts, share.params, report, one_call, limits)
             released = release_kv(backend, self.contract.plugin(backend) if self.contract is not None else None)
             if released:
