@@ -35,7 +35,8 @@ trainer, on ``--numerics-prompts`` prompts x n samples of at most ``--numerics-c
 distribution, one stream per rollout call of a run, and given to the engine as per-prompt token
 limits with no stop token, so that runs of different settings decode the same lengths (the longest
 response, whose sequential decode steps set the rollout's time, among them) and their step times
-compare side by side; without it each run draws its lengths anew through the sampled tokens.
+compare side by side; without it each run draws its lengths anew through the sampled tokens. With
+partial rollouts a carried sample keeps its own drawn length across steps.
 
 Warm-up: ``--warmup`` steps (default 1) with responses cut at ``--warmup-cap`` tokens (compilation of
 the engine's step and the training layers), then on CUDA the engine captures the decode graphs of
@@ -438,22 +439,37 @@ def geometric_lengths(count: int, p: float, cap: int, seed: str) -> list[int]:
 
 
 def fix_lengths(trainer, spec: dict[str, Any]) -> None:
-    """``--fixed-lengths``: every rollout call's responses get lengths drawn up front from the stop
+    """``--fixed-lengths``: every rollout call's new responses get lengths drawn up front from the stop
     rule's distribution (:func:`geometric_lengths`, ``p = k / V``; the n-th call of a run draws from the
     n-th stream), given to the engine as per-prompt ``max_new_tokens``, with no stop token, so that runs
-    of different settings decode the same lengths and their step times compare."""
+    of different settings decode the same lengths and their step times compare.
+
+    With partial rollouts a sample the call leaves unfinished (cut by ``tail_rows``, or stopped at its
+    segment) keeps its own drawn length: its next call's prompt (its prompt and its tokens so far) is
+    looked up and given the rest of it (at least one token); the caller's own limit (its budget left)
+    holds too."""
     from rlcore.rollout.engine import RolloutEngine
 
     p = len(spec["stop_ids"]) / int(trainer.c.policy.config.vocab_size)
     trainer.c.eos_ids = []
     plain = RolloutEngine.generate
     calls = [0]
+    rest: dict[tuple[int, ...], int] = {}  # an unfinished sample's prompt + tokens -> its drawn tokens still to come
 
     def generate(self, prompts, params, on_finished=None, max_new_tokens=None):
-        if max_new_tokens is None:
-            calls[0] += 1
-            max_new_tokens = geometric_lengths(len(prompts), p, params.max_new_tokens, f"fixed-{calls[0]}")
-        return plain(self, prompts, params, on_finished, max_new_tokens)
+        calls[0] += 1
+        keys = [tuple(int(t) for t in prompt) for prompt in prompts]
+        new = [k not in rest for k in keys]
+        drawn = iter(geometric_lengths(sum(new), p, params.max_new_tokens, f"fixed-{calls[0]}"))
+        wanted = [next(drawn) if fresh else max(1, rest.pop(key)) for key, fresh in zip(keys, new)]
+        limits = wanted if max_new_tokens is None else [min(w, int(m)) for w, m in zip(wanted, max_new_tokens)]
+        batch = plain(self, prompts, params, on_finished, limits)
+        got = batch.response_mask.sum(-1).tolist()
+        ids = batch.response_ids.tolist()
+        for key, want, n, row in zip(keys, wanted, got, ids):
+            if n < want:  # unfinished: the rest of its length is due at the next call
+                rest[key + tuple(row[:n])] = want - n
+        return batch
 
     RolloutEngine.generate = generate  # this worker process runs one system's run
 
@@ -985,9 +1001,6 @@ def main(argv: list[str] | None = None) -> int:
             systems = [s for s in systems if not s.startswith("trl")]
     if spec["prompt_min"] > spec["prompt_max"]:
         raise SystemExit("--prompt-min must not exceed --prompt-max")
-    if args.fixed_lengths and any(o.startswith("ppo.partial_rollout.") for o in args.rlcore_override):
-        raise SystemExit("--fixed-lengths draws the lengths of each call's samples anew, so a sample carried into "
-                         "the next step (ppo.partial_rollout) would not keep its own: run partial rollouts without it")
     spec.update(fixed_lengths=bool(args.fixed_lengths),
                 device="cuda" if torch.cuda.is_available() and not args.smoke else "cpu",
                 rlcore_overrides=list(args.rlcore_override), keep_models=args.keep_models,

@@ -41,12 +41,12 @@ case "${1:-}" in
         run reasoning_cap2k 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --cap 2048 \
             --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 --timeout-rlcore 150 \
             --fixed-lengths --out "$OUT/reasoning_cap2k.json" ;;
-    tailcut)  # sampled lengths (a carried sample keeps its own): several steps, samples trained a second compare
+    tailcut)  # the same drawn lengths in both (a carried sample keeps its own); samples trained a second compare
         for v in defaults tail8; do
             extra=()
             [ "$v" = tail8 ] && extra=(--rlcore-override ppo.partial_rollout.tail_rows=8 --rlcore-override ppo.rollout_is=token)
             run "reasoning_$v" 280 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --warmup 2 \
-                --steps 3 --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 "${extra[@]}" \
+                --steps 3 --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 --fixed-lengths "${extra[@]}" \
                 --out "$OUT/reasoning_$v.json"
         done ;;
     tests)

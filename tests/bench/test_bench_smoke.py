@@ -1,6 +1,7 @@
 """Every benchmark script runs end to end in its smallest CPU setting and writes its results file,
 so the commands in docs/benchmarks.md keep working (the numbers of these runs mean nothing)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -120,6 +121,39 @@ def test_reasoning_benchmark_with_fixed_lengths_decodes_the_same_lengths_in_two_
     expected = bench_reasoning.geometric_lengths(first["count"], workload["stop_count"] / workload["vocab"], cap,
                                                  f"fixed-{bench_reasoning.PRESETS['smoke']['warmup'] + 1}")
     assert first["max"] == max(expected) and first["mean"] == pytest.approx(sum(expected) / len(expected))
+
+
+def test_fixed_lengths_keep_a_carried_samples_own_length(monkeypatch):
+    """--fixed-lengths with partial rollouts: a sample the call leaves unfinished (here cut by
+    ``stop_at_rows``) gets the rest of its drawn length at the next call, whose prompt holds its tokens."""
+    from types import SimpleNamespace
+
+    from rlcore.rollout.base import SamplingParams
+    from rlcore.rollout.engine import RolloutEngine
+    from rlcore.rollout.tiny import tiny_causal_lm
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_reasoning
+
+    monkeypatch.setattr(RolloutEngine, "generate", RolloutEngine.generate)  # put back after the test
+    model = tiny_causal_lm("qwen2")
+    vocab, stop = int(model.config.vocab_size), 8
+    trainer = SimpleNamespace(c=SimpleNamespace(policy=SimpleNamespace(config=model.config), eos_ids=[1]))
+    bench_reasoning.fix_lengths(trainer, {"stop_ids": list(range(stop))})
+    assert trainer.c.eos_ids == []
+    engine = RolloutEngine(model, max_batch_size=8, max_seq_len=96, admit_fraction=0.0, eos_check_interval=1)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=0, stop_at_rows=1)
+    drawn = bench_reasoning.geometric_lengths(len(prompts), stop / vocab, 40, "fixed-1")
+    first = engine.generate(prompts, params)
+    lengths = first.response_mask.sum(-1).tolist()
+    (cut,) = first.cut.nonzero().flatten().tolist()  # the longest drawn one, cut when it alone was left
+    assert cut == max(range(len(drawn)), key=drawn.__getitem__) and lengths[cut] < drawn[cut]
+    assert [n for i, n in enumerate(lengths) if i != cut] == [d for i, d in enumerate(drawn) if i != cut]
+    carried = prompts[cut] + first.response_ids[cut, :lengths[cut]].tolist()
+    second = engine.generate([carried, [12, 13]], dataclasses.replace(params, stop_at_rows=0))
+    assert int(second.response_mask[0].sum()) == drawn[cut] - lengths[cut]  # the rest of its own length
+    assert int(second.response_mask[1].sum()) == bench_reasoning.geometric_lengths(1, stop / vocab, 40, "fixed-2")[0]
 
 
 def test_layer_saved_bytes_probe_orders_the_three_forms(tmp_path):
