@@ -316,6 +316,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     if critic is not None:
         critic.train()
     lengths = exp.attention_mask.sum(-1) if ppo.group_by_length else None
+    sizes = _host_sizes(exp)  # each sample's tokens, on the host once: the micro-batches' padding share
     budget = token_budget(ppo, recompute)
     if budget:
         stats["actor/micro_batch_token_budget"].append(float(budget))
@@ -332,6 +333,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                 mini_idx = mini_idx[torch.sort(lengths[mini_idx.to(lengths.device)].cpu(), descending=True,
                                                stable=True).indices]
             groups, weights, token_weights = _plan(exp, mini_idx, cut.micro, budget, ppo.loss_agg, packed, pre)
+            stats["actor/padding_frac"].append(_padding_share(groups, sizes, packed, ppo.trim_padding))
             done = len(pre.groups) if pre is not None else 0
             if done:
                 pre.rescale(actor, weights[:done])
@@ -452,6 +454,42 @@ def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, s
     if CHECK_FINITE:
         _check_micro_batch(actor, mb, old, stats, k)
     return mb, old
+
+
+def _host_sizes(exp: Experience) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each sample's prompt tokens and response columns up to its last attended one (on the host, one
+    read), and the full width of a row: what :func:`_padding_share` counts with."""
+    width = exp.attention_mask.shape[1]
+    prompt_width = width - exp.response_mask.shape[1]
+    response = exp.attention_mask[:, prompt_width:]
+    last = response.shape[1] - response.flip(-1).int().argmax(-1)  # one past the last attended response column
+    used = torch.where(response.bool().any(-1), last, torch.zeros_like(last))
+    both = torch.stack([exp.attention_mask[:, :prompt_width].sum(-1), used]).cpu()
+    return both[0], both[1], int(width)
+
+
+def _padding_share(groups: list[torch.Tensor], sizes: tuple[torch.Tensor, torch.Tensor, int], packed: bool,
+                   trim: bool) -> float:
+    """Share of the token positions the micro-batches ``groups`` compute that are padding, counted as
+    :func:`_tokens` counts them: none packed; rows x the longest row with the rows moved left
+    (:mod:`rlcore.trainer.aligned`); rows x (longest prompt + longest response) trimmed, else rows x the
+    full width."""
+    prompt, response, width = sizes
+    real = computed = 0
+    for group in groups:
+        idx = group.cpu()
+        if not len(idx):
+            continue
+        p, r = prompt[idx], response[idx]
+        own = int((p + r).sum())
+        real += own
+        if packed:
+            computed += own
+        elif aligned.ENABLED:
+            computed += len(idx) * int((p + r).max())
+        else:
+            computed += len(idx) * (int(p.max() + r.max()) if trim else width)
+    return 1.0 - real / computed if computed else 0.0
 
 
 def _tokens(mb: Experience, packed: bool) -> int:

@@ -123,3 +123,31 @@ def test_a_rollout_smaller_than_configured_trains_every_sample():
         update.actor_micro_loss = saved
     assert sum(seen) == 6 and sorted(seen) == [2, 4]
     assert out["actor/optimizer_steps"] == 2
+
+
+def test_the_padding_share_of_the_micro_batches_is_reported():
+    """``actor/padding_frac``: the share of the token positions the update computes that are padding,
+    counted as the forward runs them (rows moved left: rows x the longest row; packed: none)."""
+    from rlcore.trainer import aligned
+    from rlcore.trainer.update import _host_sizes, _padding_share, ppo_update
+
+    model = tiny_causal_lm("qwen2")
+    exp = _experience(model, batch=4, prompt=5, response=6)
+    exp.attention_mask[1, -2:] = 0  # its early-stopped response attends to no padding
+    # sample 0: 3 prompt + 6 response tokens; sample 1: 5 + 4; samples 2, 3: 5 + 6 (11 columns)
+    sizes = _host_sizes(exp)
+    assert sizes[0].tolist() == [3, 5, 5, 5] and sizes[1].tolist() == [6, 4, 6, 6] and sizes[2] == 11
+    groups = [torch.tensor([0, 1]), torch.tensor([2, 3])]
+    real = 9 + 9 + 11 + 11
+    assert aligned.ENABLED  # the default forward: each micro-batch as wide as its longest row
+    assert _padding_share(groups, sizes, packed=False, trim=True) == pytest.approx(1 - real / (2 * 9 + 2 * 11))
+    assert _padding_share([torch.tensor([0, 2])], sizes, packed=False, trim=True) == pytest.approx(1 - 20 / 22)
+    assert _padding_share(groups, sizes, packed=True, trim=True) == 0.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    out = ppo_update(exp, actor=model, actor_opt=opt, actor_sched=sched, actor_grad_clip=0.0,
+                     ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), grad_accum=1, temperature=1.0,
+                     kl_loss_coef=0.0)
+    assert 0.0 <= out["actor/padding_frac"] < 1.0
+    # grouped by length, the two 11-token rows share a micro-batch and the two 9-token rows the other
+    assert out["actor/padding_frac"] == pytest.approx(0.0)
