@@ -9,7 +9,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -315,8 +315,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     actor.train()
     if critic is not None:
         critic.train()
-    lengths = exp.attention_mask.sum(-1) if ppo.group_by_length else None
-    sizes = _host_sizes(exp)  # each sample's tokens, on the host once: the micro-batches' padding share
+    sizes = _host_sizes(exp)  # each sample's tokens, read to the host once: length grouping, padding share
     budget = token_budget(ppo, recompute)
     if budget:
         stats["actor/micro_batch_token_budget"].append(float(budget))
@@ -329,9 +328,8 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
             mini_idx = order[start:start + cut.mini]
             if pre is not None and pre.groups:  # the samples whose gradient is accumulated already are left out
                 mini_idx = mini_idx[~torch.isin(mini_idx, pre.done)]
-            if lengths is not None:  # similar lengths share a micro-batch (stable: ties keep the shuffle)
-                mini_idx = mini_idx[torch.sort(lengths[mini_idx.to(lengths.device)].cpu(), descending=True,
-                                               stable=True).indices]
+            if ppo.group_by_length:  # similar lengths share a micro-batch (stable: ties keep the shuffle)
+                mini_idx = mini_idx[torch.sort(sizes.tokens[mini_idx.cpu()], descending=True, stable=True).indices]
             groups, weights, token_weights = _plan(exp, mini_idx, cut.micro, budget, ppo.loss_agg, packed, pre)
             stats["actor/padding_frac"].append(_padding_share(groups, sizes, packed, ppo.trim_padding))
             done = len(pre.groups) if pre is not None else 0
@@ -456,39 +454,47 @@ def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, s
     return mb, old
 
 
-def _host_sizes(exp: Experience) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Each sample's prompt tokens and response columns up to its last attended one (on the host, one
-    read), and the full width of a row: what :func:`_padding_share` counts with."""
+class _Sizes(NamedTuple):
+    """Each sample's sizes on the host (:func:`_host_sizes`)."""
+
+    prompt: torch.Tensor  # prompt tokens
+    response: torch.Tensor  # response columns up to its last attended one
+    width: int  # columns of a row
+    tokens: torch.Tensor  # attended tokens (prompt and response)
+
+
+def _host_sizes(exp: Experience) -> _Sizes:
+    """The sizes of ``exp``'s samples, read to the host at once (the update then plans on the host)."""
     width = exp.attention_mask.shape[1]
     prompt_width = width - exp.response_mask.shape[1]
     response = exp.attention_mask[:, prompt_width:]
     last = response.shape[1] - response.flip(-1).int().argmax(-1)  # one past the last attended response column
     used = torch.where(response.bool().any(-1), last, torch.zeros_like(last))
-    both = torch.stack([exp.attention_mask[:, :prompt_width].sum(-1), used]).cpu()
-    return both[0], both[1], int(width)
+    tokens, prompt, used = torch.stack([exp.attention_mask.sum(-1), exp.attention_mask[:, :prompt_width].sum(-1),
+                                        used]).cpu()
+    return _Sizes(prompt, used, int(width), tokens)
 
 
-def _padding_share(groups: list[torch.Tensor], sizes: tuple[torch.Tensor, torch.Tensor, int], packed: bool,
-                   trim: bool) -> float:
+def _padding_share(groups: list[torch.Tensor], sizes: _Sizes, packed: bool, trim: bool) -> float:
     """Share of the token positions the micro-batches ``groups`` compute that are padding, counted as
     :func:`_tokens` counts them: none packed; rows x the longest row with the rows moved left
     (:mod:`rlcore.trainer.aligned`); rows x (longest prompt + longest response) trimmed, else rows x the
     full width."""
-    prompt, response, width = sizes
     real = computed = 0
     for group in groups:
         idx = group.cpu()
         if not len(idx):
             continue
-        p, r = prompt[idx], response[idx]
-        own = int((p + r).sum())
+        own = int(sizes.tokens[idx].sum())
         real += own
         if packed:
             computed += own
         elif aligned.ENABLED:
-            computed += len(idx) * int((p + r).max())
+            computed += len(idx) * int(sizes.tokens[idx].max())
+        elif trim:
+            computed += len(idx) * int(sizes.prompt[idx].max() + sizes.response[idx].max())
         else:
-            computed += len(idx) * (int(p.max() + r.max()) if trim else width)
+            computed += len(idx) * sizes.width
     return 1.0 - real / computed if computed else 0.0
 
 
