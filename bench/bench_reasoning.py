@@ -356,6 +356,9 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
 
     trainer.sampling = sampling
     total = spec["warmup"] + spec["steps"]
+    # --profile-update: one more step, its update under the profiler, left out of the measured figures
+    profiling = {"report": None, "kept": None} if spec.get("profile_update") else None
+    total += profiling is not None
     engine_warmup_s = None
 
     def before_step(step: int) -> None:
@@ -374,11 +377,17 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
                     import torch
 
                     torch.cuda.empty_cache()
+        if profiling is not None and step == total:
+            profiling["kept"] = (len(rollouts), len(trained))
+            _profile_next_update(profiling)
         progress.update(phase="warmup" if step <= spec["warmup"] else "measured", step=step,
                         step_started_at=time.time())
         spec["_save_progress"]()
 
     times, steps = run_train_steps(trainer, total, before_step)
+    if profiling is not None:  # the profiled step's figures are not the measured ones
+        times, steps = times[:-1], steps[:-1]
+        del rollouts[profiling["kept"][0]:], trained[profiling["kept"][1]:]
     first = spec["warmup"]
     measured = steps[first:] or steps[-1:]
     lengths = [x for _, resp in trained[first:] or trained[-1:] for x in resp]
@@ -413,6 +422,8 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
                                for m in steps],
               "rollout_backend": _backend_name(trainer), "engine_warmup_s": engine_warmup_s,
               "engine_settings": _engine_settings(trainer)}
+    if profiling is not None:
+        result["update_idle"] = profiling["report"]
     result["tokens_per_s"] = result["tokens_per_step"] / step_s
     # the measured step stands even if the numerics that follow run past the timeout
     progress.update(phase="numerics", result=result)
@@ -425,6 +436,34 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
         traceback.print_exc()
         result["numerics"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     return result
+
+
+def _profile_next_update(sink: dict[str, Any]) -> None:
+    """Run the trainer's next update under ``torch.profiler`` (once): where the device sat idle in it
+    (:func:`_gaps.from_profile`) goes to ``sink["report"]``, the update's largest kernels to the log."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import rlcore.trainer.loop as loop
+    from _gaps import format_report, from_profile
+
+    plain = loop.ppo_update
+
+    def profiled(*args, **kwargs):
+        loop.ppo_update = plain
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            with record_function("bench.update"):  # the window ends when the device has finished the update
+                out = plain(*args, **kwargs)
+                _sync()
+        sink["report"] = from_profile(prof, "bench.update")
+        if sink["report"] is not None:
+            print("== the update under the profiler:\n" + format_report(sink["report"]), flush=True)
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
+        return out
+
+    loop.ppo_update = profiled
 
 
 def geometric_lengths(count: int, p: float, cap: int, seed: str) -> list[int]:
@@ -971,6 +1010,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="models, runs and progress files (default: a temp dir)")
     parser.add_argument("--keep-models", action="store_true", help="keep each shape's saved model")
     parser.add_argument("--resume", action="store_true", help="keep the finished runs already in --out")
+    parser.add_argument("--profile-update", action="store_true",
+                        help="rlcore: one more step after the measured ones, its update under the profiler: the "
+                             "device's idle gaps and the host ops they fall in (update_idle), the largest kernels")
     parser.add_argument("--fixed-lengths", action="store_true",
                         help="rlcore: response lengths drawn up front from the stop rule's distribution, the same "
                              "in every run, instead of sampled stop tokens (compares settings' step times)")
@@ -1001,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
             systems = [s for s in systems if not s.startswith("trl")]
     if spec["prompt_min"] > spec["prompt_max"]:
         raise SystemExit("--prompt-min must not exceed --prompt-max")
-    spec.update(fixed_lengths=bool(args.fixed_lengths),
+    spec.update(fixed_lengths=bool(args.fixed_lengths), profile_update=bool(args.profile_update),
                 device="cuda" if torch.cuda.is_available() and not args.smoke else "cpu",
                 rlcore_overrides=list(args.rlcore_override), keep_models=args.keep_models,
                 settings_override={"slots": args.slots, "micro": args.micro, "trl_micro": args.trl_micro},

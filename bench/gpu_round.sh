@@ -7,6 +7,7 @@
 #   bash bench/gpu_round.sh reasoning  # the 1.5B reasoning step at cap 8k and 2k, same lengths every run
 #   bash bench/gpu_round.sh tailcut    # the 1.5B step with the rollout's tail carried over, beside the defaults
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
+#   bash bench/gpu_round.sh profile    # the cap-2,048 step, then its update under the profiler: where the GPU idles
 #   bash bench/gpu_round.sh big        # the 7B reasoning step (needs an H200's memory)
 #
 # Results and logs go to $OUT (default: a new temporary directory). On a machine without rlcore's
@@ -49,6 +50,10 @@ case "${1:-}" in
                 --steps 3 --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 --fixed-lengths "${extra[@]}" \
                 --out "$OUT/reasoning_$v.json"
         done ;;
+    profile)
+        run reasoning_cap2k_profile 230 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore \
+            --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 220 \
+            --timeout-rlcore 220 --fixed-lengths --profile-update --out "$OUT/reasoning_cap2k_profile.json" ;;
     tests)
         run gpu_tests 500 python3 -m pytest -q -p no:logging tests/gpu tests/unit/test_rollout_decode_attention.py ;;
     big)

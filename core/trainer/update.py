@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
@@ -330,7 +331,8 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                 mini_idx = mini_idx[~torch.isin(mini_idx, pre.done)]
             if ppo.group_by_length:  # similar lengths share a micro-batch (stable: ties keep the shuffle)
                 mini_idx = mini_idx[torch.sort(sizes.tokens[mini_idx.cpu()], descending=True, stable=True).indices]
-            groups, weights, token_weights = _plan(exp, mini_idx, cut.micro, budget, ppo.loss_agg, packed, pre)
+            with record_function("rlcore.update.plan"):
+                groups, weights, token_weights = _plan(exp, mini_idx, cut.micro, budget, ppo.loss_agg, packed, pre)
             stats["actor/padding_frac"].append(_padding_share(groups, sizes, packed, ppo.trim_padding))
             done = len(pre.groups) if pre is not None else 0
             if done:
@@ -341,10 +343,12 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                                 recompute=recompute, own_old=own_old, spent=spent)
             if done:
                 micro = {k: list(pre.stats.get(k, [])) + list(micro.get(k, [])) for k in dict.fromkeys([*pre.stats, *micro])}
-            if not _finish_step(micro, weights, token_weights, stats, spent, guard, actor=actor, actor_opt=actor_opt,
-                                actor_sched=actor_sched, actor_grad_clip=actor_grad_clip, critic=critic,
-                                critic_opt=critic_opt, critic_sched=critic_sched, critic_grad_clip=critic_grad_clip):
-                skipped += 1
+            with record_function("rlcore.update.optimizer_step"):
+                applied = _finish_step(micro, weights, token_weights, stats, spent, guard, actor=actor,
+                                       actor_opt=actor_opt, actor_sched=actor_sched, actor_grad_clip=actor_grad_clip,
+                                       critic=critic, critic_opt=critic_opt, critic_sched=critic_sched,
+                                       critic_grad_clip=critic_grad_clip)
+            skipped += not applied
             stats["actor/micro_batches"].append(float(len(groups)))
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out.update(mismatch_metrics(exp, own_old if own_old is not None else exp.old_logprobs))
@@ -406,13 +410,14 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
             set_gradient_sync(critic, last)
         idx = group.to(exp.input_ids.device)
         t0 = time.perf_counter()
-        mb, old = actor_micro_step(actor, exp, idx, weight, micro, ppo=ppo, temperature=temperature,
-                                   kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k)
+        with record_function("rlcore.update.micro_batch"):
+            mb, old = actor_micro_step(actor, exp, idx, weight, micro, ppo=ppo, temperature=temperature,
+                                       kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k)
         if own_old is not None:
             own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
         t1 = time.perf_counter()
         if critic is not None:
-            with _recomputing(recompute.get("critic"), _tokens(mb, packed)):
+            with _recomputing(recompute.get("critic"), _tokens(mb, packed)), record_function("rlcore.update.critic"):
                 critic_micro_loss(critic, mb, ppo, token_weights[k], micro, packed)
         spent["actor"] += t1 - t0
         spent["critic"] += time.perf_counter() - t1
