@@ -51,7 +51,7 @@ from rlcore.trainer.experience import Experience
 from rlcore.trainer.generation import is_oom
 from rlcore.trainer.packing import micro_batches
 from rlcore.trainer.scoring import rows as _rows
-from rlcore.trainer.update import Accumulated, share_counts
+from rlcore.trainer.update import Accumulated, host_stats, share_counts
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class OverlapUpdate:
             self.acc.groups.append(self._pending_ids[local])
             self.acc.provisional.append(weight)
             self.acc.logprobs.append(logp.detach().float())
-            for name, values in stats.items():
+            for name, values in host_stats(stats).items():  # read here, on the stream that computed them
                 self.acc.stats[name].extend(values)
             self.acc.seconds += time.perf_counter() - t0
             self._progress = time.monotonic()

@@ -226,8 +226,8 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
         # one factor on every token's policy-gradient loss, whatever the loss (see rlmath.rollout_is_weights)
         is_weights, is_stats = rlmath.rollout_is_weights(old, mb.rollout_logprobs, mask, ppo.rollout_is,
                                                          ppo.rollout_is_cap)
-        stats["rollout_is/weight_mean"].append(float(is_stats["mean"]))
-        stats["rollout_is/capped_frac"].append(float(is_stats["capped_frac"]))
+        stats["rollout_is/weight_mean"].append(_value(is_stats["mean"]))
+        stats["rollout_is/capped_frac"].append(_value(is_stats["capped_frac"]))
     pg_loss, pg_stats = rlmath.policy_loss(logp, old, mb.advantages, mask, ppo.cliprange,
                                            ppo.cliprange_high, ppo.dual_clip, ppo.loss_agg,
                                            kind=ppo.policy_loss, horizon=horizon, token_weights=is_weights)
@@ -238,13 +238,34 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
     if kl_loss_coef > 0 and mb.ref_logprobs is not None:
         kl_tokens = rlmath.kl_penalty(logp, mb.ref_logprobs, ppo.kl_estimator)
         loss = loss + kl_loss_coef * rlmath.aggregate_loss(kl_tokens, mask, ppo.loss_agg, horizon)
-        stats["actor/kl_loss"].append(float(rlmath.masked_mean(kl_tokens.detach(), mask)))
+        stats["actor/kl_loss"].append(_value(rlmath.masked_mean(kl_tokens.detach(), mask)))
     (loss * weight).backward()
-    stats["loss/policy"].append(float(pg_loss.detach()))
-    stats["entropy/mean"].append(float(entropy.detach()))
-    stats["actor/clipfrac"].append(float(pg_stats["clipfrac"]))
-    stats["actor/approx_kl"].append(float(pg_stats["approx_kl"]))
+    # kept on the device: read to the host once an optimizer step (host_stats), so the host does not wait
+    # for this backward before it queues the next micro-batch
+    stats["loss/policy"].append(_value(pg_loss))
+    stats["entropy/mean"].append(_value(entropy))
+    stats["actor/clipfrac"].append(_value(pg_stats["clipfrac"]))
+    stats["actor/approx_kl"].append(_value(pg_stats["approx_kl"]))
     return old
+
+
+def _value(x):
+    """A metric of one micro-batch as recorded: a tensor stays on its device, detached (see :func:`host_stats`)."""
+    return x.detach() if isinstance(x, torch.Tensor) else float(x)
+
+
+def host_stats(stats: dict[str, list]) -> dict[str, list[float]]:
+    """``stats`` with every value a float: the values still on a device are read in one transfer a device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for values in stats.values():
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                by_device[v.device].append(v)
+    read: dict[int, float] = {}
+    for tensors in by_device.values():
+        for v, x in zip(tensors, torch.stack([t.reshape(()).float() for t in tensors]).tolist()):
+            read[id(v)] = x
+    return {k: [read[id(v)] if isinstance(v, torch.Tensor) else float(v) for v in values] for k, values in stats.items()}
 
 
 def set_gradient_sync(module, on: bool) -> None:
@@ -265,8 +286,8 @@ def critic_micro_loss(critic, mb: Experience, ppo: PPOConfig, weight: float, sta
                              response_mask=mb.response_mask, packed=packed)
     vf_loss, clipfrac = rlmath.value_loss(values, mb.values, mb.returns, mb.response_mask, ppo.cliprange_value)
     (ppo.vf_coef * vf_loss * weight).backward()
-    stats["loss/value"].append(float(vf_loss.detach()))
-    stats["critic/clipfrac"].append(float(clipfrac))
+    stats["loss/value"].append(_value(vf_loss))
+    stats["critic/clipfrac"].append(_value(clipfrac))
 
 
 def mismatch_metrics(exp: Experience, trainer_logprobs: Optional[torch.Tensor]) -> dict[str, float]:
@@ -368,6 +389,7 @@ def _finish_step(micro: dict[str, list[float]], weights: list[float], token_weig
     """Clip, check and apply (or skip) one optimizer step whose gradients are accumulated; its
     per-micro-batch metrics ``micro`` go into ``stats`` weighed as the gradients were. Whether it applied."""
     t0 = time.perf_counter()
+    micro = host_stats(micro)
     norms = {"actor": _grad_norm(actor, actor_grad_clip)}
     t1 = time.perf_counter()
     if critic is not None:
@@ -415,10 +437,13 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
                                        kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k)
         if own_old is not None:
             own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
+        if critic is not None:  # each role's time apart: wait for the actor's backward (alone, none is waited for)
+            _wait(idx.device)
         t1 = time.perf_counter()
         if critic is not None:
             with _recomputing(recompute.get("critic"), _tokens(mb, packed)), record_function("rlcore.update.critic"):
                 critic_micro_loss(critic, mb, ppo, token_weights[k], micro, packed)
+            _wait(idx.device)
         spent["actor"] += t1 - t0
         spent["critic"] += time.perf_counter() - t1
     return micro
@@ -548,7 +573,7 @@ def _check_micro_batch(actor, mb: Experience, logp: torch.Tensor, micro: dict, k
     found = []
     if not bool(torch.isfinite(logp[mask[:, :logp.shape[1]]]).all()):
         found.append("log-probs")
-    if micro.get("loss/policy") and not math.isfinite(micro["loss/policy"][-1]):
+    if micro.get("loss/policy") and not math.isfinite(float(micro["loss/policy"][-1])):
         found.append("policy loss")
     bad = [name for name, p in actor.named_parameters()
            if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
@@ -575,6 +600,12 @@ def _step_value(name: str, values: list[float], weights: list[float], token_weig
     if len(values) != len(shares):  # not recorded for every micro-batch: a plain mean
         return sum(values) / len(values)
     return sum(v * w for v, w in zip(values, shares))
+
+
+def _wait(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device; others run their work as it is queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _recomputing(policy, tokens: int):
