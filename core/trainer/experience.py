@@ -40,9 +40,10 @@ class Experience:
     def response_len(self) -> int:
         return int(self.response_mask.shape[1])
 
-    def trimmed(self) -> "Experience":
-        """The same samples without the columns no sample uses (see :func:`used_columns`)."""
-        columns, kept = _sequence_columns(self.attention_mask, self.response_mask)
+    def trimmed(self, used: Optional[tuple[int, int]] = None) -> "Experience":
+        """The same samples without the columns no sample uses (see :func:`used_columns`; ``used``: its
+        result where the caller has it already, e.g. from :func:`row_columns`, saving a device read)."""
+        columns, kept = _sequence_columns(self.attention_mask, self.response_mask, used)
         if columns.stop - columns.start == self.input_ids.shape[1]:
             return self
         picked = {}
@@ -87,11 +88,34 @@ def used_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> t
 TRIM_MULTIPLE = 8
 
 
-def _sequence_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[slice, int]:
-    """The used columns of the whole sequences (:func:`used_columns`) as a slice, and ``kept``,
-    widened to a multiple of :data:`TRIM_MULTIPLE` columns: first with unused prompt (left padding)
-    columns, then with unused response columns; the tightest cut when no multiple fits the rows."""
-    first, kept = used_columns(attention_mask, response_mask)
+def row_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, on the host: its first used prompt column (the prompt width if none) and one past its
+    last used response column (0 if none); :func:`rows_used` turns any rows' values into
+    :func:`used_columns` of those rows."""
+    rows, prompt_cols = attention_mask.shape[0], attention_mask.shape[1] - response_mask.shape[1]
+    prompt, response = attention_mask[:, :prompt_cols].bool(), response_mask.bool()
+    first = torch.full((rows,), prompt_cols, dtype=torch.long, device=attention_mask.device)
+    if prompt_cols:
+        first = torch.where(prompt.any(-1), prompt.int().argmax(-1).long(), first)
+    kept = torch.zeros(rows, dtype=torch.long, device=attention_mask.device)
+    if response.shape[1]:
+        kept = torch.where(response.any(-1), response.shape[1] - response.flip(-1).int().argmax(-1).long(), kept)
+    first, kept = torch.stack([first, kept]).cpu()
+    return first, kept
+
+
+def rows_used(first: torch.Tensor, kept: torch.Tensor, prompt_cols: int) -> tuple[int, int]:
+    """:func:`used_columns` of the rows whose :func:`row_columns` are ``first`` and ``kept``."""
+    low = int(first.min()) if len(first) else prompt_cols
+    return max(0, min(low, prompt_cols - 1)), max(int(kept.max()) if len(kept) else 0, 1)
+
+
+def _sequence_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                      used: Optional[tuple[int, int]] = None) -> tuple[slice, int]:
+    """The used columns of the whole sequences (:func:`used_columns`, or ``used``) as a slice, and
+    ``kept``, widened to a multiple of :data:`TRIM_MULTIPLE` columns: first with unused prompt (left
+    padding) columns, then with unused response columns; the tightest cut when no multiple fits the rows."""
+    first, kept = used if used is not None else used_columns(attention_mask, response_mask)
     prompt_cols, response_cols = attention_mask.shape[1] - response_mask.shape[1], response_mask.shape[1]
     short = -(prompt_cols - first + kept) % TRIM_MULTIPLE
     if short <= first + response_cols - kept:  # else no aligned width fits: the tightest cut

@@ -17,7 +17,7 @@ from torch.profiler import record_function
 from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
 from rlcore.errors import TrainingError
-from rlcore.trainer.experience import Experience
+from rlcore.trainer.experience import Experience, row_columns, rows_used
 from rlcore.trainer import aligned
 from rlcore.trainer.models import response_logprobs, response_values
 from rlcore.trainer.packing import micro_batches
@@ -361,7 +361,7 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
                 _fill_own_old(own_old, pre)
             micro = _accumulate(exp, groups[done:], weights[done:], token_weights[done:], actor=actor, critic=critic,
                                 ppo=ppo, temperature=temperature, kl_loss_coef=kl_loss_coef, packed=packed,
-                                recompute=recompute, own_old=own_old, spent=spent)
+                                recompute=recompute, own_old=own_old, spent=spent, sizes=sizes)
             if done:
                 micro = {k: list(pre.stats.get(k, [])) + list(micro.get(k, [])) for k in dict.fromkeys([*pre.stats, *micro])}
             with record_function("rlcore.update.optimizer_step"):
@@ -416,8 +416,8 @@ def _finish_step(micro: dict[str, list[float]], weights: list[float], token_weig
 
 def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float], token_weights: list[float], *,
                 actor, critic, ppo: PPOConfig, temperature: float, kl_loss_coef: float, packed: bool,
-                recompute: dict[str, Any], own_old: Optional[torch.Tensor], spent: dict[str, float]
-                ) -> dict[str, list[float]]:
+                recompute: dict[str, Any], own_old: Optional[torch.Tensor], spent: dict[str, float],
+                sizes: Optional[_Sizes] = None) -> dict[str, list[float]]:
     """Forward and backward of one mini-batch's micro-batches ``groups`` (sample indices), the actor's
     losses weighed by ``weights`` and the critic's by ``token_weights``; the gradients accumulate for
     one optimizer step. Returns the step's per-micro-batch metrics; adds the time spent per role to
@@ -434,7 +434,8 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
         t0 = time.perf_counter()
         with record_function("rlcore.update.micro_batch"):
             mb, old = actor_micro_step(actor, exp, idx, weight, micro, ppo=ppo, temperature=temperature,
-                                       kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k)
+                                       kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k,
+                                       used=sizes.used(group) if sizes is not None else None)
         if own_old is not None:
             own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
         if critic is not None:  # each role's time apart: wait for the actor's backward (alone, none is waited for)
@@ -451,15 +452,16 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
 
 def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, stats: dict, *, ppo: PPOConfig,
                      temperature: float, kl_loss_coef: float, packed: bool, recompute: dict[str, Any],
-                     k: int = 0) -> tuple[Experience, torch.Tensor]:
+                     k: int = 0, used: Optional[tuple[int, int]] = None) -> tuple[Experience, torch.Tensor]:
     """The actor's forward and backward of the samples ``idx`` of ``exp`` (cut to their columns with
     ``ppo.trim_padding``, checkpointed as ``recompute`` decides): the micro-batch and the log-probs
-    of :func:`actor_micro_loss`. ``k``: the micro-batch's place in its step (for :data:`CHECK_FINITE`).
+    of :func:`actor_micro_loss`. ``k``: the micro-batch's place in its step (for :data:`CHECK_FINITE`);
+    ``used``: the samples' used columns where the caller read them already (:meth:`_Sizes.used`).
     Out of memory under ``gradient_checkpointing=auto`` before any of its gradient was accumulated, the
     micro-batch runs again with every layer checkpointed (:meth:`~rlcore.trainer.recompute.Recompute.retry_after_oom`)."""
     mb = exp.select(idx)
     if ppo.trim_padding:
-        mb = mb.trimmed()
+        mb = mb.trimmed(used)
     policy, tokens = recompute.get("actor"), _tokens(mb, packed)
     accumulations, recorded = getattr(policy, "accumulations", 0), {key: len(v) for key, v in stats.items()}
     again = False
@@ -491,6 +493,14 @@ class _Sizes(NamedTuple):
     response: torch.Tensor  # response columns up to its last attended one
     width: int  # columns of a row
     tokens: torch.Tensor  # attended tokens (prompt and response)
+    prompt_width: int  # prompt columns of a row
+    first: torch.Tensor  # first used prompt column (experience.row_columns)
+    kept: torch.Tensor  # one past the last trained response column (experience.row_columns)
+
+    def used(self, idx: torch.Tensor) -> tuple[int, int]:
+        """:func:`~rlcore.trainer.experience.used_columns` of the samples ``idx``, from the host."""
+        idx = idx.cpu()
+        return rows_used(self.first[idx], self.kept[idx], self.prompt_width)
 
 
 def _host_sizes(exp: Experience) -> _Sizes:
@@ -502,7 +512,8 @@ def _host_sizes(exp: Experience) -> _Sizes:
     used = torch.where(response.bool().any(-1), last, torch.zeros_like(last))
     tokens, prompt, used = torch.stack([exp.attention_mask.sum(-1), exp.attention_mask[:, :prompt_width].sum(-1),
                                         used]).cpu()
-    return _Sizes(prompt, used, int(width), tokens)
+    first, kept = row_columns(exp.attention_mask, exp.response_mask)
+    return _Sizes(prompt, used, int(width), tokens, int(prompt_width), first, kept)
 
 
 def _padding_share(groups: list[torch.Tensor], sizes: _Sizes, packed: bool, trim: bool) -> float:

@@ -109,3 +109,42 @@ def test_trimmed_rows_are_widened_to_an_aligned_width_with_padding_only():
     assert cut.input_ids.shape[1] % TRIM_MULTIPLE == 0 and cut.input_ids.shape[1] < exp.input_ids.shape[1]
     assert cut.input_ids.shape[1] - tight < TRIM_MULTIPLE
     assert_same_tokens_and_logprobs(model, exp, cut)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_columns_of_any_rows_give_their_used_columns(seed):
+    """The update reads each row's used columns to the host once and cuts every micro-batch from them:
+    for any subset of rows (no prompt, no trained token, gaps, all-padding rows) the same as reading the
+    subset's masks."""
+    from rlcore.trainer.experience import row_columns, rows_used
+
+    g = torch.Generator().manual_seed(seed)
+    rows, prompt_cols, response_cols = 9, (0, 5, 7)[seed % 3], (1, 6, 0)[seed // 2 % 3]
+    attention = (torch.rand(rows, prompt_cols + response_cols, generator=g) < 0.6).long()
+    response = (torch.rand(rows, response_cols, generator=g) < 0.4).long() * attention[:, prompt_cols:]
+    first, kept = row_columns(attention, response)
+    for _ in range(20):
+        idx = torch.randperm(rows, generator=g)[:int(torch.randint(1, rows + 1, (1,), generator=g))]
+        assert rows_used(first[idx], kept[idx], prompt_cols) == used_columns(attention[idx], response[idx])
+
+
+def test_the_update_trims_from_the_host_sizes_as_from_the_masks(monkeypatch):
+    """With the columns read once an update, each trimmed micro-batch is what trimming its own masks gives:
+    the update's result is unchanged, and no micro-batch reads its masks for it."""
+    import rlcore.trainer.experience as experience
+    import rlcore.trainer.update as update
+
+    model = tiny_causal_lm("qwen2")
+    exp = ragged_experience(model, seed=4)
+    calls = []
+    plain = experience.used_columns
+    monkeypatch.setattr(experience, "used_columns", lambda *a: calls.append(1) or plain(*a))
+    with monkeypatch.context() as m:  # each micro-batch trimmed from its own masks
+        m.setattr(update._Sizes, "used", lambda self, idx: None)
+        expected = _update(copy.deepcopy(model), exp, trim_padding=True, micro_batch_size=3)
+    assert len(calls) == 3
+    calls.clear()
+    got = _update(copy.deepcopy(model), exp, trim_padding=True, micro_batch_size=3)
+    assert calls == []
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)

@@ -1,5 +1,6 @@
 """The actor update's shortcuts change nothing: on-policy old log-probs, entropy kept out of autograd."""
 
+import math
 from collections import defaultdict
 
 import pytest
@@ -151,3 +152,24 @@ def test_the_padding_share_of_the_micro_batches_is_reported():
     assert 0.0 <= out["actor/padding_frac"] < 1.0
     # grouped by length, the two 11-token rows share a micro-batch and the two 9-token rows the other
     assert out["actor/padding_frac"] == pytest.approx(0.0)
+
+
+def test_micro_batch_metrics_stay_on_the_device_until_read_together():
+    """A micro-batch's losses and fractions are kept as detached tensors (reading each would make the host
+    wait for that backward before queuing the next micro-batch); host_stats reads them all to floats
+    with their values and order, floats passing through."""
+    from rlcore.trainer.update import host_stats
+
+    model = tiny_causal_lm("qwen2")
+    exp = _experience(model)
+    stats = defaultdict(list)
+    actor_micro_loss(model, exp, PPOConfig(), temperature=1.0, kl_loss_coef=0.0, weight=1.0, stats=stats)
+    assert {"loss/policy", "entropy/mean", "actor/clipfrac", "actor/approx_kl"} <= set(stats)
+    kept = {k: v[0] for k, v in stats.items()}
+    assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in kept.values())
+    stats["loss/policy"].append(torch.tensor(float("nan")))
+    stats["plain"] = [2.5, torch.tensor(3, dtype=torch.int64)]
+    read = host_stats(stats)
+    assert read["plain"] == [2.5, 3.0] and math.isnan(read["loss/policy"][1])
+    for k, v in kept.items():
+        assert read[k][0] == float(v) and type(read[k][0]) is float
