@@ -439,13 +439,17 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
 
 
 def _profile_next_update(sink: dict[str, Any]) -> None:
-    """Run the trainer's next update under ``torch.profiler`` (once): where the device sat idle in it
-    (:func:`_gaps.from_profile`) goes to ``sink["report"]``, the update's largest kernels to the log."""
+    """Run the trainer's next update under ``torch.profiler`` (once): the device's busy share of it and
+    its idle stretches by the host op running in them (``rlcore.observe.profile_report.idle_gaps``) go
+    to ``sink["report"]``, the update's largest kernels to the log."""
+    import tempfile
+
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import rlcore.trainer.loop as loop
-    from _gaps import format_report, from_profile
+    from rlcore.observe.profile_report import (GPU_KERNEL_CATS, GPU_MEMCPY_CATS, clip, format_gaps, idle_gaps,
+                                               load_events, merge, summarize_gaps, total)
 
     plain = loop.ppo_update
 
@@ -456,9 +460,16 @@ def _profile_next_update(sink: dict[str, Any]) -> None:
             with record_function("bench.update"):  # the window ends when the device has finished the update
                 out = plain(*args, **kwargs)
                 _sync()
-        sink["report"] = from_profile(prof, "bench.update")
-        if sink["report"] is not None:
-            print("== the update under the profiler:\n" + format_report(sink["report"]), flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(os.path.join(tmp, "update.json"))
+            events = load_events(os.path.join(tmp, "update.json"))
+        gaps, window = idle_gaps(events, window_name="bench.update")
+        if window is not None:
+            busy = total(clip(merge((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                                    if e.get("cat") in GPU_KERNEL_CATS | GPU_MEMCPY_CATS), window))
+            sink["report"] = dict(summarize_gaps(gaps, window), busy_frac=busy / (window[1] - window[0]))
+            print(f"== the update under the profiler: device busy {100 * sink['report']['busy_frac']:.1f}% of "
+                  f"{sink['report']['window_s']:.2f} s\n" + "\n".join(format_gaps(gaps, window, 12)), flush=True)
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
         return out

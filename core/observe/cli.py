@@ -41,7 +41,7 @@ def cmd_profile_report(args: argparse.Namespace) -> int:
 
     paths = expand_traces(args.traces)
     try:
-        lines, overall = report(paths, kernels=args.kernels)
+        lines, overall = report(paths, kernels=args.kernels, gaps=args.gaps)
     except (OSError, ValueError) as e:
         raise RLCoreError(f"cannot read trace: {e}") from e
     print("\n".join(lines))
@@ -70,6 +70,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help="Chrome trace files, or a run/profile directory")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N largest kernels (GPU traces) or operators (CPU traces) by total time")
+    p.add_argument("--gaps", type=int, default=0, metavar="N",
+                   help="GPU traces: where the device sat idle (stretches of 0.1 ms or more), by the host op "
+                        "running in them, and the N longest")
     p.add_argument("--strict", action="store_true", help="exit 1 when communication exceeds 20%%")
     p.add_argument("--fail-over", type=float, default=None, metavar="SHARE",
                    help="exit 1 when the communication share exceeds SHARE (0-1)")

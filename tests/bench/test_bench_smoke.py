@@ -125,7 +125,8 @@ def test_reasoning_benchmark_with_fixed_lengths_decodes_the_same_lengths_in_two_
 
 def test_profiled_update_is_one_step_more_and_left_out_of_the_figures(tmp_path):
     """--profile-update: the update of one extra step runs under the profiler; its report (the window, the
-    host ops the idle time fell in) is in the results, and the measured steps are those of a run without it."""
+    device's busy share, the idle stretches) is in the results, and the measured steps are those of a run
+    without it."""
     def run(name: str, *extra: str) -> dict:
         out = tmp_path / f"{name}.json"
         _run("bench_reasoning.py", "--smoke", "--systems", "rlcore", "--numerics-prompts", "0", "--fixed-lengths",
@@ -134,9 +135,8 @@ def test_profiled_update_is_one_step_more_and_left_out_of_the_figures(tmp_path):
 
     plain, profiled = run("plain"), run("profiled", "--profile-update")
     assert "update_idle" not in plain
-    report = profiled["update_idle"]
-    assert report["window_s"] > 0 and report["busy_s"] + report["idle_s"] == pytest.approx(report["window_s"])
-    assert report["idle_by_op"] and report["longest_gaps"][0]["during"]
+    report = profiled["update_idle"]  # on CPU no device ran: nothing busy, no idle stretch between kernels
+    assert report["window_s"] > 0 and report["busy_frac"] == 0 and report["count"] == 0
     assert len(profiled["step_times"]) == len(plain["step_times"])
     assert profiled["lengths"] == plain["lengths"] and profiled["samples_trained"] == plain["samples_trained"]
 

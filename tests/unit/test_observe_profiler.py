@@ -115,3 +115,53 @@ def test_disabled_profiler_and_early_close(tmp_path):
         short.step_end(step)
     short.close()
     assert len(short.paths) == 1 and os.path.getsize(short.paths[0]) > 0
+
+
+def test_idle_gaps_name_the_host_op_of_the_thread_that_ran_last():
+    """Each idle stretch of the device is put down to the host's ops at its middle, on the thread whose
+    innermost op began last (the launching thread, not an idle one); shorter stretches are left out."""
+    from rlcore.observe.profile_report import format_gaps, idle_gaps, summarize_gaps
+
+    events = [
+        _x("ProfilerStep#1", "user_annotation", 0, 1000, pid=1, tid=1),
+        _x("rlcore.update.micro_batch", "user_annotation", 0, 1000, pid=1, tid=1),
+        _x("aten::item", "cpu_op", 150, 500, pid=1, tid=1),
+        _x("cudaStreamSynchronize", "cuda_runtime", 160, 480, pid=1, tid=1),
+        _x("aten::copy_", "cpu_op", 790, 100, pid=1, tid=1),
+        _x("autograd thread wait", "cpu_op", 0, 1000, pid=1, tid=2),  # began first: not the one named
+        _x("gemm", "kernel", 0, 200), _x("gemm", "kernel", 700, 100),  # idle 200-700 (500 us), 800-850 (50 us)
+        _x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 850, 150),
+    ]
+    gaps, window = idle_gaps(events, min_us=100)
+    assert window == (0, 1000)
+    gap, = gaps
+    assert (gap.start_us, gap.dur_us) == (200, 500)
+    assert gap.host == ("rlcore.update.micro_batch", "aten::item", "cudaStreamSynchronize")
+    assert [g.dur_us for g in idle_gaps(events, min_us=10)[0]] == [500, 50]
+    assert idle_gaps(events, min_us=10)[0][1].host[-1] == "aten::copy_"
+    summary = summarize_gaps(*idle_gaps(events, min_us=10))
+    assert summary["idle_s"] == pytest.approx(550e-6) and summary["idle_frac"] == pytest.approx(0.55)
+    assert [row["op"] for row in summary["by_host_op"]] == ["cudaStreamSynchronize", "aten::copy_"]
+    lines = format_gaps(gaps, window, 3)
+    assert "cudaStreamSynchronize" in lines[1] and "micro_batch > aten::item > cudaStreamSynchronize" in lines[-1]
+
+
+def test_idle_gaps_over_a_named_range_and_through_the_command(tmp_path, capsys):
+    from rlcore.observe.profile_report import idle_gaps
+
+    events = [_x("bench.update", "user_annotation", 100, 300, pid=1, tid=1),
+              _x("k", "kernel", 0, 150), _x("k", "kernel", 300, 50)]
+    gaps, window = idle_gaps(events, window_name="bench.update", min_us=1)
+    assert window == (100, 400) and [(g.start_us, g.dur_us) for g in gaps] == [(50, 150), (250, 50)]
+    assert gaps[0].host == ("bench.update",)
+    assert idle_gaps(events, window_name="missing") == ([], None)
+    assert idle_gaps([_x("op", "cpu_op", 0, 10)]) == ([], None)  # a CPU trace: no device to be idle
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [_x("ProfilerStep#1", "user_annotation", 0, 1000, pid=1, tid=1),
+                                                _x("k", "kernel", 0, 100), _x("k", "kernel", 900, 100),
+                                                _x("aten::nonzero", "cpu_op", 50, 900, pid=1, tid=1)]}))
+    from rlcore.cli import main
+
+    assert main(["profile-report", str(path), "--gaps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "idle stretches: 1, 0.8 ms (80.0% of the window)" in out and "aten::nonzero" in out
