@@ -6,7 +6,7 @@
 #   bash bench/gpu_round.sh tail       # the few-row decode step (the attention kernel's speed)
 #   bash bench/gpu_round.sh reasoning  # the 1.5B reasoning step at cap 8k and 2k, same lengths every run
 #   bash bench/gpu_round.sh tailcut    # the 1.5B step with the rollout's tail carried over, beside the defaults
-#   bash bench/gpu_round.sh short      # tailcut with 2 measured steps each, then Qwen3's numerics (one command)
+#   bash bench/gpu_round.sh short      # tailcut (2 measured steps each), Qwen3's numerics, then profile
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
 #   bash bench/gpu_round.sh profile    # the cap-2,048 step, then its update under the profiler: where the GPU idles
 #   bash bench/gpu_round.sh big        # the 7B reasoning step (needs an H200's memory)
@@ -55,10 +55,11 @@ case "${1:-}" in
         run reasoning_cap2k_profile 230 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore \
             --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 220 \
             --timeout-rlcore 220 --fixed-lengths --profile-update --out "$OUT/reasoning_cap2k_profile.json" ;;
-    short)  # one call that carries the two most wanted figures: the tail cut (2 measured steps each), Qwen3's numerics
+    short)  # one call, the most wanted first: the tail cut (2 measured steps each), Qwen3's numerics, the profile
         TAILCUT_STEPS=2 bash "$0" tailcut
         run check_models_qwen3 200 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,block-64,eager \
-            --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json" ;;
+            --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json"
+        bash "$0" profile ;;
     tests)
         run gpu_tests 500 python3 -m pytest -q -p no:logging tests/gpu tests/unit/test_rollout_decode_attention.py ;;
     big)
