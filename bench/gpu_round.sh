@@ -7,6 +7,7 @@
 #   bash bench/gpu_round.sh reasoning  # the 1.5B reasoning step at cap 8k and 2k, same lengths every run
 #   bash bench/gpu_round.sh tailcut    # the 1.5B step with the rollout's tail carried over, beside the defaults
 #   bash bench/gpu_round.sh short      # tailcut (2 measured steps each), Qwen3's numerics, then profile
+#   bash bench/gpu_round.sh last       # Qwen3's numerics, then profile (about four minutes)
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
 #   bash bench/gpu_round.sh profile    # the cap-2,048 step, then its update under the profiler: where the GPU idles
 #   bash bench/gpu_round.sh big        # the 7B reasoning step (needs an H200's memory)
@@ -58,6 +59,10 @@ case "${1:-}" in
     short)  # one call, the most wanted first: the tail cut (2 measured steps each), Qwen3's numerics, the profile
         TAILCUT_STEPS=2 bash "$0" tailcut
         run check_models_qwen3 200 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,block-64,eager \
+            --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json"
+        bash "$0" profile ;;
+    last)  # about four minutes: Qwen3's numerics, then the cap-2,048 update under the profiler
+        run check_models_qwen3 150 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,block-64,eager \
             --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json"
         bash "$0" profile ;;
     tests)
