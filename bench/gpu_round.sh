@@ -58,11 +58,11 @@ case "${1:-}" in
             --timeout-rlcore 220 --fixed-lengths --profile-update --out "$OUT/reasoning_cap2k_profile.json" ;;
     short)  # one call, the most wanted first: the tail cut (2 measured steps each), Qwen3's numerics, the profile
         TAILCUT_STEPS=2 bash "$0" tailcut
-        run check_models_qwen3 200 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,block-64,eager \
+        run check_models_qwen3 200 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,eager,block-64 \
             --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json"
         bash "$0" profile ;;
     last)  # about four minutes: Qwen3's numerics, then the cap-2,048 update under the profiler
-        run check_models_qwen3 150 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,block-64,eager \
+        run check_models_qwen3 150 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,eager,block-64 \
             --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json"
         bash "$0" profile ;;
     tests)
