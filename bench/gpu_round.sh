@@ -8,6 +8,7 @@
 #   bash bench/gpu_round.sh tailcut    # the 1.5B step with the rollout's tail carried over, beside the defaults
 #   bash bench/gpu_round.sh short      # tailcut (2 measured steps each), Qwen3's numerics, then profile
 #   bash bench/gpu_round.sh last       # Qwen3's numerics, then profile (about four minutes)
+#   bash bench/gpu_round.sh alloc      # the cap-2,048 step with and without the allocator's expandable segments
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
 #   bash bench/gpu_round.sh profile    # the cap-2,048 step, then its update under the profiler: where the GPU idles
 #   bash bench/gpu_round.sh big        # the 7B reasoning step (needs an H200's memory)
@@ -49,7 +50,7 @@ case "${1:-}" in
             extra=()
             [ "$v" = tail8 ] && extra=(--rlcore-override ppo.partial_rollout.tail_rows=8 --rlcore-override ppo.rollout_is=token)
             run "reasoning_$v" 280 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --warmup 2 \
-                --steps "${TAILCUT_STEPS:-3}" --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 --fixed-lengths "${extra[@]}" \
+                --steps "${TAILCUT_STEPS:-3}" --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 --fixed-lengths ${extra[@]+"${extra[@]}"} \
                 --out "$OUT/reasoning_$v.json"
         done ;;
     profile)
@@ -65,6 +66,14 @@ case "${1:-}" in
         run check_models_qwen3 150 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,eager,block-64 \
             --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json"
         bash "$0" profile ;;
+    alloc)  # the cap-2,048 step beside itself with PyTorch's expandable segments (the allocator's cache flushes)
+        for v in defaults expandable; do
+            env=()
+            [ "$v" = expandable ] && env=(env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+            run "reasoning_cap2k_$v" 200 ${env[@]+"${env[@]}"} python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b \
+                --systems rlcore --cap 2048 --mean-len 512 --warmup 2 --steps 2 --numerics-prompts 0 \
+                --total-budget-s 190 --timeout-rlcore 190 --fixed-lengths --out "$OUT/reasoning_cap2k_$v.json"
+        done ;;
     tests)
         run gpu_tests 500 python3 -m pytest -q -p no:logging tests/gpu tests/unit/test_rollout_decode_attention.py ;;
     big)
