@@ -58,6 +58,9 @@ VARIANTS = {
     # split across programs
     "triton-eager-rope-apart": dict(attention="triton", compile=False, rope_in_attention=False),
     "triton-eager-one-split": dict(attention="triton", compile=False, attention_tuning={"splits": 1}),
+    # the default with RoPE and the cache write apart (compiled: Inductor fuses them), the kernel reading
+    # the new column from the cache: what the uncompiled `triton-eager-rope-apart` gained, in the default path
+    "rope-apart": dict(rope_in_attention=False),
     # the kernel's block of columns (its running maximum moves a block at a time, and the probabilities
     # are rounded for the value product against it): the trainer's attention folds larger blocks than
     # the default 32 columns at head dim 128 (a paged cache's pages hold whole blocks)

@@ -31,7 +31,7 @@ case "${1:-}" in
     numerics)
         run kernel_fold 60 python3 -m pytest -q -p no:logging tests/unit/test_rollout_decode_attention.py -k folds_the_new
         run check_models_qwen3 200 python3 bench/check_models.py --shapes qwen3-1.7b \
-            --variants default,triton-eager,triton-eager-rope-apart,block-64,block-128,eager --prompts 8 --budget-s 20 \
+            --variants default,rope-apart,triton-eager,triton-eager-rope-apart,eager --prompts 8 --budget-s 20 \
             --out "$OUT/check_models_qwen3.json"
         run check_models_qwen25 120 python3 bench/check_models.py --shapes qwen2.5-1.5b --variants default,eager \
             --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen25.json" ;;
