@@ -316,6 +316,8 @@ def report(paths: Sequence[str], kernels: int = 0, gaps: int = 0) -> tuple[list[
         if gaps > 0 and b.mode == "gpu":
             found, window = idle_gaps(events)
             lines += format_gaps(found, window, gaps) if window is not None else []
+        elif gaps > 0:
+            lines.append("  idle stretches: none listed, a CPU trace has no device timeline (--gaps reads GPU traces)")
         lines.append("")
         if overall is None:
             overall = Breakdown(source="all traces", mode=b.mode)

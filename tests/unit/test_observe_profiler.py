@@ -165,3 +165,7 @@ def test_idle_gaps_over_a_named_range_and_through_the_command(tmp_path, capsys):
     assert main(["profile-report", str(path), "--gaps", "3"]) == 0
     out = capsys.readouterr().out
     assert "idle stretches: 1, 0.8 ms (80.0% of the window)" in out and "aten::nonzero" in out
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"traceEvents": [_x("aten::mm", "cpu_op", 0, 10, pid=1, tid=1)]}))
+    assert main(["profile-report", str(cpu), "--gaps", "3"]) == 0
+    assert "a CPU trace has no device timeline" in capsys.readouterr().out
