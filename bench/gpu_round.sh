@@ -80,7 +80,7 @@ case "${1:-}" in
         run reasoning_7b 560 python3 bench/bench_reasoning.py --shapes qwen2.5-7b --systems rlcore --warmup 1 \
             --steps 1 --numerics-prompts 0 --total-budget-s 540 --fixed-lengths --out "$OUT/reasoning_7b.json" ;;
     *)
-        sed -n '2,12p' "$0"
+        sed -n '2,/^set /p' "$0" | grep '^#'
         exit 2 ;;
 esac
 echo "results in $OUT"
