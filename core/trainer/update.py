@@ -250,8 +250,11 @@ def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, 
 
 
 def _value(x):
-    """A metric of one micro-batch as recorded: a tensor stays on its device, detached (see :func:`host_stats`)."""
-    return x.detach() if isinstance(x, torch.Tensor) else float(x)
+    """A metric of one micro-batch as recorded: a tensor stays on its device, detached (see :func:`host_stats`);
+    a distributed one (DTensor) as its full value."""
+    if not isinstance(x, torch.Tensor):
+        return float(x)
+    return (x.full_tensor() if hasattr(x, "full_tensor") else x).detach()
 
 
 def host_stats(stats: dict[str, list]) -> dict[str, list[float]]:
