@@ -463,13 +463,13 @@ def _profile_next_update(sink: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             prof.export_chrome_trace(os.path.join(tmp, "update.json"))
             events = load_events(os.path.join(tmp, "update.json"))
-        gaps, window = idle_gaps(events, window_name="bench.update")
-        if window is not None:
+        gaps, ranges = idle_gaps(events, window_name="bench.update")
+        if ranges:
             busy = total(clip(merge((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-                                    if e.get("cat") in GPU_KERNEL_CATS | GPU_MEMCPY_CATS), window))
-            sink["report"] = dict(summarize_gaps(gaps, window), busy_frac=busy / (window[1] - window[0]))
+                                    if e.get("cat") in GPU_KERNEL_CATS | GPU_MEMCPY_CATS), ranges[0]))
+            sink["report"] = dict(summarize_gaps(gaps, ranges), busy_frac=busy / total(ranges))
             print(f"== the update under the profiler: device busy {100 * sink['report']['busy_frac']:.1f}% of "
-                  f"{sink['report']['window_s']:.2f} s\n" + "\n".join(format_gaps(gaps, window, 12)), flush=True)
+                  f"{sink['report']['window_s']:.2f} s\n" + "\n".join(format_gaps(gaps, ranges, 12)), flush=True)
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
         return out

@@ -41,7 +41,7 @@ def cmd_profile_report(args: argparse.Namespace) -> int:
 
     paths = expand_traces(args.traces)
     try:
-        lines, overall = report(paths, kernels=args.kernels, gaps=args.gaps)
+        lines, overall = report(paths, kernels=args.kernels, gaps=args.gaps, within=args.within)
     except (OSError, ValueError) as e:
         raise RLCoreError(f"cannot read trace: {e}") from e
     print("\n".join(lines))
@@ -73,6 +73,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gaps", type=int, default=0, metavar="N",
                    help="GPU traces: where the device sat idle (stretches of 0.1 ms or more), by the host op "
                         "running in them, and the N longest")
+    p.add_argument("--within", default=None, metavar="NAME",
+                   help="with --gaps: only the time inside the host ranges named NAME (the trainer marks "
+                        "rlcore.generate, rlcore.update, rlcore.update.micro_batch ...)")
     p.add_argument("--strict", action="store_true", help="exit 1 when communication exceeds 20%%")
     p.add_argument("--fail-over", type=float, default=None, metavar="SHARE",
                    help="exit 1 when the communication share exceeds SHARE (0-1)")

@@ -14,6 +14,7 @@ FSDP settings.
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -203,24 +204,32 @@ class Gap:
 
 
 def idle_gaps(events: list[dict[str, Any]], min_us: float = 100.0, window_name: Optional[str] = None,
-              depth: int = 3) -> tuple[list[Gap], Optional[Interval]]:
-    """The device's idle stretches of at least ``min_us`` in a GPU trace's window (its profiler steps,
-    or the first host range named ``window_name``), in time order, each with what the host was doing
-    (the last ``depth`` ops of the nesting); and the window (None without device activity or window)."""
+              within: Optional[str] = None, depth: int = 3) -> tuple[list[Gap], list[Interval]]:
+    """The device's idle stretches of at least ``min_us`` in a GPU trace, in time order, each with what
+    the host was doing (the last ``depth`` ops of the nesting), and the ranges looked at: the trace's
+    window (its profiler steps), or the first host range named ``window_name``, or every host range
+    named ``within`` (``rlcore.update``: the updates of all the profiled steps). ``start_us`` counts
+    from the first range's start. No device activity, or no such range: no gaps."""
     device = merge(_span(e) for e in events if e.get("cat") in GPU_KERNEL_CATS | GPU_MEMCPY_CATS)
     host = sorted((e for e in events if e.get("cat") in HOST_CATS and not STEP_PATTERN.match(str(e.get("name", "")))),
                   key=lambda e: (float(e["ts"]), -float(e["dur"])))
-    if window_name is not None:
-        window = next((_span(e) for e in host if e.get("name") == window_name), None)
+    if within is not None:
+        ranges = merge(_span(e) for e in host if e.get("name") == within)
+    elif window_name is not None:
+        ranges = [_span(e) for e in host if e.get("name") == window_name][:1]
     else:
         window = _window(events, [{"ts": s, "dur": e - s} for s, e in device]) if device else None
-    if window is None or not device:
-        return [], window
-    stretches, cursor = [], window[0]
-    for s, e in clip(device, window) + [(window[1], window[1])]:
-        if s - cursor >= min_us:
-            stretches.append((cursor, s))
-        cursor = max(cursor, e)
+        ranges = [window] if window is not None else []
+    if not ranges or not device:
+        return [], ranges
+    starts = [s for s, _ in device]
+    stretches = []
+    for lo, hi in ranges:
+        cursor, k = lo, max(0, bisect.bisect_right(starts, lo) - 1)
+        for s, e in clip(device[k:bisect.bisect_left(starts, hi)], (lo, hi)) + [(hi, hi)]:
+            if s - cursor >= min_us:
+                stretches.append((cursor, s))
+            cursor = max(cursor, e)
     gaps, stacks, i = [], {}, 0
     for start, end in stretches:  # a sweep: each thread's open ops as a stack, at each gap's middle
         middle = (start + end) / 2
@@ -237,34 +246,36 @@ def idle_gaps(events: list[dict[str, Any]], min_us: float = 100.0, window_name: 
             open_ops = [op for op in stack if op[1] > middle]
             if open_ops:
                 chains.append((open_ops[-1][0], tuple(name for _, _, name in open_ops[-depth:])))
-        gaps.append(Gap(start - window[0], end - start, max(chains)[1] if chains else ()))
-    return gaps, window
+        gaps.append(Gap(start - ranges[0][0], end - start, max(chains)[1] if chains else ()))
+    return gaps, ranges
 
 
-def summarize_gaps(gaps: list[Gap], window: Interval, top: int = 15) -> dict[str, Any]:
-    """``gaps`` in figures: their count and idle seconds (and share of the window), the idle seconds by
-    the innermost host op they fell in (``by_host_op``, largest first) and the ``top`` longest."""
-    span = window[1] - window[0]
+def summarize_gaps(gaps: list[Gap], ranges: Sequence[Interval], top: int = 15) -> dict[str, Any]:
+    """``gaps`` in figures: their count and idle seconds (and share of the ``ranges``' time), the idle
+    seconds by the innermost host op they fell in (``by_host_op``, largest first) and the ``top`` longest."""
+    span = total(ranges)
     by_op: dict[str, list[float]] = {}
     for g in gaps:
         entry = by_op.setdefault(g.host[-1] if g.host else "(no host op)", [0.0, 0])
         entry[0] += g.dur_us
         entry[1] += 1
     idle = sum(g.dur_us for g in gaps)
-    return {"window_s": span / 1e6, "count": len(gaps), "idle_s": idle / 1e6, "idle_frac": idle / span if span else 0.0,
+    return {"window_s": span / 1e6, "ranges": len(ranges), "count": len(gaps), "idle_s": idle / 1e6,
+            "idle_frac": idle / span if span else 0.0,
             "by_host_op": [{"op": name, "s": us / 1e6, "count": int(n)}
                            for name, (us, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]],
             "longest": [{"ms": g.dur_us / 1e3, "at_ms": g.start_us / 1e3, "host": " > ".join(g.host)}
                         for g in sorted(gaps, key=lambda g: -g.dur_us)[:top]]}
 
 
-def format_gaps(gaps: list[Gap], window: Interval, top: int) -> list[str]:
+def format_gaps(gaps: list[Gap], ranges: Sequence[Interval], top: int, within: Optional[str] = None) -> list[str]:
     """Report lines: the idle time of ``gaps`` by the host op it fell in, then the ``top`` longest."""
-    summary = summarize_gaps(gaps, window, top)
+    summary = summarize_gaps(gaps, ranges, top)
+    where = f"{summary['ranges']} ranges named {within}" if within else "the window"
     lines = [f"  idle stretches: {summary['count']}, {summary['idle_s'] * 1e3:.1f} ms "
-             f"({summary['idle_frac'] * 100:.1f}% of the window), by the host op running in them:"]
+             f"({summary['idle_frac'] * 100:.1f}% of {where}), by the host op running in them:"]
     lines += [f"    {row['s'] * 1e3:10.2f} ms {row['count']:7d}x  {row['op'][:90]}" for row in summary["by_host_op"]]
-    lines.append("  longest idle stretches (ms, at ms into the window, the host's ops):")
+    lines.append("  longest idle stretches (ms, at ms from the first range's start, the host's ops):")
     lines += [f"    {g['ms']:8.2f} at {g['at_ms']:10.1f}  {g['host'] or '(no host op)'}" for g in summary["longest"]]
     return lines
 
@@ -304,9 +315,11 @@ def format_breakdown(b: Breakdown, title: Optional[str] = None, kernels: int = 0
     return lines
 
 
-def report(paths: Sequence[str], kernels: int = 0, gaps: int = 0) -> tuple[list[str], Breakdown]:
+def report(paths: Sequence[str], kernels: int = 0, gaps: int = 0,
+           within: Optional[str] = None) -> tuple[list[str], Breakdown]:
     """Lines for every trace plus a total over all of them (with ``kernels`` largest kernels each, and
-    with ``gaps`` > 0 where each GPU trace's idle time fell: :func:`idle_gaps`); the total breakdown."""
+    with ``gaps`` > 0 where each GPU trace's idle time fell, in the host ranges named ``within`` if
+    given: :func:`idle_gaps`); the total breakdown."""
     lines: list[str] = []
     overall: Optional[Breakdown] = None
     for path in paths:
@@ -314,8 +327,9 @@ def report(paths: Sequence[str], kernels: int = 0, gaps: int = 0) -> tuple[list[
         b = analyze_events(events, source=path)
         lines += format_breakdown(b, kernels=kernels)
         if gaps > 0 and b.mode == "gpu":
-            found, window = idle_gaps(events)
-            lines += format_gaps(found, window, gaps) if window is not None else []
+            found, ranges = idle_gaps(events, within=within)
+            lines += (format_gaps(found, ranges, gaps, within) if ranges else
+                      [f"  idle stretches: none listed, no host range named {within} in this trace"])
         elif gaps > 0:
             lines.append("  idle stretches: none listed, a CPU trace has no device timeline (--gaps reads GPU traces)")
         lines.append("")

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.profiler import record_function
 
 from rlcore.contract import check_resume_step
 from rlcore.distributed.init import all_gather_object, all_reduce_mean
@@ -287,9 +288,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:
+        """Time ``name`` (``time/<name>_s``), marked ``rlcore.<name>`` in profiles."""
         t = time.perf_counter()
         try:
-            yield
+            with record_function(f"rlcore.{name}"):
+                yield
         finally:
             self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - t
 
@@ -522,13 +525,14 @@ class Trainer:
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
         critic = c.critic
         compiled_before = reading()
-        out = ppo_update(exp, actor=c.actor.model, actor_opt=c.actor.optimizer, actor_sched=c.actor.scheduler,
-                         actor_grad_clip=self.cfg.actor.grad_clip, critic=critic and critic.model,
-                         critic_opt=critic and critic.optimizer, critic_sched=critic and critic.scheduler,
-                         critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
-                         grad_accum=int(self.tcfg.gradient_accumulation_steps),
-                         temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
-                         generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard, pre=pre)
+        with record_function("rlcore.update"):
+            out = ppo_update(exp, actor=c.actor.model, actor_opt=c.actor.optimizer, actor_sched=c.actor.scheduler,
+                             actor_grad_clip=self.cfg.actor.grad_clip, critic=critic and critic.model,
+                             critic_opt=critic and critic.optimizer, critic_sched=critic and critic.scheduler,
+                             critic_grad_clip=self.cfg.critic.grad_clip, ppo=self.ppo,
+                             grad_accum=int(self.tcfg.gradient_accumulation_steps),
+                             temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
+                             generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard, pre=pre)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
         # compilation inside the update (new lengths for the compiled layers): the host works, the device waits

@@ -133,7 +133,7 @@ def test_idle_gaps_name_the_host_op_of_the_thread_that_ran_last():
         _x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 850, 150),
     ]
     gaps, window = idle_gaps(events, min_us=100)
-    assert window == (0, 1000)
+    assert window == [(0, 1000)]
     gap, = gaps
     assert (gap.start_us, gap.dur_us) == (200, 500)
     assert gap.host == ("rlcore.update.micro_batch", "aten::item", "cudaStreamSynchronize")
@@ -152,10 +152,10 @@ def test_idle_gaps_over_a_named_range_and_through_the_command(tmp_path, capsys):
     events = [_x("bench.update", "user_annotation", 100, 300, pid=1, tid=1),
               _x("k", "kernel", 0, 150), _x("k", "kernel", 300, 50)]
     gaps, window = idle_gaps(events, window_name="bench.update", min_us=1)
-    assert window == (100, 400) and [(g.start_us, g.dur_us) for g in gaps] == [(50, 150), (250, 50)]
+    assert window == [(100, 400)] and [(g.start_us, g.dur_us) for g in gaps] == [(50, 150), (250, 50)]
     assert gaps[0].host == ("bench.update",)
-    assert idle_gaps(events, window_name="missing") == ([], None)
-    assert idle_gaps([_x("op", "cpu_op", 0, 10)]) == ([], None)  # a CPU trace: no device to be idle
+    assert idle_gaps(events, window_name="missing") == ([], [])
+    assert idle_gaps([_x("op", "cpu_op", 0, 10)]) == ([], [])  # a CPU trace: no device to be idle
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": [_x("ProfilerStep#1", "user_annotation", 0, 1000, pid=1, tid=1),
                                                 _x("k", "kernel", 0, 100), _x("k", "kernel", 900, 100),
@@ -169,3 +169,31 @@ def test_idle_gaps_over_a_named_range_and_through_the_command(tmp_path, capsys):
     cpu.write_text(json.dumps({"traceEvents": [_x("aten::mm", "cpu_op", 0, 10, pid=1, tid=1)]}))
     assert main(["profile-report", str(cpu), "--gaps", "3"]) == 0
     assert "a CPU trace has no device timeline" in capsys.readouterr().out
+
+
+def test_idle_gaps_within_every_range_of_a_name(tmp_path, capsys):
+    """--within NAME: only the idle time inside the host ranges of that name counts (the updates of all the
+    profiled steps, say), each range cut at its own edges, the share taken of their summed time."""
+    from rlcore.cli import main
+    from rlcore.observe.profile_report import idle_gaps, summarize_gaps
+
+    events = [_x("ProfilerStep#1", "user_annotation", 0, 2000, pid=1, tid=1),
+              _x("rlcore.update", "user_annotation", 100, 400, pid=1, tid=1),
+              _x("rlcore.generate", "user_annotation", 600, 600, pid=1, tid=1),
+              _x("rlcore.update", "user_annotation", 1300, 500, pid=1, tid=1),
+              _x("k", "kernel", 0, 200), _x("k", "kernel", 350, 100),  # update 1: idle 200-350, 450-500
+              _x("k", "kernel", 500, 900),  # busy through the generation and into update 2 (to 1400)
+              _x("k", "kernel", 1600, 300)]  # update 2: idle 1400-1600
+    gaps, ranges = idle_gaps(events, within="rlcore.update", min_us=10)
+    assert ranges == [(100, 500), (1300, 1800)]
+    assert [(g.start_us, g.dur_us) for g in gaps] == [(100, 150), (350, 50), (1300, 200)]
+    summary = summarize_gaps(gaps, ranges)
+    assert summary["ranges"] == 2 and summary["idle_frac"] == pytest.approx(400 / 900)
+    assert idle_gaps(events, within="rlcore.generate", min_us=10)[0] == []
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert main(["profile-report", str(path), "--gaps", "2", "--within", "rlcore.update"]) == 0
+    out = capsys.readouterr().out
+    assert "idle stretches: 2, " in out and "(38.9% of 2 ranges named rlcore.update)" in out
+    assert main(["profile-report", str(path), "--gaps", "2", "--within", "rlcore.nothing"]) == 0
+    assert "no host range named rlcore.nothing" in capsys.readouterr().out
