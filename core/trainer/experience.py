@@ -92,16 +92,26 @@ def row_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor) -> tu
     """Per row, on the host: its first used prompt column (the prompt width if none) and one past its
     last used response column (0 if none); :func:`rows_used` turns any rows' values into
     :func:`used_columns` of those rows."""
-    rows, prompt_cols = attention_mask.shape[0], attention_mask.shape[1] - response_mask.shape[1]
-    prompt, response = attention_mask[:, :prompt_cols].bool(), response_mask.bool()
-    first = torch.full((rows,), prompt_cols, dtype=torch.long, device=attention_mask.device)
-    if prompt_cols:
-        first = torch.where(prompt.any(-1), prompt.int().argmax(-1).long(), first)
-    kept = torch.zeros(rows, dtype=torch.long, device=attention_mask.device)
-    if response.shape[1]:
-        kept = torch.where(response.any(-1), response.shape[1] - response.flip(-1).int().argmax(-1).long(), kept)
-    first, kept = torch.stack([first, kept]).cpu()
+    prompt_cols = attention_mask.shape[1] - response_mask.shape[1]
+    first, kept = torch.stack([first_set(attention_mask[:, :prompt_cols]), end_of_set(response_mask)]).cpu()
     return first, kept
+
+
+def first_set(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` long: each row's first set column of ``mask [B, C]`` (``C`` where none is), on its device."""
+    first = torch.full((mask.shape[0],), mask.shape[1], dtype=torch.long, device=mask.device)
+    if mask.shape[1]:
+        first = torch.where(mask.bool().any(-1), mask.bool().int().argmax(-1).long(), first)
+    return first
+
+
+def end_of_set(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` long: one past each row's last set column of ``mask [B, C]`` (0 where none is), on its device."""
+    end = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    if mask.shape[1]:
+        set_ = mask.bool()
+        end = torch.where(set_.any(-1), mask.shape[1] - set_.flip(-1).int().argmax(-1).long(), end)
+    return end
 
 
 def rows_used(first: torch.Tensor, kept: torch.Tensor, prompt_cols: int) -> tuple[int, int]:

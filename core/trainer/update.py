@@ -9,7 +9,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -17,10 +17,13 @@ from torch.profiler import record_function
 from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
 from rlcore.errors import TrainingError
-from rlcore.trainer.experience import Experience, row_columns, rows_used
+from rlcore.trainer.experience import Experience
 from rlcore.trainer import aligned
 from rlcore.trainer.models import response_logprobs, response_values
 from rlcore.trainer.packing import micro_batches
+from rlcore.trainer.sizes import SampleSizes as _Sizes
+from rlcore.trainer.sizes import host_sizes as _host_sizes
+from rlcore.trainer.sizes import padding_share as _padding_share
 
 log = logging.getLogger(__name__)
 
@@ -487,59 +490,6 @@ def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, s
     if CHECK_FINITE:
         _check_micro_batch(actor, mb, old, stats, k)
     return mb, old
-
-
-class _Sizes(NamedTuple):
-    """Each sample's sizes on the host (:func:`_host_sizes`)."""
-
-    prompt: torch.Tensor  # prompt tokens
-    response: torch.Tensor  # response columns up to its last attended one
-    width: int  # columns of a row
-    tokens: torch.Tensor  # attended tokens (prompt and response)
-    prompt_width: int  # prompt columns of a row
-    first: torch.Tensor  # first used prompt column (experience.row_columns)
-    kept: torch.Tensor  # one past the last trained response column (experience.row_columns)
-
-    def used(self, idx: torch.Tensor) -> tuple[int, int]:
-        """:func:`~rlcore.trainer.experience.used_columns` of the samples ``idx``, from the host."""
-        idx = idx.cpu()
-        return rows_used(self.first[idx], self.kept[idx], self.prompt_width)
-
-
-def _host_sizes(exp: Experience) -> _Sizes:
-    """The sizes of ``exp``'s samples, read to the host at once (the update then plans on the host)."""
-    width = exp.attention_mask.shape[1]
-    prompt_width = width - exp.response_mask.shape[1]
-    response = exp.attention_mask[:, prompt_width:]
-    last = response.shape[1] - response.flip(-1).int().argmax(-1)  # one past the last attended response column
-    used = torch.where(response.bool().any(-1), last, torch.zeros_like(last))
-    tokens, prompt, used = torch.stack([exp.attention_mask.sum(-1), exp.attention_mask[:, :prompt_width].sum(-1),
-                                        used]).cpu()
-    first, kept = row_columns(exp.attention_mask, exp.response_mask)
-    return _Sizes(prompt, used, int(width), tokens, int(prompt_width), first, kept)
-
-
-def _padding_share(groups: list[torch.Tensor], sizes: _Sizes, packed: bool, trim: bool) -> float:
-    """Share of the token positions the micro-batches ``groups`` compute that are padding, counted as
-    :func:`_tokens` counts them: none packed; rows x the longest row with the rows moved left
-    (:mod:`rlcore.trainer.aligned`); rows x (longest prompt + longest response) trimmed, else rows x the
-    full width."""
-    real = computed = 0
-    for group in groups:
-        idx = group.cpu()
-        if not len(idx):
-            continue
-        own = int(sizes.tokens[idx].sum())
-        real += own
-        if packed:
-            computed += own
-        elif aligned.ENABLED:
-            computed += len(idx) * int(sizes.tokens[idx].max())
-        elif trim:
-            computed += len(idx) * int(sizes.prompt[idx].max() + sizes.response[idx].max())
-        else:
-            computed += len(idx) * sizes.width
-    return 1.0 - real / computed if computed else 0.0
 
 
 def _tokens(mb: Experience, packed: bool) -> int:
