@@ -448,8 +448,7 @@ def _profile_next_update(sink: dict[str, Any]) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import rlcore.trainer.loop as loop
-    from rlcore.observe.profile_report import (GPU_KERNEL_CATS, GPU_MEMCPY_CATS, clip, format_gaps, idle_gaps,
-                                               load_events, merge, summarize_gaps, total)
+    from rlcore.observe.profile_report import busy_share, format_gaps, idle_gaps, load_events, summarize_gaps
 
     plain = loop.ppo_update
 
@@ -465,9 +464,7 @@ def _profile_next_update(sink: dict[str, Any]) -> None:
             events = load_events(os.path.join(tmp, "update.json"))
         gaps, ranges = idle_gaps(events, window_name="bench.update")
         if ranges:
-            busy = total(clip(merge((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-                                    if e.get("cat") in GPU_KERNEL_CATS | GPU_MEMCPY_CATS), ranges[0]))
-            sink["report"] = dict(summarize_gaps(gaps, ranges), busy_frac=busy / total(ranges))
+            sink["report"] = dict(summarize_gaps(gaps, ranges), busy_frac=busy_share(events, ranges))
             print(f"== the update under the profiler: device busy {100 * sink['report']['busy_frac']:.1f}% of "
                   f"{sink['report']['window_s']:.2f} s\n" + "\n".join(format_gaps(gaps, ranges, 12)), flush=True)
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"

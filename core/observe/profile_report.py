@@ -203,6 +203,18 @@ class Gap:
     host: tuple[str, ...]
 
 
+def device_intervals(events: list[dict[str, Any]]) -> list[Interval]:
+    """The times a GPU trace's device was running a kernel or a copy (merged)."""
+    return merge(_span(e) for e in events if e.get("cat") in GPU_KERNEL_CATS | GPU_MEMCPY_CATS)
+
+
+def busy_share(events: list[dict[str, Any]], ranges: Sequence[Interval]) -> float:
+    """The share of the ``ranges``' time the device was running something (0 without ranges)."""
+    span = total(ranges)
+    device = device_intervals(events)
+    return sum(total(clip(device, r)) for r in ranges) / span if span else 0.0
+
+
 def idle_gaps(events: list[dict[str, Any]], min_us: float = 100.0, window_name: Optional[str] = None,
               within: Optional[str] = None, depth: int = 3) -> tuple[list[Gap], list[Interval]]:
     """The device's idle stretches of at least ``min_us`` in a GPU trace, in time order, each with what
@@ -210,7 +222,7 @@ def idle_gaps(events: list[dict[str, Any]], min_us: float = 100.0, window_name: 
     window (its profiler steps), or the first host range named ``window_name``, or every host range
     named ``within`` (``rlcore.update``: the updates of all the profiled steps). ``start_us`` counts
     from the first range's start. No device activity, or no such range: no gaps."""
-    device = merge(_span(e) for e in events if e.get("cat") in GPU_KERNEL_CATS | GPU_MEMCPY_CATS)
+    device = device_intervals(events)
     host = sorted((e for e in events if e.get("cat") in HOST_CATS and not STEP_PATTERN.match(str(e.get("name", "")))),
                   key=lambda e: (float(e["ts"]), -float(e["dur"])))
     if within is not None:

@@ -189,6 +189,9 @@ def test_idle_gaps_within_every_range_of_a_name(tmp_path, capsys):
     assert [(g.start_us, g.dur_us) for g in gaps] == [(100, 150), (350, 50), (1300, 200)]
     summary = summarize_gaps(gaps, ranges)
     assert summary["ranges"] == 2 and summary["idle_frac"] == pytest.approx(400 / 900)
+    from rlcore.observe.profile_report import busy_share
+
+    assert busy_share(events, ranges) == pytest.approx(500 / 900) and busy_share(events, []) == 0.0
     assert idle_gaps(events, within="rlcore.generate", min_us=10)[0] == []
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
