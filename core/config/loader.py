@@ -486,6 +486,12 @@ def _check_recipes(cfg: DictConfig, errors: list[str]) -> None:
                           "pip install 'rlcore[lora]' (or set actor.lora.rank=0 for full fine-tuning)")
 
 
+def partial_rollout_key(partial) -> str:
+    """The ``ppo.partial_rollout`` key an error about partial rollouts names: ``segment`` when set, else
+    ``tail_rows``."""
+    return "segment" if int(partial.segment) > 0 else "tail_rows"
+
+
 def partial_rollout_problems(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     """What the rest of the config (and, given, the job's ``world_size``) must be for partial rollouts
     (``ppo.partial_rollout.segment > 0`` or ``ppo.partial_rollout.tail_rows > 0``), each problem naming the
@@ -495,7 +501,7 @@ def partial_rollout_problems(cfg: DictConfig, world_size: int | None = None) -> 
            for name in ("segment", "tail_rows") if partial.get(name, 0) < 0]
     if bad:
         return bad
-    name = "segment" if partial.segment > 0 else "tail_rows"
+    name = partial_rollout_key(partial)
     value = partial.get(name, 0)
     if value == 0:
         return []

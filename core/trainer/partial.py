@@ -49,7 +49,7 @@ STATE_KEY = "partial_rollout"
 def enabled(ppo: Any) -> bool:
     """Whether the ``ppo`` section turns partial rollouts on (a segment or tail rows)."""
     partial = ppo.partial_rollout
-    return int(partial.segment) > 0 or int(getattr(partial, "tail_rows", 0) or 0) > 0
+    return int(partial.segment) > 0 or int(partial.tail_rows) > 0
 
 
 def check_world(cfg: Any, world_size: int, split: Any = None) -> None:
@@ -58,14 +58,14 @@ def check_world(cfg: Any, world_size: int, split: Any = None) -> None:
 
     :raises ConfigError: naming ``ppo.partial_rollout.segment`` and the conflicting setting.
     """
-    from rlcore.config.loader import partial_rollout_problems
+    from rlcore.config.loader import partial_rollout_key, partial_rollout_problems
 
     if not enabled(cfg.ppo):
         return
     problems = partial_rollout_problems(cfg, world_size)
     if split is not None:
         partial = cfg.ppo.partial_rollout
-        name = "segment" if int(partial.segment) > 0 else "tail_rows"
+        name = partial_rollout_key(partial)
         problems.append(f"'ppo.partial_rollout.{name}' = {partial[name]} (partial rollouts) runs in one process "
                         f"only, but a plugin splits this job into training and rollout ranks (rlcore_world_split, "
                         f"{type(split[0]).__name__}): drop that plugin or set ppo.partial_rollout.{name}=0")
@@ -153,7 +153,7 @@ class PartialSource:
         self.filler = trainer.c.prompts.fill
         partial = trainer.ppo.partial_rollout
         self.segment = int(partial.segment)
-        self.tail_rows = int(getattr(partial, "tail_rows", 0) or 0)
+        self.tail_rows = int(partial.tail_rows)
         if self.segment < 0 or self.tail_rows < 0 or not (self.segment or self.tail_rows):
             raise ValueError(f"PartialSource: ppo.partial_rollout needs segment > 0 or tail_rows > 0, got segment "
                              f"{self.segment}, tail_rows {self.tail_rows}")
