@@ -306,14 +306,11 @@ def rlcore_overrides(spec: dict[str, Any], setting: dict[str, Any]) -> list[str]
 def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    import dataclasses
-
     from _common import import_rlcore, run_train_steps, timed
 
     import_rlcore()
     from rlcore.config import load_config
     from rlcore.distributed.init import init_distributed
-    from rlcore.observe.flops import peak_flops
     from rlcore.plugin_manager import build_plugin_manager
     from rlcore.trainer.loop import Trainer
 
@@ -324,37 +321,7 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     if spec.get("fixed_lengths"):
         fix_lengths(trainer, spec)
     setup_s = time.perf_counter() - t0
-    rollouts: list[tuple[list[int], list[int]]] = []
-    plain_generate = trainer.c.generation.generate
-
-    def recording_generate(prompts, params, *args, **kwargs):
-        batch = plain_generate(prompts, params, *args, **kwargs)
-        rollouts.append((batch.prompt_mask.sum(-1).tolist(), batch.response_mask.sum(-1).tolist()))
-        return batch
-
-    trainer.c.generation.generate = recording_generate
-    # the samples each step trains (with ppo.partial_rollout some were generated at earlier steps, and
-    # a step's rollout also decodes samples trained later): the update's FLOPs count these
-    trained: list[tuple[list[int], list[int]]] = []
-    plain_next = trainer.source.next
-
-    def recording_next(step: int):
-        sampled = plain_next(step)
-        r = sampled.rollout
-        trained.append((r.prompt_mask.sum(-1).tolist(), r.response_mask.sum(-1).tolist()))
-        return sampled
-
-    trainer.source.next = recording_next
-    plain_sampling = trainer.sampling
-
-    def sampling(step: int, *args, **kwargs):
-        # warm-up steps (compilation, graph capture) with responses cut at warmup_cap
-        params = plain_sampling(step, *args, **kwargs)
-        if step <= spec["warmup"]:
-            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, spec["warmup_cap"]))
-        return params
-
-    trainer.sampling = sampling
+    rollouts, trained = _record_runs(trainer, spec)
     total = spec["warmup"] + spec["steps"]
     # --profile-update: one more step, its update under the profiler, left out of the measured figures
     profiling = {"report": None, "kept": None} if spec.get("profile_update") else None
@@ -388,6 +355,69 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     if profiling is not None:  # the profiled step's figures are not the measured ones
         times, steps = times[:-1], steps[:-1]
         del rollouts[profiling["kept"][0]:], trained[profiling["kept"][1]:]
+    result = _measured(trainer, spec, times, steps, rollouts, trained)
+    result.update(setup_s=setup_s, engine_warmup_s=engine_warmup_s)
+    if profiling is not None:
+        result["update_idle"] = profiling["report"]
+    # the measured step stands even if the numerics that follow run past the timeout
+    progress.update(phase="numerics", result=result)
+    spec["_save_progress"]()
+    try:
+        result["numerics"] = rlcore_numerics(trainer, spec, setting) if spec["numerics_prompts"] > 0 else {}
+    except Exception as error:  # noqa: BLE001 - the step's numbers stand without it
+        if _is_oom(error):
+            torch.cuda.empty_cache()
+        traceback.print_exc()
+        result["numerics"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    return result
+
+
+def _record_runs(trainer, spec: dict[str, Any]) -> tuple[list, list]:
+    """Wrap ``trainer``'s generation, sample source and sampling settings: returns the lists each step's
+    ``(prompt lengths, response lengths)`` go to, of the samples generated and of those trained; the
+    warm-up steps' responses are cut at ``spec["warmup_cap"]``."""
+    import dataclasses
+
+    rollouts: list[tuple[list[int], list[int]]] = []
+    plain_generate = trainer.c.generation.generate
+
+    def recording_generate(prompts, params, *args, **kwargs):
+        batch = plain_generate(prompts, params, *args, **kwargs)
+        rollouts.append((batch.prompt_mask.sum(-1).tolist(), batch.response_mask.sum(-1).tolist()))
+        return batch
+
+    trainer.c.generation.generate = recording_generate
+    # the samples each step trains (with ppo.partial_rollout some were generated at earlier steps, and
+    # a step's rollout also decodes samples trained later): the update's FLOPs count these
+    trained: list[tuple[list[int], list[int]]] = []
+    plain_next = trainer.source.next
+
+    def recording_next(step: int):
+        sampled = plain_next(step)
+        r = sampled.rollout
+        trained.append((r.prompt_mask.sum(-1).tolist(), r.response_mask.sum(-1).tolist()))
+        return sampled
+
+    trainer.source.next = recording_next
+    plain_sampling = trainer.sampling
+
+    def sampling(step: int, *args, **kwargs):
+        # warm-up steps (compilation, graph capture) with responses cut at warmup_cap
+        params = plain_sampling(step, *args, **kwargs)
+        if step <= spec["warmup"]:
+            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, spec["warmup_cap"]))
+        return params
+
+    trainer.sampling = sampling
+    return rollouts, trained
+
+
+def _measured(trainer, spec: dict[str, Any], times: list[float], steps: list[dict[str, float]], rollouts: list,
+              trained: list) -> dict[str, Any]:
+    """The result of the measured steps (those after ``spec["warmup"]``, or the last one): seconds a step and
+    its parts, lengths, samples a second, the update's MFU, the GPU monitor's and the trainer's metrics."""
+    from rlcore.observe.flops import peak_flops
+
     first = spec["warmup"]
     measured = steps[first:] or steps[-1:]
     lengths = [x for _, resp in trained[first:] or trained[-1:] for x in resp]
@@ -402,7 +432,7 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     peak = peak_flops(trainer.c.train_device)
     steps_measured = max(1, len(times[first:]))
     flops = update_flops(trainer.c.policy.config, sequences) / steps_measured
-    result = {"step_s": step_s, "step_times": times, "setup_s": setup_s, "parts": parts,
+    result = {"step_s": step_s, "step_times": times, "parts": parts,
               "tokens_per_step": sum(sequences) / steps_measured, "lengths": length_stats(lengths, spec["cap"]),
               "samples_trained": [len(resp) for _, resp in trained], "tokens_decoded": decoded,
               # what partial rollouts compare by: the samples a measured step trains vary, so samples a second
@@ -420,21 +450,9 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
                                                                             "actor/"))},
               "step_metrics": [{k: v for k, v in m.items() if k.startswith(("partial/", "gpu/util", "time/"))}
                                for m in steps],
-              "rollout_backend": _backend_name(trainer), "engine_warmup_s": engine_warmup_s,
+              "rollout_backend": _backend_name(trainer),
               "engine_settings": _engine_settings(trainer)}
-    if profiling is not None:
-        result["update_idle"] = profiling["report"]
     result["tokens_per_s"] = result["tokens_per_step"] / step_s
-    # the measured step stands even if the numerics that follow run past the timeout
-    progress.update(phase="numerics", result=result)
-    spec["_save_progress"]()
-    try:
-        result["numerics"] = rlcore_numerics(trainer, spec, setting) if spec["numerics_prompts"] > 0 else {}
-    except Exception as error:  # noqa: BLE001 - the step's numbers stand without it
-        if _is_oom(error):
-            torch.cuda.empty_cache()
-        traceback.print_exc()
-        result["numerics"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     return result
 
 
