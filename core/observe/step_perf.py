@@ -17,9 +17,10 @@ class StepPerf:
 
     def __init__(self, model_config: Any, device: torch.device, world_size: int):
         self.model_config, self.device, self.world_size = model_config, torch.device(device), int(world_size)
-        self.retries_seen = self._retries()
+        self.retries_seen = self.retries()
 
-    def _retries(self) -> int:
+    def retries(self) -> int:
+        """The allocator's cache flushes so far on this device (0 off CUDA)."""
         if self.device.type != "cuda":
             return 0
         return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
@@ -38,7 +39,7 @@ class StepPerf:
             pass
         if self.device.type == "cuda":
             out["memory/peak_gb"] = peak.max_allocated(self.device) / 2**30
-            retries = self._retries()
+            retries = self.retries()
             out["memory/alloc_retries"] = float(retries - self.retries_seen)
             self.retries_seen = retries
         return out

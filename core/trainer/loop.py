@@ -85,6 +85,8 @@ class Trainer:
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
         self._times: dict[str, float] = {}
+        #: the allocator's cache flushes in each timed phase of the step (``memory/alloc_retries_<name>``)
+        self._retries: dict[str, int] = {}
         self._last_save_s: float | None = None
         #: the step whose state the checkpoint policy last saved (or resumed from): never saved again
         self._saved_step: int | None = None
@@ -184,7 +186,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         c, m = self.c, {}
-        self._times = {}
+        self._times, self._retries = {}, {}
         t0 = time.perf_counter()
         self.hook.rlcore_step_start(step=step)
         # 1-3. Prompts (this rank's share, each repeated n times), rollout in the generation layout,
@@ -213,6 +215,7 @@ class Trainer:
                  **self.source.metrics())
         m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
         m.update({f"time/{k}_s": v for k, v in self._times.items()})
+        m.update({f"memory/alloc_retries_{k}": float(v) for k, v in self._retries.items() if v})
         if self._last_save_s is not None:  # the save after the previous step (written after its metrics)
             m["time/checkpoint_s"], self._last_save_s = self._last_save_s, None
         m["time/step_s"] = time.perf_counter() - t0
@@ -289,12 +292,17 @@ class Trainer:
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:
         """Time ``name`` (``time/<name>_s``), marked ``rlcore.<name>`` in profiles."""
-        t = time.perf_counter()
+        t, retries = time.perf_counter(), self.perf.retries()
         try:
             with record_function(f"rlcore.{name}"):
                 yield
         finally:
             self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - t
+            self._count_retries(name, retries)
+
+    def _count_retries(self, name: str, before: int) -> None:
+        """Add the allocator's cache flushes since ``before`` to phase ``name``'s count."""
+        self._retries[name] = self._retries.get(name, 0) + self.perf.retries() - before
 
     def sampling(self, step: int, greedy: bool = False, round: int = 0) -> SamplingParams:
         """Sampling settings of ``step``; each extra rollout ``round`` of a step (dynamic sampling) has its own seed."""
@@ -524,7 +532,7 @@ class Trainer:
         c = self.c
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
         critic = c.critic
-        compiled_before = reading()
+        compiled_before, retries = reading(), self.perf.retries()
         with record_function("rlcore.update"):
             out = ppo_update(exp, actor=c.actor.model, actor_opt=c.actor.optimizer, actor_sched=c.actor.scheduler,
                              actor_grad_clip=self.cfg.actor.grad_clip, critic=critic and critic.model,
@@ -533,6 +541,7 @@ class Trainer:
                              grad_accum=int(self.tcfg.gradient_accumulation_steps),
                              temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
                              generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard, pre=pre)
+        self._count_retries("update", retries)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
         # compilation inside the update (new lengths for the compiled layers): the host works, the device waits
