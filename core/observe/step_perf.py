@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
+from torch.profiler import record_function
 
 from rlcore.observe import peak
 
@@ -42,4 +45,36 @@ class StepPerf:
             retries = self.retries()
             out["memory/alloc_retries"] = float(retries - self.retries_seen)
             self.retries_seen = retries
+        return out
+
+
+class PhaseClock:
+    """The seconds (``time/<name>_s``) and the allocator's cache flushes (``memory/alloc_retries_<name>``,
+    where non-zero) of each named phase of a step, each phase marked ``rlcore.<name>`` in profiles."""
+
+    def __init__(self, perf: StepPerf):
+        self.perf = perf
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new step."""
+        self.seconds: dict[str, float] = {}
+        self.flushes: dict[str, int] = {}
+
+    @contextmanager
+    def phase(self, name: str, timed: bool = True) -> Iterator[None]:
+        """Count what happens inside as phase ``name``; ``timed=False``: its flushes only (a phase whose
+        seconds are reported elsewhere)."""
+        t, before = time.perf_counter(), self.perf.retries()
+        try:
+            with record_function(f"rlcore.{name}"):
+                yield
+        finally:
+            if timed:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+            self.flushes[name] = self.flushes.get(name, 0) + self.perf.retries() - before
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}_s": v for k, v in self.seconds.items()}
+        out.update({f"memory/alloc_retries_{k}": float(v) for k, v in self.flushes.items() if v})
         return out

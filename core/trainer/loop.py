@@ -5,17 +5,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Optional
+from contextlib import nullcontext
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.profiler import record_function
 
 from rlcore.contract import check_resume_step
 from rlcore.distributed.init import all_gather_object, all_reduce_mean
 from rlcore.observe.progress import ProgressBar
-from rlcore.observe.step_perf import StepPerf
+from rlcore.observe.step_perf import PhaseClock, StepPerf
 from rlcore.protocols import DistInfo, RolloutSource
 from rlcore.rollout.base import RolloutBatch, SamplingParams
 from rlcore.trainer.checkpoint import GracefulExit, archive_previous_run
@@ -84,9 +83,6 @@ class Trainer:
         self.episodes = build_episode_runner(cfg, pm, self.c.tokenizer)
         self.gen_cfg = self.ppo.generation
         self.n = int(self.gen_cfg.n)
-        self._times: dict[str, float] = {}
-        #: the allocator's cache flushes in each timed phase of the step (``memory/alloc_retries_<name>``)
-        self._retries: dict[str, int] = {}
         self._last_save_s: float | None = None
         #: the step whose state the checkpoint policy last saved (or resumed from): never saved again
         self._saved_step: int | None = None
@@ -95,6 +91,8 @@ class Trainer:
         self.guard = NonFiniteGuard(int(self.tcfg.max_nonfinite_steps))
         #: the step's throughput, MFU and memory metrics
         self.perf = StepPerf(self.c.policy.config, self.c.train_device, dist.world_size)
+        #: the step's timed phases: their seconds and the allocator's cache flushes in each
+        self.clock = PhaseClock(self.perf)
         #: what was logged once for the run (e.g. why ``ppo.overlap_update`` does not apply)
         self.notes: set[str] = set()
         #: where each step's scored samples come from: generated here (:meth:`collect`), or (``split``: a
@@ -186,7 +184,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         c, m = self.c, {}
-        self._times, self._retries = {}, {}
+        self.clock.reset()
         t0 = time.perf_counter()
         self.hook.rlcore_step_start(step=step)
         # 1-3. Prompts (this rank's share, each repeated n times), rollout in the generation layout,
@@ -214,8 +212,7 @@ class Trainer:
         m.update(batch.reward_metrics, **self.rollout_metrics(rollout, batch.raw_scores), **reshard,
                  **self.source.metrics())
         m["time/reshard_s"] = reshard.get("reshard/to_gen_s", 0.0) + reshard.get("reshard/to_train_s", 0.0)
-        m.update({f"time/{k}_s": v for k, v in self._times.items()})
-        m.update({f"memory/alloc_retries_{k}": float(v) for k, v in self._retries.items() if v})
+        m.update(self.clock.metrics())
         if self._last_save_s is not None:  # the save after the previous step (written after its metrics)
             m["time/checkpoint_s"], self._last_save_s = self._last_save_s, None
         m["time/step_s"] = time.perf_counter() - t0
@@ -289,20 +286,9 @@ class Trainer:
         return False
 
     # ------------------------------------------------------------------------------------------
-    @contextmanager
-    def timer(self, name: str) -> Iterator[None]:
-        """Time ``name`` (``time/<name>_s``), marked ``rlcore.<name>`` in profiles."""
-        t, retries = time.perf_counter(), self.perf.retries()
-        try:
-            with record_function(f"rlcore.{name}"):
-                yield
-        finally:
-            self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - t
-            self._count_retries(name, retries)
-
-    def _count_retries(self, name: str, before: int) -> None:
-        """Add the allocator's cache flushes since ``before`` to phase ``name``'s count."""
-        self._retries[name] = self._retries.get(name, 0) + self.perf.retries() - before
+    def timer(self, name: str):
+        """Time ``name`` (``time/<name>_s``), marked ``rlcore.<name>`` in profiles (:class:`PhaseClock`)."""
+        return self.clock.phase(name)
 
     def sampling(self, step: int, greedy: bool = False, round: int = 0) -> SamplingParams:
         """Sampling settings of ``step``; each extra rollout ``round`` of a step (dynamic sampling) has its own seed."""
@@ -532,8 +518,8 @@ class Trainer:
         c = self.c
         kl_loss_coef = 0.0 if self.ppo.kl_in_reward else c.kl_ctrl.value
         critic = c.critic
-        compiled_before, retries = reading(), self.perf.retries()
-        with record_function("rlcore.update"):
+        compiled_before = reading()
+        with self.clock.phase("update", timed=False):  # its seconds: time/update_actor_s, ...
             out = ppo_update(exp, actor=c.actor.model, actor_opt=c.actor.optimizer, actor_sched=c.actor.scheduler,
                              actor_grad_clip=self.cfg.actor.grad_clip, critic=critic and critic.model,
                              critic_opt=critic and critic.optimizer, critic_sched=critic and critic.scheduler,
@@ -541,7 +527,6 @@ class Trainer:
                              grad_accum=int(self.tcfg.gradient_accumulation_steps),
                              temperature=float(self.gen_cfg.temperature) or 1.0, kl_loss_coef=kl_loss_coef,
                              generator=self._gen, packed=c.packed, recompute=c.recompute, guard=self.guard, pre=pre)
-        self._count_retries("update", retries)
         for policy in c.recompute.values():
             out.update(policy.take_metrics())
         # compilation inside the update (new lengths for the compiled layers): the host works, the device waits
