@@ -336,8 +336,9 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
     if pre is not None and pre.groups and (int(ppo.ppo_epochs) != 1 or cut.mini < exp.size or critic is not None):
         raise ValueError("ppo_update: pre-accumulated micro-batches need one optimizer step over the rollout "
                          "(ppo_epochs=1, one mini-batch) and no critic")
+    started = time.perf_counter()
     stats: dict[str, list[float]] = defaultdict(list)
-    spent = {"actor": 0.0, "critic": 0.0}
+    spent = {"critic": 0.0}  # the critic's seconds (each of its micro-batches and steps waited for)
     recompute = recompute or {}
     skipped = 0
     actor.train()
@@ -379,10 +380,12 @@ def ppo_update(exp: Experience, *, actor, actor_opt, actor_sched, actor_grad_cli
             stats["actor/micro_batches"].append(float(len(groups)))
     out = {k: sum(v) / len(v) for k, v in stats.items() if v}
     out.update(mismatch_metrics(exp, own_old if own_old is not None else exp.old_logprobs))
+    _wait(exp.input_ids.device)  # the update's seconds include its queued work (the last optimizer step)
+    actor_s = time.perf_counter() - started - spent["critic"]
     out["actor/lr"] = float(actor_sched.get_last_lr()[0])
     out["actor/optimizer_steps"] = float(len(stats["actor/grad_norm"]) - skipped)
     out["train/nonfinite_steps"] = float(skipped)
-    out["time/update_actor_s"] = spent["actor"] + (pre.wait_s if pre is not None else 0.0)
+    out["time/update_actor_s"] = actor_s + (pre.wait_s if pre is not None else 0.0)
     if critic is not None:
         out["time/update_critic_s"] = spent["critic"]
     return out
@@ -394,7 +397,6 @@ def _finish_step(micro: dict[str, list[float]], weights: list[float], token_weig
                  critic_grad_clip: float) -> bool:
     """Clip, check and apply (or skip) one optimizer step whose gradients are accumulated; its
     per-micro-batch metrics ``micro`` go into ``stats`` weighed as the gradients were. Whether it applied."""
-    t0 = time.perf_counter()
     micro = host_stats(micro)
     norms = {"actor": _grad_norm(actor, actor_grad_clip)}
     t1 = time.perf_counter()
@@ -410,13 +412,13 @@ def _finish_step(micro: dict[str, list[float]], weights: list[float], token_weig
     apply = finite if guard is None else guard.allow(finite, where)
     for name, v in norms.items():
         stats[f"{name}/grad_norm"].append(v)
-    t3 = time.perf_counter()
     _step(actor_opt, actor_sched, apply)
-    t4 = time.perf_counter()
     if critic is not None:
+        _wait(next(critic.parameters()).device)
+        t4 = time.perf_counter()
         _step(critic_opt, critic_sched, apply)
-    spent["actor"] += (t1 - t0) + (t4 - t3)
-    spent["critic"] += (t2 - t1) + (time.perf_counter() - t4)
+        _wait(next(critic.parameters()).device)
+        spent["critic"] += (t2 - t1) + (time.perf_counter() - t4)
     return apply
 
 
@@ -426,8 +428,8 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
                 sizes: Optional[_Sizes] = None) -> dict[str, list[float]]:
     """Forward and backward of one mini-batch's micro-batches ``groups`` (sample indices), the actor's
     losses weighed by ``weights`` and the critic's by ``token_weights``; the gradients accumulate for
-    one optimizer step. Returns the step's per-micro-batch metrics; adds the time spent per role to
-    ``spent`` and, on-policy, this forward's log-probs to ``own_old``."""
+    one optimizer step. Returns the step's per-micro-batch metrics; adds the critic's time to
+    ``spent["critic"]`` and, on-policy, this forward's log-probs to ``own_old``."""
     micro: dict[str, list[float]] = defaultdict(list)  # this optimizer step's values, one per micro-batch
     for k, (group, weight) in enumerate(zip(groups, weights)):
         # Sharded gradients are reduced across ranks once per optimizer step, in the last
@@ -437,7 +439,6 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
         if critic is not None:
             set_gradient_sync(critic, last)
         idx = group.to(exp.input_ids.device)
-        t0 = time.perf_counter()
         with record_function("rlcore.update.micro_batch"):
             mb, old = actor_micro_step(actor, exp, idx, weight, micro, ppo=ppo, temperature=temperature,
                                        kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k,
@@ -446,13 +447,11 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
             own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
         if critic is not None:  # each role's time apart: wait for the actor's backward (alone, none is waited for)
             _wait(idx.device)
-        t1 = time.perf_counter()
-        if critic is not None:
+            t1 = time.perf_counter()
             with _recomputing(recompute.get("critic"), _tokens(mb, packed)), record_function("rlcore.update.critic"):
                 critic_micro_loss(critic, mb, ppo, token_weights[k], micro, packed)
             _wait(idx.device)
-        spent["actor"] += t1 - t0
-        spent["critic"] += time.perf_counter() - t1
+            spent["critic"] += time.perf_counter() - t1
     return micro
 
 

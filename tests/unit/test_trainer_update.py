@@ -173,3 +173,44 @@ def test_micro_batch_metrics_stay_on_the_device_until_read_together():
     assert read["plain"] == [2.5, 3.0] and math.isnan(read["loss/policy"][1])
     for k, v in kept.items():
         assert read[k][0] == float(v) and type(read[k][0]) is float
+
+
+def test_the_update_seconds_cover_all_of_its_work(monkeypatch):
+    """``time/update_actor_s`` is the update's whole time, its planning and index copies included (not
+    only the spans around each micro-batch's call): with a clock that moves only while the update plans
+    its micro-batches and copies their indices, the update reports exactly that time."""
+    import rlcore.trainer.update as update
+
+    model = tiny_causal_lm("qwen2")
+    exp = _experience(model, batch=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    now = {"t": 100.0}
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return now["t"]
+
+    plan, to = update._plan, torch.Tensor.to
+
+    def slow_plan(*args, **kwargs):
+        now["t"] += 3.0
+        return plan(*args, **kwargs)
+
+    def slow_to(self, *args, **kwargs):  # the micro-batches' index copies
+        if self.dtype == torch.long and self.dim() == 1:
+            now["t"] += 0.5
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(update, "time", Clock)
+    monkeypatch.setattr(update, "_plan", slow_plan)
+    monkeypatch.setattr(torch.Tensor, "to", slow_to)
+    out = update.ppo_update(exp, actor=model, actor_opt=opt, actor_sched=sched, actor_grad_clip=0.0,
+                            ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), grad_accum=1, temperature=1.0,
+                            kl_loss_coef=0.0)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    assert out["actor/micro_batches"] == 2.0
+    copies = (now["t"] - 100.0 - 3.0) / 0.5
+    assert copies >= 2  # at least each micro-batch's indices
+    assert out["time/update_actor_s"] == pytest.approx(now["t"] - 100.0)
