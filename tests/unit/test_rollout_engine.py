@@ -352,3 +352,40 @@ def test_stop_at_rows_waits_for_the_queue_and_is_checked(qwen2):
     assert (got.response_mask.sum(-1)[:6] == 12).all() and 0 < int(got.response_mask[6].sum()) < 12
     with pytest.raises(ValueError, match="stop_at_rows"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, stop_at_rows=-1))
+
+
+def test_prompts_of_unlike_lengths_are_prefilled_in_groups():
+    """Prompts admitted together are grouped by length (the longest of a group at most twice its shortest,
+    or a few hundred tokens longer), each group padded to its own longest prompt: a short prompt does not
+    start its decode at a long one's column (every decode step reads a slot's cache from column 0)."""
+    from rlcore.rollout.engine.scheduler import width_groups
+
+    assert width_groups([10, 300, 12, 700, 650]) == [[3, 4], [1], [2, 0]]
+    assert width_groups([10, 200, 12, 250]) == [[3, 1, 2, 0]]  # within the slack: one group
+    assert width_groups([5, 2, 8, 1, 3, 4, 1], ratio=2, slack=0) == [[2, 0, 5], [4, 1], [3, 6]]
+    assert width_groups([]) == []
+
+
+@pytest.mark.parametrize("kv_cache", ["static", "paged"])
+def test_grouped_prefill_decodes_as_one_group(qwen2, kv_cache, monkeypatch):
+    """Grouped admission (here every length apart: no slack) gives HF's greedy tokens and the same
+    sampled tokens as one padded group, with fewer prefill tokens and short slots decoding from their
+    own width."""
+    from rlcore.rollout.engine import scheduler
+
+    sampled = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5)
+    runs = {}
+    for name, slack in (("one", 10**6), ("grouped", 0)):
+        monkeypatch.setattr(scheduler, "WIDTH_SLACK", slack)
+        monkeypatch.setattr(scheduler, "WIDTH_RATIO", 2 if slack == 0 else 10**6)
+        engine = RolloutEngine(qwen2, max_batch_size=8, max_seq_len=24, kv_cache=kv_cache)
+        before = engine.counters["prefill_tokens"]
+        greedy = engine.generate(PROMPTS, GREEDY)
+        runs[name] = (greedy, engine.counters["prefill_tokens"] - before, engine.generate(PROMPTS, sampled))
+    want = hf_greedy(qwen2)
+    for greedy, _, _ in runs.values():
+        assert greedy.response_ids.tolist() == want.response_ids.tolist()
+    # lengths 5, 2, 8, 1, 3, 4, 1 -> groups (8, 5, 4), (3, 2), (1, 1): 3x8 + 2x3 + 2x1 tokens, not 7x8
+    assert runs["one"][1] == 7 * 8 and runs["grouped"][1] == 3 * 8 + 2 * 3 + 2 * 1
+    assert runs["grouped"][2].response_ids.tolist() == runs["one"][2].response_ids.tolist()
+    assert torch.allclose(runs["grouped"][2].logprobs, runs["one"][2].logprobs, atol=1e-5)

@@ -39,9 +39,30 @@ PAGE_LOOKAHEAD = 4
 #: ... together with every slot within this many more columns of its end, so that one table update
 #: serves the slots reaching a page boundary in the next steps (a page update every ~16 steps at most)
 PAGE_BATCH = 16
+#: prompts admitted together are prefilled in groups of similar length: a group's longest prompt is at
+#: most this many times its shortest, or at most :data:`WIDTH_SLACK` tokens longer (each group is padded
+#: to its own longest prompt, and every later decode step of a slot reads its cache from column 0: a
+#: short prompt padded to a long one would pay for those columns in every step)
+WIDTH_RATIO = 2
+WIDTH_SLACK = 256
 #: decode steps of a batch bucket of at most this many rows count as the call's tail
 #: (``rollout/tail_steps``, ``rollout/tail_s``: the long tail of a rollout with varied lengths)
 TAIL_ROWS = FEW_ROWS
+
+
+def width_groups(lengths: Sequence[int], ratio: int = WIDTH_RATIO, slack: int = WIDTH_SLACK) -> list[list[int]]:
+    """Indices of ``lengths`` in groups of similar length (longest first): a group takes the next longest
+    while the group's first (longest) is at most ``ratio`` times it or at most ``slack`` longer."""
+    order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            top = int(lengths[groups[-1][0]])
+            if top <= ratio * int(lengths[i]) or top - int(lengths[i]) <= slack:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 class Scheduler:
@@ -186,7 +207,7 @@ class Scheduler:
             take = self._page_fit(take)
         slots = free[:take]
         reqs = [self.queue.popleft() for _ in range(take)]
-        logits, width = self.eng._prefill(slots, [self.prompts[r] for r in reqs], self.params.pad_token_id)
+        logits, widths = self._prefill_groups(slots, [self.prompts[r] for r in reqs])
         tokens, logprobs = self._sample_admitted(logits, reqs)
         rows = self._rows(slots)
         self.eng.state.tokens[rows] = tokens
@@ -195,12 +216,32 @@ class Scheduler:
         self.out_tokens.view(-1).index_copy_(0, rows * width_out, tokens)
         self.out_logprobs.view(-1).index_copy_(0, rows * width_out, logprobs)
         self.out_col[rows] = 1
-        for s, r in zip(slots, reqs):
+        for s, r, width in zip(slots, reqs, widths):
             self.slot_req[s] = r
             self.born[s] = self.steps
             self.col0[s] = width - self.steps
         self._relive()
         self.prefills += 1
+
+    def _prefill_groups(self, slots: list[int], prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Prefill ``prompts`` into ``slots`` in groups of similar length (:func:`width_groups`), each
+        padded to its own longest prompt; the next-token logits in the order of ``slots`` (sampled in
+        one draw, as one group would be) and each slot's padded width (its first decode column)."""
+        groups = width_groups([len(p) for p in prompts], WIDTH_RATIO, WIDTH_SLACK)
+        if len(groups) == 1:
+            logits, width = self.eng._prefill(slots, prompts, self.params.pad_token_id)
+            return logits, [width] * len(slots)
+        logits, widths = None, [0] * len(slots)
+        for group in sorted(groups, key=min):  # the slots' order within a group is kept
+            group = sorted(group)
+            part, width = self.eng._prefill([slots[i] for i in group], [prompts[i] for i in group],
+                                            self.params.pad_token_id)
+            if logits is None:
+                logits = part.new_empty(len(slots), *part.shape[1:])
+            logits[self._rows(group)] = part
+            for i in group:
+                widths[i] = width
+        return logits, widths
 
     def _should_admit(self) -> bool:
         if not self.queue:
