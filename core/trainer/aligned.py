@@ -23,7 +23,7 @@ whose tokens have holes, packed rows under ``sdpa``) keep their width off that r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -62,21 +62,32 @@ class AlignedRows:
         return pos.clamp(0, self.input_ids.shape[1] - 1)
 
 
+class KnownRows(NamedTuple):
+    """What the host already knows of a micro-batch's rows (from the sizes it read once an update), so
+    that its forward reads nothing of the device: ``longest``, the longest row's tokens, where every row's
+    tokens are known to be contiguous (else ``None``), and ``trained``, the response tokens it trains."""
+
+    longest: Optional[int]
+    trained: int
+
+
 def align_left(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               multiple_of: int = ALIGN_MULTIPLE) -> Optional[AlignedRows]:
+               multiple_of: int = ALIGN_MULTIPLE, longest: Optional[int] = None) -> Optional[AlignedRows]:
     """The rows moved left, or ``None`` when some row's real tokens are not contiguous (a hole in its
-    mask: it needs the mask) or some row has none."""
+    mask: it needs the mask) or some row has none. ``longest``: the caller knows the rows are contiguous
+    and their longest (:class:`KnownRows`): no read of the device."""
     keep = attention_mask.bool()
     batch, width = keep.shape
     if batch == 0 or width == 0:
         return None
     lengths = keep.sum(-1)
     first = keep.int().argmax(-1)
-    last = width - 1 - keep.flip(-1).int().argmax(-1)
-    contiguous = (last - first + 1 == lengths) & (lengths > 0)
-    ok, longest = torch.stack([contiguous.all().long(), lengths.max()]).tolist()  # one host sync
-    if not ok:
-        return None
+    if longest is None:
+        last = width - 1 - keep.flip(-1).int().argmax(-1)
+        contiguous = (last - first + 1 == lengths) & (lengths > 0)
+        ok, longest = torch.stack([contiguous.all().long(), lengths.max()]).tolist()  # one host sync
+        if not ok:
+            return None
     step = max(1, int(multiple_of))
     cols = -(-int(longest) // step) * step
     arange = torch.arange(cols, device=input_ids.device)

@@ -15,7 +15,7 @@ from rlcore import rlmath
 from rlcore.errors import ConfigError
 from rlcore.kernels import logprob as logprob_kernels
 from rlcore.trainer import aligned as aligned_rows
-from rlcore.trainer.aligned import align_left, safe_masked_width
+from rlcore.trainer.aligned import KnownRows, align_left, safe_masked_width
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
                       response_len: int, temperature: float = 1.0,
                       with_entropy: bool = False,
                       entropy_grad: bool = True, *, response_mask: Optional[torch.Tensor] = None,
-                      packed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      packed: bool = False,
+                      known: Optional[KnownRows] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Teacher-forced log-probs of the last ``response_len`` tokens. ``[B, T] -> [B, R]`` (and entropy ``[B, R]``).
 
     The log-probs go through :func:`token_logprobs`. ``entropy_grad=False``: the entropy is a metric
@@ -265,6 +266,10 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     times its head (:func:`split_head`; with ``response_mask``, on its tokens only, 0 elsewhere), else
     on the window of positions the rows need. Response positions past a row's end (right padding)
     hold finite values of no meaning, as before.
+
+    ``known``: the rows' sizes as the host knows them (:class:`~rlcore.trainer.aligned.KnownRows`, with
+    ``response_mask``): the forward then reads nothing of the device to shape its tensors, and the host
+    can queue the next micro-batch while this one runs.
     """
     temp = temperature if temperature > 0 else 1.0
     fused = None
@@ -284,16 +289,16 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         logp, ent = token_logprobs(out.logits, rows.labels[None].long(), float(temp), bool(with_entropy),
                                   entropy_grad)
         return rows.unpack(logp[0]), (rows.unpack(ent[0]) if ent is not None else None)
-    aligned = align_left(input_ids, attention_mask) if aligned_rows.ENABLED else None
+    longest = known.longest if known is not None else None
+    aligned = align_left(input_ids, attention_mask, longest=longest) if aligned_rows.ENABLED else None
     if aligned is None:  # some row's tokens have holes: the masked forward
         return _masked_logprobs(model, fused, input_ids, attention_mask, response_len, temp, with_entropy,
                                 entropy_grad, response_mask)
     pos = aligned.response_positions(response_len)
     labels = input_ids[:, -response_len:].long()
     if fused is not None:
-        keep = (response_mask.bool() if response_mask is not None
-                else attention_mask[:, -response_len:].bool())
-        rows, cols = keep.nonzero(as_tuple=True)
+        rows, cols = (_trained_at(response_mask, known) if response_mask is not None
+                      else attention_mask[:, -response_len:].bool().nonzero(as_tuple=True))
         logp, ent = _fused_logprobs(*fused, aligned.forward_kwargs(), rows, pos[rows, cols], labels[rows, cols],
                                     float(temp), bool(with_entropy))
         return _spread((logp, ent), (input_ids.shape[0], response_len), rows, cols)
@@ -302,7 +307,7 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         decoder, weight = split
         hidden = decoder(**aligned.forward_kwargs(), use_cache=False).last_hidden_state
         if response_mask is not None:  # only the response tokens themselves: no logits for the padding
-            rows, cols = response_mask.bool().nonzero(as_tuple=True)
+            rows, cols = _trained_at(response_mask, known)
             if len(rows):
                 logits = torch.nn.functional.linear(hidden[rows, pos[rows, cols]], weight)[None]
                 logp, ent = token_logprobs(logits, labels[rows, cols][None], float(temp), bool(with_entropy),
@@ -317,6 +322,14 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         out = model(**aligned.forward_kwargs(), use_cache=False, logits_to_keep=window)
         logits = out.logits.gather(1, (pos - low)[..., None].expand(-1, -1, out.logits.shape[-1]))
     return token_logprobs(logits, labels, float(temp), bool(with_entropy), entropy_grad)
+
+
+def _trained_at(response_mask: torch.Tensor, known: Optional[KnownRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, cols)`` of the set positions of ``response_mask``; their count from ``known`` (the host's
+    sizes) where given, so the device is not read for it."""
+    if known is None:
+        return response_mask.bool().nonzero(as_tuple=True)
+    return torch.nonzero_static(response_mask.bool(), size=int(known.trained)).unbind(1)
 
 
 def _spread(values: tuple[torch.Tensor, Optional[torch.Tensor]], shape: tuple[int, int], rows: torch.Tensor,

@@ -22,6 +22,17 @@ class SampleSizes(NamedTuple):
     prompt_width: int  # prompt columns of a row
     first: torch.Tensor  # first used prompt column (experience.row_columns)
     kept: torch.Tensor  # one past the last trained response column (experience.row_columns)
+    trained: torch.Tensor  # trained response tokens
+
+    def known(self, idx: torch.Tensor) -> aligned.KnownRows:
+        """:class:`~rlcore.trainer.aligned.KnownRows` of the samples ``idx``: their longest row where each
+        row's tokens are contiguous (from its first prompt column to its last response column; a row
+        without response tokens attended is not known to be), and their trained tokens."""
+        idx = idx.cpu()
+        tokens, response, first = self.tokens[idx], self.response[idx], self.first[idx]
+        contiguous = bool(((response > 0) & (tokens > 0) & (tokens == self.prompt_width + response - first)).all())
+        longest = int(tokens.max()) if contiguous and len(idx) else None
+        return aligned.KnownRows(longest, int(self.trained[idx].sum()))
 
     def used(self, idx: torch.Tensor) -> tuple[int, int]:
         """:func:`~rlcore.trainer.experience.used_columns` of the samples ``idx``, from the host."""
@@ -34,10 +45,10 @@ def host_sizes(exp: Experience) -> SampleSizes:
     mask = exp.attention_mask
     width = mask.shape[1]
     prompt_width = width - exp.response_mask.shape[1]
-    tokens, prompt, response, first, kept = torch.stack([
+    tokens, prompt, response, first, kept, trained = torch.stack([
         mask.sum(-1).long(), mask[:, :prompt_width].sum(-1).long(), end_of_set(mask[:, prompt_width:]),
-        first_set(mask[:, :prompt_width]), end_of_set(exp.response_mask)]).cpu()
-    return SampleSizes(prompt, response, int(width), tokens, int(prompt_width), first, kept)
+        first_set(mask[:, :prompt_width]), end_of_set(exp.response_mask), exp.response_mask.bool().sum(-1)]).cpu()
+    return SampleSizes(prompt, response, int(width), tokens, int(prompt_width), first, kept, trained)
 
 
 def padding_share(groups: list[torch.Tensor], sizes: SampleSizes, packed: bool, trim: bool) -> float:

@@ -214,13 +214,15 @@ def _losses_finite(values: list[float]) -> bool:
 
 
 def actor_micro_loss(actor, mb: Experience, ppo: PPOConfig, temperature: float, kl_loss_coef: float,
-                     weight: float, stats: dict, packed: bool = False) -> torch.Tensor:
+                     weight: float, stats: dict, packed: bool = False,
+                     known: Optional[aligned.KnownRows] = None) -> torch.Tensor:
     """Forward and backward of one actor micro-batch; returns the (detached) log-probs the ratio's
-    denominator used: the recomputed old ones, or, on-policy, this forward's own."""
+    denominator used: the recomputed old ones, or, on-policy, this forward's own. ``known``: the rows'
+    sizes from the host (see :func:`~rlcore.trainer.models.response_logprobs`)."""
     # Without an entropy bonus the entropy is only a metric: no autograd graph over the vocabulary for it.
     logp, ent = response_logprobs(actor, mb.input_ids, mb.attention_mask, mb.response_len, temperature,
                                   with_entropy=True, entropy_grad=ppo.entropy_coeff != 0,
-                                  response_mask=mb.response_mask, packed=packed)
+                                  response_mask=mb.response_mask, packed=packed, known=known)
     mask = mb.response_mask
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # None: on-policy (see on_policy)
     horizon = int(ppo.generation.max_new_tokens)  # the constant length of seq-mean-token-sum-norm
@@ -438,11 +440,12 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
         set_gradient_sync(actor, last)
         if critic is not None:
             set_gradient_sync(critic, last)
-        idx = group.to(exp.input_ids.device)
+        idx = _to_device(group, exp.input_ids.device)
         with record_function("rlcore.update.micro_batch"):
             mb, old = actor_micro_step(actor, exp, idx, weight, micro, ppo=ppo, temperature=temperature,
                                        kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k,
-                                       used=sizes.used(group) if sizes is not None else None)
+                                       used=sizes.used(group) if sizes is not None else None,
+                                       known=sizes.known(group) if sizes is not None else None)
         if own_old is not None:
             own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
         if critic is not None:  # each role's time apart: wait for the actor's backward (alone, none is waited for)
@@ -457,22 +460,25 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
 
 def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, stats: dict, *, ppo: PPOConfig,
                      temperature: float, kl_loss_coef: float, packed: bool, recompute: dict[str, Any],
-                     k: int = 0, used: Optional[tuple[int, int]] = None) -> tuple[Experience, torch.Tensor]:
+                     k: int = 0, used: Optional[tuple[int, int]] = None,
+                     known: Optional[aligned.KnownRows] = None) -> tuple[Experience, torch.Tensor]:
     """The actor's forward and backward of the samples ``idx`` of ``exp`` (cut to their columns with
     ``ppo.trim_padding``, checkpointed as ``recompute`` decides): the micro-batch and the log-probs
     of :func:`actor_micro_loss`. ``k``: the micro-batch's place in its step (for :data:`CHECK_FINITE`);
-    ``used``: the samples' used columns where the caller read them already (:meth:`_Sizes.used`).
+    ``used``: the samples' used columns where the caller read them already (:meth:`_Sizes.used`);
+    ``known``: their sizes likewise (:meth:`_Sizes.known`): with both, the micro-batch reads nothing of
+    the device before its metrics are read at the optimizer step.
     Out of memory under ``gradient_checkpointing=auto`` before any of its gradient was accumulated, the
     micro-batch runs again with every layer checkpointed (:meth:`~rlcore.trainer.recompute.Recompute.retry_after_oom`)."""
     mb = exp.select(idx)
     if ppo.trim_padding:
         mb = mb.trimmed(used)
-    policy, tokens = recompute.get("actor"), _tokens(mb, packed)
+    policy, tokens = recompute.get("actor"), _tokens(mb, packed, known)
     accumulations, recorded = getattr(policy, "accumulations", 0), {key: len(v) for key, v in stats.items()}
     again = False
     try:
         with _recomputing(policy, tokens):
-            old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
+            old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed, known)
     except torch.OutOfMemoryError:
         # gradient_checkpointing=auto guessed short: the same micro-batch again, every layer checkpointed,
         # where nothing of it reached .grad (outside this block, so the failed try's tensors are freed)
@@ -485,17 +491,20 @@ def actor_micro_step(actor, exp: Experience, idx: torch.Tensor, weight: float, s
             if not stats[key] and key not in recorded:
                 del stats[key]
         with policy.for_tokens(tokens, every=True):
-            old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed)
+            old = actor_micro_loss(actor, mb, ppo, temperature, kl_loss_coef, weight, stats, packed, known)
     if CHECK_FINITE:
         _check_micro_batch(actor, mb, old, stats, k)
     return mb, old
 
 
-def _tokens(mb: Experience, packed: bool) -> int:
+def _tokens(mb: Experience, packed: bool, known: Optional[aligned.KnownRows] = None) -> int:
     """Tokens one forward over ``mb`` processes: the real ones packed, rows x width padded (the longest
-    row's tokens when the rows are moved left, :mod:`rlcore.trainer.aligned`)."""
+    row's tokens when the rows are moved left, :mod:`rlcore.trainer.aligned`; from ``known`` where the
+    host has it)."""
     if packed:
         return int(mb.attention_mask.sum())
+    if aligned.ENABLED and known is not None and known.longest is not None:
+        return len(mb.attention_mask) * int(known.longest)
     if aligned.ENABLED:
         return len(mb.attention_mask) * int(mb.attention_mask.sum(-1).max()) if len(mb.attention_mask) else 0
     return mb.attention_mask.numel()
@@ -563,6 +572,14 @@ def _step_value(name: str, values: list[float], weights: list[float], token_weig
     if len(values) != len(shares):  # not recorded for every micro-batch: a plain mean
         return sum(values) / len(values)
     return sum(v * w for v, w in zip(values, shares))
+
+
+def _to_device(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host indices on ``device`` without waiting for the work queued there (a copy from pageable memory
+    would wait for it: through pinned memory, asynchronously)."""
+    if device.type != "cuda" or indices.device.type != "cpu":
+        return indices.to(device)
+    return indices.pin_memory().to(device, non_blocking=True)
 
 
 def _wait(device: torch.device) -> None:

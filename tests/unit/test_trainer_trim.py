@@ -148,3 +148,61 @@ def test_the_update_trims_from_the_host_sizes_as_from_the_masks(monkeypatch):
     assert calls == []
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
+
+
+def test_the_host_knows_which_rows_are_contiguous_and_their_longest():
+    """``SampleSizes.known``: the longest row where every row's tokens are one run, ``None`` where some row
+    has a hole or attends no response column; the trained tokens summed."""
+    from rlcore.trainer.sizes import host_sizes
+
+    model = tiny_causal_lm("qwen2")
+    exp = ragged_experience(model, seed=2)
+    sizes = host_sizes(exp)
+    every = torch.arange(exp.size)
+    known = sizes.known(every)
+    assert known.longest == int(exp.attention_mask.sum(-1).max())
+    assert known.trained == int(exp.response_mask.sum())
+    assert sizes.known(torch.tensor([1, 3])).trained == int(exp.response_mask[[1, 3]].sum())
+    holed = ragged_experience(model, seed=2)
+    row = 5
+    cols = holed.attention_mask[row].nonzero().flatten()
+    holed.attention_mask[row, cols[1]] = 0  # a hole after its first token
+    sizes = host_sizes(holed)
+    assert sizes.known(every).longest is None
+    others = torch.tensor([r for r in range(exp.size) if r != row])
+    assert sizes.known(others).longest == int(holed.attention_mask[others].sum(-1).max())
+    silent = ragged_experience(model, seed=2)
+    silent.attention_mask[0, silent.attention_mask.shape[1] - silent.response_len:] = 0  # no response attended
+    assert host_sizes(silent).known(every).longest is None
+
+
+def test_the_update_shapes_its_forwards_from_the_host_sizes(monkeypatch):
+    """With the rows' sizes from the host the update is unchanged bit for bit, moves the rows left with the
+    longest it was given (no read of the device for it) and finds the trained tokens with a count known in
+    advance; a micro-batch with a hole still checks its rows on the device."""
+    import rlcore.trainer.aligned as aligned
+    import rlcore.trainer.models as models
+    import rlcore.trainer.update as update
+
+    model = tiny_causal_lm("qwen2")
+    exp = ragged_experience(model, seed=4)
+    cols = exp.attention_mask[6].nonzero().flatten()
+    exp.attention_mask[6, cols[1]] = 0  # sample 6 has a hole
+    given = []
+    plain = aligned.align_left
+    monkeypatch.setattr(models, "align_left", lambda *a, longest=None, **k: given.append(longest) or
+                        plain(*a, longest=longest, **k))
+    with monkeypatch.context() as m:
+        m.setattr(update._Sizes, "known", lambda self, idx: None)
+        expected = _update(copy.deepcopy(model), exp, trim_padding=True, micro_batch_size=3, group_by_length=False)
+    assert given and all(v is None for v in given)
+    given.clear()
+    statics = []
+    nonzero_static = torch.nonzero_static
+    monkeypatch.setattr(torch, "nonzero_static", lambda *a, **k: statics.append(k["size"]) or nonzero_static(*a, **k))
+    got = _update(copy.deepcopy(model), exp, trim_padding=True, micro_batch_size=3, group_by_length=False)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    assert len(given) == 3 and sum(v is None for v in given) == 1  # the micro-batch holding sample 6
+    # the two micro-batches moved left find their trained tokens by count (the holed one runs masked)
+    assert len(statics) == 2 and 0 < sum(statics) < int(exp.response_mask.sum())
