@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -134,12 +134,30 @@ def _sequence_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor,
     return slice(first, prompt_cols + kept), kept
 
 
-def _trim(ids: torch.Tensor, mask: torch.Tensor, response_mask: Optional[torch.Tensor]):
-    """``(ids, mask, kept)``: the rows cut to their used columns (unchanged without ``response_mask``)."""
+def _trim(ids: torch.Tensor, mask: torch.Tensor, response_mask: Optional[torch.Tensor],
+          used: Optional[tuple[int, int]] = None):
+    """``(ids, mask, kept)``: the rows cut to their used columns (unchanged without ``response_mask``;
+    ``used``: those columns where the host knows them)."""
     if response_mask is None:
         return ids, mask, None
-    columns, kept = _sequence_columns(mask, response_mask)
+    columns, kept = _sequence_columns(mask, response_mask, used)
     return ids[:, columns], mask[:, columns], kept
+
+
+def to_device(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host indices on ``device`` without waiting for the work queued there (a copy from pageable memory
+    would wait for it: through pinned memory, asynchronously)."""
+    if device.type != "cuda" or indices.device.type != "cpu":
+        return indices.to(device)
+    return indices.pin_memory().to(device, non_blocking=True)
+
+
+def _host_shapes(sizes: Any, idx: torch.Tensor, response_mask: Optional[torch.Tensor]) -> tuple:
+    """``(used, known)`` of the samples ``idx`` from the host's ``sizes`` (:class:`~rlcore.trainer.sizes.SampleSizes`),
+    or ``(None, None)`` (read from the device) without sizes or a response mask."""
+    if sizes is None or response_mask is None:
+        return None, None
+    return sizes.used(idx), sizes.known(idx)
 
 
 def _forward_groups(mask: torch.Tensor, response_mask: Optional[torch.Tensor], micro: int, max_tokens: int,
@@ -156,44 +174,49 @@ def _forward_groups(mask: torch.Tensor, response_mask: Optional[torch.Tensor], m
 @torch.no_grad()
 def batched_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response_len: int, temperature: float,
                      micro: int, response_mask: Optional[torch.Tensor] = None, *, max_tokens: int = 0,
-                     packed: bool = False) -> torch.Tensor:
+                     packed: bool = False, sizes: Any = None) -> torch.Tensor:
     """Log-probs ``[B, R]`` chunk by chunk; with ``response_mask`` each chunk is cut to its used
     columns (:func:`used_columns`), the unused response columns are 0, and the other positions outside
     the mask carry no meaning (0 where the head runs on the response tokens only). ``max_tokens > 0``: chunks
     of at most that many tokens instead of ``micro`` samples; ``packed``: each chunk one packed row
-    (both need ``response_mask``)."""
+    (both need ``response_mask``). ``sizes``: the samples' sizes on the host
+    (:func:`rlcore.trainer.sizes.host_sizes`): each chunk is cut and shaped from them, reading nothing of
+    the device, so the host queues the next chunk while one runs."""
     out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
-    for idx in _forward_groups(mask, response_mask, micro, max_tokens, packed):
-        idx = idx.to(ids.device)
+    for host_idx in _forward_groups(mask, response_mask, micro, max_tokens, packed):
+        idx = to_device(host_idx, ids.device)
         c_resp = None if response_mask is None else response_mask[idx]
         if packed and c_resp is not None:
             out[idx] = response_logprobs(model, ids[idx], mask[idx], response_len, temperature,
                                          response_mask=c_resp, packed=True)[0].float()
             continue
-        c_ids, c_mask, kept = _trim(ids[idx], mask[idx], c_resp)
+        used, known = _host_shapes(sizes, host_idx, c_resp)
+        c_ids, c_mask, kept = _trim(ids[idx], mask[idx], c_resp, used)
         kept = kept or response_len
         # with the response mask the head runs on the response tokens only (0 elsewhere)
         out[idx, :kept] = response_logprobs(model, c_ids, c_mask, kept, temperature,
-                                            response_mask=None if c_resp is None else c_resp[:, :kept])[0].float()
+                                            response_mask=None if c_resp is None else c_resp[:, :kept],
+                                            known=known)[0].float()
     return out
 
 
 @torch.no_grad()
 def batched_values(critic, ids: torch.Tensor, mask: torch.Tensor, response_len: int, micro: int,
                    response_mask: Optional[torch.Tensor] = None, *, max_tokens: int = 0,
-                   packed: bool = False) -> torch.Tensor:
-    """Values ``[B, R]`` chunk by chunk, cut like :func:`batched_logprobs`."""
+                   packed: bool = False, sizes: Any = None) -> torch.Tensor:
+    """Values ``[B, R]`` chunk by chunk, cut and shaped like :func:`batched_logprobs`."""
     out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
-    for idx in _forward_groups(mask, response_mask, micro, max_tokens, packed):
-        idx = idx.to(ids.device)
+    for host_idx in _forward_groups(mask, response_mask, micro, max_tokens, packed):
+        idx = to_device(host_idx, ids.device)
         c_resp = None if response_mask is None else response_mask[idx]
         if packed and c_resp is not None:
             out[idx] = response_values(critic, ids[idx], mask[idx], response_len, response_mask=c_resp,
                                        packed=True).float()
             continue
-        c_ids, c_mask, kept = _trim(ids[idx], mask[idx], c_resp)
+        used, known = _host_shapes(sizes, host_idx, c_resp)
+        c_ids, c_mask, kept = _trim(ids[idx], mask[idx], c_resp, used)
         kept = kept or response_len
-        out[idx, :kept] = response_values(critic, c_ids, c_mask, kept).float()
+        out[idx, :kept] = response_values(critic, c_ids, c_mask, kept, known=known).float()
     return out
 
 

@@ -31,6 +31,7 @@ from rlcore.errors import CheckpointError, TrainingError
 from rlcore.trainer.partial import LoaderState, PartialSource, check_world
 from rlcore.trainer.partial import enabled as partial_enabled
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
+from rlcore.trainer.sizes import host_sizes
 from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.sampled import Sampled  # noqa: F401 - part of this module's API (rollout sources return it)
 from rlcore.trainer.update import Accumulated, NonFiniteGuard, on_policy, params_finite, ppo_update
@@ -483,6 +484,9 @@ class Trainer:
         # cut each chunk to its used columns (a token budget and packing read the response mask too)
         trim = exp.response_mask if (self.ppo.trim_padding or c.packed or max_tokens > 0) else None
         cut = dict(max_tokens=max_tokens, packed=c.packed)
+        if trim is not None and (c.ref is not None or c.critic is not None or not on_policy(
+                exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps))):
+            cut["sizes"] = host_sizes(exp)  # read once: the passes' chunks shaped on the host
         c.policy.eval()
         if c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps)):
             exp.old_logprobs = None  # one optimizer step over the rollout: the update's forward gives them

@@ -371,8 +371,8 @@ def _masked_width(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tupl
 
 def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     response_len: int, *, response_mask: Optional[torch.Tensor] = None,
-                    packed: bool = False) -> torch.Tensor:
-    """Values of the states before each response token. ``[B, T] -> [B, R]``; ``packed`` as in
+                    packed: bool = False, known: Optional[KnownRows] = None) -> torch.Tensor:
+    """Values of the states before each response token. ``[B, T] -> [B, R]``; ``packed`` and ``known`` as in
     :func:`response_logprobs`; rows moved left and no attention mask as there (:mod:`rlcore.trainer.aligned`)."""
     if packed:
         if response_mask is None:
@@ -382,7 +382,8 @@ def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: 
         rows = pack(input_ids, attention_mask, response_mask)
         values = critic(**rows.forward_kwargs(critic))
         return rows.unpack(values[0, rows.index].float())
-    aligned = align_left(input_ids, attention_mask) if aligned_rows.ENABLED else None
+    longest = known.longest if known is not None else None
+    aligned = align_left(input_ids, attention_mask, longest=longest) if aligned_rows.ENABLED else None
     if aligned is None:
         input_ids, attention_mask = _masked_width(input_ids, attention_mask)
         values = critic(input_ids=input_ids, attention_mask=attention_mask,

@@ -18,6 +18,7 @@ from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
 from rlcore.errors import TrainingError
 from rlcore.trainer.experience import Experience
+from rlcore.trainer.experience import to_device as _to_device
 from rlcore.trainer import aligned
 from rlcore.trainer.models import response_logprobs, response_values
 from rlcore.trainer.packing import micro_batches
@@ -572,14 +573,6 @@ def _step_value(name: str, values: list[float], weights: list[float], token_weig
     if len(values) != len(shares):  # not recorded for every micro-batch: a plain mean
         return sum(values) / len(values)
     return sum(v * w for v, w in zip(values, shares))
-
-
-def _to_device(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host indices on ``device`` without waiting for the work queued there (a copy from pageable memory
-    would wait for it: through pinned memory, asynchronously)."""
-    if device.type != "cuda" or indices.device.type != "cpu":
-        return indices.to(device)
-    return indices.pin_memory().to(device, non_blocking=True)
 
 
 def _wait(device: torch.device) -> None:

@@ -206,3 +206,45 @@ def test_the_update_shapes_its_forwards_from_the_host_sizes(monkeypatch):
     assert len(given) == 3 and sum(v is None for v in given) == 1  # the micro-batch holding sample 6
     # the two micro-batches moved left find their trained tokens by count (the holed one runs masked)
     assert len(statics) == 2 and 0 < sum(statics) < int(exp.response_mask.sum())
+
+
+@pytest.mark.parametrize("max_tokens", [0, 40])
+def test_the_no_grad_passes_shape_their_chunks_from_the_host_sizes(max_tokens, monkeypatch):
+    """The old/reference log-prob and value passes cut and shape each chunk from the sizes the host read once:
+    the same values bit for bit as from each chunk's masks, with the chunks' rows moved left by a longest
+    known in advance (a chunk holding a row with a hole still checks on the device)."""
+    import rlcore.trainer.models as models
+    from rlcore.trainer.aligned import align_left
+    from rlcore.trainer.experience import batched_values
+    from rlcore.trainer.sizes import host_sizes
+
+    model = tiny_causal_lm("qwen2")
+    exp = ragged_experience(model, seed=7)
+    cols = exp.attention_mask[2].nonzero().flatten()
+    exp.attention_mask[2, cols[1]] = 0  # sample 2 has a hole
+    given = []
+    monkeypatch.setattr(models, "align_left", lambda *a, longest=None, **k: given.append(longest) or
+                        align_left(*a, longest=longest, **k))
+    args = (exp.input_ids, exp.attention_mask, exp.response_len)
+    plain = batched_logprobs(model, *args, 1.0, 3, exp.response_mask, max_tokens=max_tokens)
+    assert given and all(v is None for v in given)
+    given.clear()
+    sizes = host_sizes(exp)
+    shaped = batched_logprobs(model, *args, 1.0, 3, exp.response_mask, max_tokens=max_tokens, sizes=sizes)
+    assert torch.equal(plain, shaped)
+    assert sum(v is None for v in given) == 1 and len(given) >= 2
+    critic = _ValueHead(model)
+    assert torch.equal(batched_values(critic, *args, 3, exp.response_mask, max_tokens=max_tokens),
+                       batched_values(critic, *args, 3, exp.response_mask, max_tokens=max_tokens, sizes=sizes))
+
+
+class _ValueHead(torch.nn.Module):
+    """A value model over the tiny LM: the hidden state's first feature (``[B, T]``)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return out.last_hidden_state[..., 0]
