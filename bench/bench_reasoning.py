@@ -205,6 +205,10 @@ def _write(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+#: ``parts.other`` over this share of a step gets a note under the table (the timed parts miss work)
+UNTIMED_WARN = 0.05
+
+
 def update_compute_s(mean: dict[str, float]) -> float:
     """Seconds the actor's update computed: after the rollout (``time/update_actor_s``, which includes the
     wait for the overlapped update's last micro-batches) plus, with ``ppo.overlap_update``, the forward and
@@ -989,6 +993,11 @@ def print_table(payload: dict[str, Any]) -> None:
               f"{_f(g.get('gpu/util_mean'), '.0f'):>4} {_f(g.get('gpu/util_p10'), '.0f'):>4}  {r['setting']}")
     print("\n(vs: the system's step time over rlcore's; smp/s: samples trained a second; mfu: the update's, %; "
           "gpu: monitor mean / p10 utilisation, %)")
+    for r in rows:  # a step's seconds outside its timed parts: a part that stops its clock too early shows here
+        other = (r.get("parts") or {}).get("other")
+        if other is not None and "step_s" in r and other > UNTIMED_WARN * r["step_s"]:
+            print(f"{r['shape']:<13} {r['system']:<7} note: {other:.2f} s of the {r['step_s']:.2f} s step are in no "
+                  f"timed part (parts.other): the parts' figures, MFU included, may leave out work")
     from rlcore.rollout.engine.scheduler import TAIL_ROWS
 
     for r in rows:  # rlcore's rollout: where its time went (the decode steps of at most TAIL_ROWS rows: the tail)

@@ -53,3 +53,20 @@ def test_fixed_lengths_are_the_stop_rules_distribution_drawn_the_same_every_run(
     assert lengths != geometric_lengths(4000, p, cap, "fixed-2")
     assert min(lengths) >= 1 and max(lengths) == cap
     assert abs(sum(lengths) / len(lengths) - capped_mean(p, cap)) < 3
+
+
+def test_the_table_notes_a_step_whose_timed_parts_miss_much_of_it(capsys):
+    """A step with seconds outside every timed part (``parts.other``) gets a note under the table: the
+    parts' figures, the update's MFU among them, would leave that work out."""
+    from bench_reasoning import UNTIMED_WARN, print_table
+
+    def row(other):
+        parts = {"rollout": 27.5, "scoring": 0.1, "logprobs": 0.0, "update": 9.4, "other": other}
+        return {"shape": "qwen2.5-1.5b", "system": "rlcore", "step_s": 37.0 + other, "parts": parts,
+                "lengths": {"mean": 1500, "p90": 3300, "max": 8192}, "tokens_per_s": 1.0, "samples_per_s": 6.3,
+                "update_mfu": 0.5, "gpu": {}, "setting": {}}
+
+    print_table({"results": [row(3.4)]})
+    assert "3.40 s of the 40.40 s step are in no timed part" in capsys.readouterr().out
+    print_table({"results": [row(UNTIMED_WARN * 37.0 * 0.5)]})
+    assert "no timed part" not in capsys.readouterr().out
