@@ -10,7 +10,7 @@
 #   bash bench/gpu_round.sh short      # tailcut (2 measured steps each), Qwen3's numerics, then profile
 #   bash bench/gpu_round.sh last       # Qwen3's numerics, then profile (about four minutes)
 #   bash bench/gpu_round.sh alloc      # the cap-2,048 step with and without the allocator's expandable segments
-#   bash bench/gpu_round.sh verify     # the update's micro-batch makes no sync, the bf16 fold test, then profile
+#   bash bench/gpu_round.sh verify     # the update's no-sync and bf16 fold tests, profile, cap 2,048 with flash SDPA
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
 #   bash bench/gpu_round.sh profile    # the cap-2,048 step, then its update under the profiler: where the GPU idles
 #   bash bench/gpu_round.sh big        # the 7B reasoning step (needs an H200's memory)
@@ -80,7 +80,11 @@ case "${1:-}" in
     verify)  # about four minutes: a micro-batch makes no synchronization, then the cap-2,048 update profiled
         run gpu_syncs 90 python3 -m pytest -q -p no:logging tests/gpu/test_gpu_update_syncs.py \
             tests/unit/test_rollout_decode_attention.py -k "no_sync or reads_nothing or folds_the_new"
-        bash "$0" profile ;;
+        bash "$0" profile
+        run reasoning_cap2k_flash 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore \
+            --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 \
+            --timeout-rlcore 150 --fixed-lengths --rlcore-override "trainer.sdpa_backends=[flash,efficient]" \
+            --out "$OUT/reasoning_cap2k_flash.json" ;;
     tests)
         run gpu_tests 500 python3 -m pytest -q -p no:logging tests/gpu tests/unit/test_rollout_decode_attention.py ;;
     big)
