@@ -133,6 +133,14 @@ def takes_limits(backend: object) -> bool:
         return False
 
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the work queued there: a copy from pageable memory
+    would wait for it, so on CUDA it goes through pinned memory, asynchronously."""
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token-id lists into ``(ids [B, P], mask [B, P])``."""

@@ -9,7 +9,7 @@ import torch
 
 from rlcore import rlmath
 from rlcore.config.schema import AdvEstimator, AlgorithmConfig, PPOConfig
-from rlcore.rollout.base import RolloutBatch
+from rlcore.rollout.base import RolloutBatch, host_to_device
 from rlcore.trainer.models import response_logprobs, response_values
 from rlcore.trainer.packing import micro_batches
 
@@ -144,14 +144,6 @@ def _trim(ids: torch.Tensor, mask: torch.Tensor, response_mask: Optional[torch.T
     return ids[:, columns], mask[:, columns], kept
 
 
-def to_device(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host indices on ``device`` without waiting for the work queued there (a copy from pageable memory
-    would wait for it: through pinned memory, asynchronously)."""
-    if device.type != "cuda" or indices.device.type != "cpu":
-        return indices.to(device)
-    return indices.pin_memory().to(device, non_blocking=True)
-
-
 def _host_shapes(sizes: Any, idx: torch.Tensor, response_mask: Optional[torch.Tensor]) -> tuple:
     """``(used, known)`` of the samples ``idx`` from the host's ``sizes`` (:class:`~rlcore.trainer.sizes.SampleSizes`),
     or ``(None, None)`` (read from the device) without sizes or a response mask."""
@@ -184,7 +176,7 @@ def batched_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, response_len:
     the device, so the host queues the next chunk while one runs."""
     out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
     for host_idx in _forward_groups(mask, response_mask, micro, max_tokens, packed):
-        idx = to_device(host_idx, ids.device)
+        idx = host_to_device(host_idx, ids.device)
         c_resp = None if response_mask is None else response_mask[idx]
         if packed and c_resp is not None:
             out[idx] = response_logprobs(model, ids[idx], mask[idx], response_len, temperature,
@@ -207,7 +199,7 @@ def batched_values(critic, ids: torch.Tensor, mask: torch.Tensor, response_len: 
     """Values ``[B, R]`` chunk by chunk, cut and shaped like :func:`batched_logprobs`."""
     out = torch.zeros(len(ids), response_len, dtype=torch.float32, device=ids.device)
     for host_idx in _forward_groups(mask, response_mask, micro, max_tokens, packed):
-        idx = to_device(host_idx, ids.device)
+        idx = host_to_device(host_idx, ids.device)
         c_resp = None if response_mask is None else response_mask[idx]
         if packed and c_resp is not None:
             out[idx] = response_values(critic, ids[idx], mask[idx], response_len, response_mask=c_resp,

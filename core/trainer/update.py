@@ -18,7 +18,7 @@ from rlcore import rlmath
 from rlcore.config.schema import PPOConfig
 from rlcore.errors import TrainingError
 from rlcore.trainer.experience import Experience
-from rlcore.trainer.experience import to_device as _to_device
+from rlcore.rollout.base import host_to_device
 from rlcore.trainer import aligned
 from rlcore.trainer.models import response_logprobs, response_values
 from rlcore.trainer.packing import micro_batches
@@ -441,7 +441,7 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
         set_gradient_sync(actor, last)
         if critic is not None:
             set_gradient_sync(critic, last)
-        idx = _to_device(group, exp.input_ids.device)
+        idx = host_to_device(group, exp.input_ids.device)
         with record_function("rlcore.update.micro_batch"):
             mb, old = actor_micro_step(actor, exp, idx, weight, micro, ppo=ppo, temperature=temperature,
                                        kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k,

@@ -12,7 +12,8 @@ from rlcore.config.schema import PPOConfig
 from rlcore.rollout.tiny import tiny_causal_lm
 from rlcore.trainer.experience import Experience
 from rlcore.trainer.sizes import host_sizes
-from rlcore.trainer.update import _to_device, actor_micro_step
+from rlcore.rollout.base import host_to_device
+from rlcore.trainer.update import actor_micro_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -50,7 +51,7 @@ def test_a_micro_batch_with_the_host_sizes_reads_nothing_of_the_device(monkeypat
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        idx = _to_device(group, exp.input_ids.device)
+        idx = host_to_device(group, exp.input_ids.device)
         actor_micro_step(model, exp, idx, 1.0, stats, ppo=PPOConfig(), temperature=1.0, kl_loss_coef=0.0,
                          packed=False, recompute={}, used=sizes.used(group), known=sizes.known(group))
     finally:

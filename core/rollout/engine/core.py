@@ -45,7 +45,7 @@ from rlcore.rollout.engine.graphs import DecodeGraphs
 from rlcore.rollout.engine.settings import (DEFAULT_BUCKETS, FEW_ROWS, check_limits,  # noqa: F401
                                             check_page_size, check_settings, choose_attention, choose_products,
                                             length_step)
-from rlcore.rollout.base import RolloutBatch, SamplingParams, left_pad
+from rlcore.rollout.base import RolloutBatch, SamplingParams, host_to_device, left_pad
 from rlcore.rollout.sampling import validate_params
 
 log = logging.getLogger(__name__)
@@ -604,10 +604,8 @@ class RolloutEngine:
         return logits
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the engine's device without waiting for the device (pinned, asynchronous copy)."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """A host tensor on the engine's device without waiting for the device (:func:`host_to_device`)."""
+        return host_to_device(host, self.device)
 
     def _set_pages(self, rows: Sequence[int], page_lists: Sequence[list[int]]) -> None:
         """Give cache rows ``rows`` the pages ``page_lists`` (in column order), table rows included."""
