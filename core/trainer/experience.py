@@ -149,7 +149,7 @@ def _host_shapes(sizes: Any, idx: torch.Tensor, response_mask: Optional[torch.Te
     or ``(None, None)`` (read from the device) without sizes or a response mask."""
     if sizes is None or response_mask is None:
         return None, None
-    return sizes.used(idx), sizes.known(idx)
+    return sizes.shapes(idx)
 
 
 def _forward_groups(mask: torch.Tensor, response_mask: Optional[torch.Tensor], micro: int, max_tokens: int,

@@ -484,12 +484,13 @@ class Trainer:
         # cut each chunk to its used columns (a token budget and packing read the response mask too)
         trim = exp.response_mask if (self.ppo.trim_padding or c.packed or max_tokens > 0) else None
         cut = dict(max_tokens=max_tokens, packed=c.packed)
-        if trim is not None and (c.ref is not None or c.critic is not None or not on_policy(
-                exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps))):
+        # one optimizer step over the rollout: the update's forward gives the old log-probs
+        own_old = c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps))
+        if trim is not None and not (own_old and c.critic is None):
             cut["sizes"] = host_sizes(exp)  # read once: the passes' chunks shaped on the host
         c.policy.eval()
-        if c.ref is None and on_policy(exp.size, self.ppo, int(self.tcfg.gradient_accumulation_steps)):
-            exp.old_logprobs = None  # one optimizer step over the rollout: the update's forward gives them
+        if own_old:
+            exp.old_logprobs = None
         else:
             with self.timer("old_logprob"):
                 exp.old_logprobs = batched_logprobs(c.actor.model, exp.input_ids, exp.attention_mask,

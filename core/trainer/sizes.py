@@ -39,6 +39,10 @@ class SampleSizes(NamedTuple):
         idx = idx.cpu()
         return rows_used(self.first[idx], self.kept[idx], self.prompt_width)
 
+    def shapes(self, idx: torch.Tensor) -> tuple[tuple[int, int], aligned.KnownRows]:
+        """``(used, known)`` of the samples ``idx``: what cuts and shapes their forward on the host."""
+        return self.used(idx), self.known(idx)
+
 
 def host_sizes(exp: Experience) -> SampleSizes:
     """The sizes of ``exp``'s samples, read to the host in one transfer (the update then plans on the host)."""

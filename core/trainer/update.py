@@ -417,10 +417,11 @@ def _finish_step(micro: dict[str, list[float]], weights: list[float], token_weig
         stats[f"{name}/grad_norm"].append(v)
     _step(actor_opt, actor_sched, apply)
     if critic is not None:
-        _wait(next(critic.parameters()).device)
+        device = next(critic.parameters()).device
+        _wait(device)
         t4 = time.perf_counter()
         _step(critic_opt, critic_sched, apply)
-        _wait(next(critic.parameters()).device)
+        _wait(device)
         spent["critic"] += (t2 - t1) + (time.perf_counter() - t4)
     return apply
 
@@ -442,11 +443,11 @@ def _accumulate(exp: Experience, groups: list[torch.Tensor], weights: list[float
         if critic is not None:
             set_gradient_sync(critic, last)
         idx = host_to_device(group, exp.input_ids.device)
+        used, known = sizes.shapes(group) if sizes is not None else (None, None)
         with record_function("rlcore.update.micro_batch"):
             mb, old = actor_micro_step(actor, exp, idx, weight, micro, ppo=ppo, temperature=temperature,
                                        kl_loss_coef=kl_loss_coef, packed=packed, recompute=recompute, k=k,
-                                       used=sizes.used(group) if sizes is not None else None,
-                                       known=sizes.known(group) if sizes is not None else None)
+                                       used=used, known=known)
         if own_old is not None:
             own_old[idx, :old.shape[1]] = old.to(own_old.dtype)
         if critic is not None:  # each role's time apart: wait for the actor's backward (alone, none is waited for)
