@@ -119,7 +119,7 @@ def rlcore_checkpoint_policy(trainer, dist):
 
 @hookimpl
 def rlcore_world_split(world_size, config):
-    from rlcore.trainer.loop import WholeWorld
+    from rlcore.trainer.sources import WholeWorld
 
     return WholeWorld()
 

@@ -28,12 +28,13 @@ from rlcore.trainer.experience import (
     to_experience,
 )
 from rlcore.errors import CheckpointError, TrainingError
-from rlcore.trainer.partial import LoaderState, PartialSource, check_world
+from rlcore.trainer.partial import PartialSource, check_world
 from rlcore.trainer.partial import enabled as partial_enabled
 from rlcore.trainer.scoring import RolloutRequest, StreamingScorer, score_rollout
 from rlcore.trainer.sizes import host_sizes
 from rlcore.trainer.scoring import rows as _rows
 from rlcore.trainer.sampled import Sampled  # noqa: F401 - part of this module's API (rollout sources return it)
+from rlcore.trainer.sources import InPlaceSource, WholeWorld  # noqa: F401 - WholeWorld: part of this module's API
 from rlcore.trainer.update import Accumulated, NonFiniteGuard, on_policy, params_finite, ppo_update
 
 log = logging.getLogger(__name__)
@@ -581,37 +582,3 @@ class Trainer:
         if out:
             self.hook.rlcore_metrics(step=self.state.step, metrics=dict(out), split="val")
         return out
-
-
-class WholeWorld:
-    """The default :class:`~rlcore.protocols.WorldSplit`: no rollout rank, every rank trains and
-    generates its own rollouts."""
-
-    rollout_ranks = 0
-    weights_backend = "auto"
-
-    def run_rollout_rank(self, config: Any, split: Any, pm: Any) -> int:
-        raise RuntimeError("no rank generates on its own in an unsplit job")
-
-    def rollout_source(self, trainer: Trainer, split: Any) -> "InPlaceSource":
-        return InPlaceSource(trainer)
-
-
-class InPlaceSource:
-    """The default rollout source: :meth:`Trainer.collect` draws this rank's prompts, generates them
-    here in the actor's generation layout and scores them."""
-
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-
-    def next(self, step: int) -> Sampled:
-        return self.trainer.collect(step)
-
-    def data_state(self) -> Any:
-        return LoaderState(self.trainer.c.prompts.fill)
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def close(self, failed: bool = False) -> None:
-        pass
