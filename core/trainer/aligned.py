@@ -18,10 +18,21 @@ whose tokens have holes, packed rows under ``sdpa``) keep their width off that r
 (:func:`safe_masked_width`).
 
 :func:`align_left` gives the moved rows and where each response token's prediction sits in them.
+
+Given position ids and no mask, a Hugging Face model first checks whether its rows are several
+sequences packed into one (``transformers.masking_utils.find_packed_sequence_indices``); the check
+reads the device (``.all()`` of a device tensor), so the host waits there for every queued kernel
+before each forward, and whatever it does next (cuDNN builds an execution plan for each new
+attention shape) runs while the device has nothing queued. Moved rows are never packed: their
+positions are ``0..L-1`` by construction. :func:`rows_not_packed` answers the check for the
+forwards it wraps without reading the device (elsewhere, and in other threads, the check runs as it
+always does).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -95,6 +106,47 @@ def align_left(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     ids = torch.where(arange[None] < lengths[:, None], input_ids.gather(1, src), torch.zeros_like(src))
     return AlignedRows(input_ids=ids.to(input_ids.dtype), position_ids=arange[None].expand(batch, -1),
                        shift=first, lengths=lengths, width=width)
+
+
+_STATE = threading.local()
+
+
+def _install_check() -> bool:
+    """Wrap Hugging Face's packed-sequence check (once) so that it answers "not packed" without reading the
+    device while :func:`rows_not_packed` is active in the calling thread; False where the library has none."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        return False
+    if getattr(original, "_rlcore_rows_not_packed", False):
+        return True
+
+    def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        if getattr(_STATE, "depth", 0):
+            return None
+        return find_packed_sequence_indices.__wrapped__(position_ids, *args, **kwargs)
+
+    find_packed_sequence_indices.__wrapped__ = original
+    find_packed_sequence_indices.__doc__ = original.__doc__
+    find_packed_sequence_indices._rlcore_rows_not_packed = True
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    return True
+
+
+@contextlib.contextmanager
+def rows_not_packed():
+    """Within the block, this thread's model forwards take their rows as unpacked without reading the
+    device (the module docstring): for forwards of :func:`align_left`'s rows, whose positions are
+    ``0..L-1`` in every row."""
+    _install_check()
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
 
 
 #: lengths ``L`` with ``L % 128 == 64`` make the cuDNN SDPA backward NaN under a mask (module docstring)

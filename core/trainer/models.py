@@ -299,13 +299,15 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     if fused is not None:
         rows, cols = (_trained_at(response_mask, known) if response_mask is not None
                       else attention_mask[:, -response_len:].bool().nonzero(as_tuple=True))
-        logp, ent = _fused_logprobs(*fused, aligned.forward_kwargs(), rows, pos[rows, cols], labels[rows, cols],
-                                    float(temp), bool(with_entropy))
+        with aligned_rows.rows_not_packed():
+            logp, ent = _fused_logprobs(*fused, aligned.forward_kwargs(), rows, pos[rows, cols], labels[rows, cols],
+                                        float(temp), bool(with_entropy))
         return _spread((logp, ent), (input_ids.shape[0], response_len), rows, cols)
     split = split_head(model, input_ids.device)
     if split is not None:  # the head on the response positions' hidden states only
         decoder, weight = split
-        hidden = decoder(**aligned.forward_kwargs(), use_cache=False).last_hidden_state
+        with aligned_rows.rows_not_packed():
+            hidden = decoder(**aligned.forward_kwargs(), use_cache=False).last_hidden_state
         if response_mask is not None:  # only the response tokens themselves: no logits for the padding
             rows, cols = _trained_at(response_mask, known)
             if len(rows):
@@ -319,7 +321,8 @@ def response_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     else:  # the model's own logits over the window of positions every row needs
         low, high = torch.stack([pos.min(), pos.max()]).tolist()
         window = torch.arange(low, high + 1, device=pos.device)
-        out = model(**aligned.forward_kwargs(), use_cache=False, logits_to_keep=window)
+        with aligned_rows.rows_not_packed():
+            out = model(**aligned.forward_kwargs(), use_cache=False, logits_to_keep=window)
         logits = out.logits.gather(1, (pos - low)[..., None].expand(-1, -1, out.logits.shape[-1]))
     return token_logprobs(logits, labels, float(temp), bool(with_entropy), entropy_grad)
 
@@ -389,7 +392,8 @@ def response_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: 
         values = critic(input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=position_ids(attention_mask))
         return values[:, -(response_len + 1):-1].float()
-    values = critic(**aligned.forward_kwargs())
+    with aligned_rows.rows_not_packed():
+        values = critic(**aligned.forward_kwargs())
     return values.gather(1, aligned.response_positions(response_len)).float()
 
 

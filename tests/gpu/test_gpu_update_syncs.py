@@ -1,6 +1,7 @@
-"""On a CUDA machine: an actor micro-batch shaped from the host's sizes reads nothing of the device in
-rlcore's code (the model's own check of its position ids aside), so the host queues the next micro-batch
-while this one runs (``torch.cuda.set_sync_debug_mode``: a read raises).
+"""On a CUDA machine: an actor micro-batch shaped from the host's sizes reads nothing of the device (the
+model's own check of its position ids for packed sequences answered without a read, as its rows are moved
+left: rlcore.trainer.aligned.rows_not_packed), so the host queues the next micro-batch while this one runs
+(``torch.cuda.set_sync_debug_mode``: a read raises).
 Skipped without CUDA; its CPU side (the same update bit for bit) is tested in tests/unit/test_trainer_trim.py."""
 
 from collections import defaultdict
@@ -34,7 +35,7 @@ def _experience(batch=8, prompt=32, response=48, vocab=512) -> Experience:
                       advantages=advantages.cuda())
 
 
-def test_a_micro_batch_with_the_host_sizes_reads_nothing_of_the_device(monkeypatch):
+def test_a_micro_batch_with_the_host_sizes_reads_nothing_of_the_device():
     model = tiny_causal_lm("qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                            intermediate_size=512, max_position_embeddings=2048, vocab_size=512)
     model = model.to("cuda", torch.bfloat16).train()
@@ -42,12 +43,6 @@ def test_a_micro_batch_with_the_host_sizes_reads_nothing_of_the_device(monkeypat
     sizes = host_sizes(exp)
     group = torch.tensor([1, 4, 6])
     stats = defaultdict(list)
-    # the one read left is the model's own: given position ids without a mask, a Hugging Face model checks
-    # them for packed sequences (our rows never are); that check is taken out here, rlcore's code is tested
-    import transformers.masking_utils as masking
-
-    if hasattr(masking, "find_packed_sequence_indices"):
-        monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlcore.rollout.tiny import tiny_causal_lm
+from rlcore.trainer import aligned as aligned_module
 from rlcore.trainer import models
 from rlcore.trainer.aligned import align_left, safe_masked_width
 from rlcore.trainer.models import ValueModel, position_ids, response_logprobs, response_values, set_logprob_head
@@ -195,3 +196,63 @@ def test_with_a_response_mask_the_head_runs_on_the_response_tokens_only(monkeypa
     assert rows == [int(m.sum())]  # one head product, over the response tokens alone
     torch.testing.assert_close(got[m], want[m], rtol=1e-5, atol=1e-5)
     assert (got[~m] == 0).all() and (ent[~m] == 0).all() and torch.isfinite(ent).all()
+
+
+class _PackedCheckSpy:
+    """Counts the calls that reach Hugging Face's own packed-sequence check (which reads the device)."""
+
+    def __init__(self, monkeypatch):
+        import transformers.masking_utils as masking
+
+        aligned_module._install_check()
+        wrapper = masking.find_packed_sequence_indices
+        self.calls = 0
+        original = wrapper.__wrapped__
+
+        def counted(position_ids, *args, **kwargs):
+            self.calls += 1
+            return original(position_ids, *args, **kwargs)
+
+        monkeypatch.setattr(wrapper, "__wrapped__", counted)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_aligned_forwards_skip_the_models_packed_sequence_check(family, monkeypatch):
+    """The rows moved left are never packed: their forwards (actor and critic) do not run the model's check
+    of the position ids, which reads the device; a forward outside them still does, with the same result."""
+    model = tiny_causal_lm(family)
+    exp = ragged_experience(model, batch=6, seed=17)
+    want = _masked_reference(model, exp.input_ids, exp.attention_mask, exp.response_len).detach()
+    spy = _PackedCheckSpy(monkeypatch)
+    got, _ = response_logprobs(model, exp.input_ids, exp.attention_mask, exp.response_len)
+    response_values(ValueModel.from_causal_lm(tiny_causal_lm(family)), exp.input_ids, exp.attention_mask,
+                    exp.response_len)
+    assert spy.calls == 0
+    m = exp.response_mask.bool()
+    torch.testing.assert_close(got[m], want[m], rtol=1e-5, atol=1e-5)
+    positions = torch.arange(8)[None].expand(2, -1)
+    model(input_ids=torch.ones(2, 8, dtype=torch.long), position_ids=positions, use_cache=False)
+    assert spy.calls == 1
+
+
+def test_the_packed_sequence_answer_holds_only_in_its_block_and_thread():
+    import threading
+
+    import transformers.masking_utils as masking
+
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    aligned_module._install_check()
+    assert masking.find_packed_sequence_indices(packed) is not None
+    seen = []
+    with aligned_module.rows_not_packed():
+        assert masking.find_packed_sequence_indices(packed) is None
+        with aligned_module.rows_not_packed():  # nested blocks
+            assert masking.find_packed_sequence_indices(packed) is None
+        assert masking.find_packed_sequence_indices(packed) is None
+        other = threading.Thread(target=lambda: seen.append(masking.find_packed_sequence_indices(packed)))
+        other.start()
+        other.join()
+    assert seen[0] is not None and seen[0].tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert masking.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1, 1]]
+    aligned_module._install_check()  # installed once: not wrapped twice
+    assert not getattr(masking.find_packed_sequence_indices.__wrapped__, "_rlcore_rows_not_packed", False)
