@@ -11,7 +11,7 @@
 #   bash bench/gpu_round.sh last       # Qwen3's numerics, then profile (about four minutes)
 #   bash bench/gpu_round.sh alloc      # the cap-2,048 step with and without the allocator's expandable segments
 #   bash bench/gpu_round.sh verify     # the update's no-sync and bf16 fold tests, profile, cap 2,048 with flash SDPA
-#   bash bench/gpu_round.sh checks     # the tail cut at 32 rows, the CUDA-only kernel and no-sync tests, cap 2,048 with flash SDPA
+#   bash bench/gpu_round.sh checks     # the CUDA-only kernel and no-sync tests, cap 2,048 with flash SDPA, then with the defaults
 #   bash bench/gpu_round.sh single     # the single-turn step beside a reference wheel (.whl/ref/), same machine
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
 #   bash bench/gpu_round.sh profile    # the cap-2,048 step, then its update under the profiler: where the GPU idles
@@ -87,18 +87,20 @@ case "${1:-}" in
             --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 \
             --timeout-rlcore 150 --fixed-lengths --rlcore-override "trainer.sdpa_backends=[flash,efficient]" \
             --out "$OUT/reasoning_cap2k_flash.json" ;;
-    checks)  # about nine minutes
-        TAILCUT_STEPS=2 TAILCUT_VARIANTS=tail32 bash "$0" tailcut
+    checks)  # about eight minutes
         run gpu_checks 150 python3 -m pytest -q -p no:logging tests/gpu/test_gpu_update_syncs.py \
             tests/unit/test_rollout_decode_attention.py
         run reasoning_cap2k_flash 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore \
             --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 \
             --timeout-rlcore 150 --fixed-lengths --rlcore-override "trainer.sdpa_backends=[flash,efficient]" \
-            --out "$OUT/reasoning_cap2k_flash.json" ;;
+            --out "$OUT/reasoning_cap2k_flash.json"
+        run reasoning_cap2k 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore \
+            --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 \
+            --timeout-rlcore 150 --fixed-lengths --out "$OUT/reasoning_cap2k.json" ;;
     single)  # this checkout's wheel, the reference (.whl/ref/*.whl, its commit in .whl/ref/COMMIT), this one again
         ref=$(mktemp -d)
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$ref" .whl/ref/*.whl || exit 1
-        for v in head ref head2; do
+        for v in ${SINGLE_RUNS:-head ref head2}; do
             if [ "$v" = ref ]; then
                 run "grpo_step_$v" 150 env PYTHONPATH="$ref:${PYTHONPATH:-}" RLCORE_BENCH_COMMIT="$(cat .whl/ref/COMMIT)" \
                     python3 bench/bench_grpo_step.py --systems rlcore --warmup 1 --steps 3 --out "$OUT/grpo_step_$v.json"
