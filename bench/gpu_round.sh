@@ -11,7 +11,8 @@
 #   bash bench/gpu_round.sh last       # Qwen3's numerics, then profile (about four minutes)
 #   bash bench/gpu_round.sh alloc      # the cap-2,048 step with and without the allocator's expandable segments
 #   bash bench/gpu_round.sh verify     # the update's no-sync and bf16 fold tests, profile, cap 2,048 with flash SDPA
-#   bash bench/gpu_round.sh checks     # the CUDA-only kernel and no-sync tests, cap 2,048 with flash SDPA, then with the defaults
+#   bash bench/gpu_round.sh one        # the CUDA-only kernel and no-sync tests, then tailcut (2 steps, defaults and tail8)
+#   bash bench/gpu_round.sh checks     # cap 2,048 with flash SDPA, then with the defaults
 #   bash bench/gpu_round.sh single     # the single-turn step beside a reference wheel (.whl/ref/), same machine
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
 #   bash bench/gpu_round.sh profile    # the cap-2,048 step, then its update under the profiler: where the GPU idles
@@ -87,9 +88,11 @@ case "${1:-}" in
             --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 \
             --timeout-rlcore 150 --fixed-lengths --rlcore-override "trainer.sdpa_backends=[flash,efficient]" \
             --out "$OUT/reasoning_cap2k_flash.json" ;;
-    checks)  # about eight minutes
-        run gpu_checks 150 python3 -m pytest -q -p no:logging tests/gpu/test_gpu_update_syncs.py \
+    one)  # about eight minutes: the CUDA-only kernel and no-sync tests, then the tail cut beside the defaults
+        run gpu_checks 100 python3 -m pytest -q -p no:logging tests/gpu/test_gpu_update_syncs.py \
             tests/unit/test_rollout_decode_attention.py
+        TAILCUT_STEPS=2 TAILCUT_VARIANTS="defaults tail8" bash "$0" tailcut ;;
+    checks)  # about six minutes
         run reasoning_cap2k_flash 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore \
             --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 \
             --timeout-rlcore 150 --fixed-lengths --rlcore-override "trainer.sdpa_backends=[flash,efficient]" \
