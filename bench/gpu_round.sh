@@ -91,6 +91,7 @@ case "${1:-}" in
     one)  # about eight minutes: the CUDA-only kernel and no-sync tests, then the tail cut beside the defaults
         run gpu_checks 100 python3 -m pytest -q -p no:logging tests/gpu/test_gpu_update_syncs.py \
             tests/unit/test_rollout_decode_attention.py
+        run rope_fused_apart 60 python3 bench/probes/rope_fused_apart.py --json "$OUT/rope_fused_apart.json"
         TAILCUT_STEPS=2 TAILCUT_VARIANTS="defaults tail8" bash "$0" tailcut ;;
     checks)  # about six minutes
         run reasoning_cap2k_flash 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore \
