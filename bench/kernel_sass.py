@@ -108,7 +108,8 @@ def compile_setting(shape: str, setting: dict, batch: int, columns: int) -> dict
                      PAGED=page_size is not None, PAGE=page_size or 1)
     warps = setting.get("num_warps") or decode_attention.default_warps(dim)
     compiled = compile_for_hopper(decode_attention._attend_part, TYPES, constants, warps, setting.get("num_stages"),
-                                  engine_values(heads, kv_heads, dim, batch, columns, page_size))
+                                  engine_values(heads, kv_heads, dim, batch, columns, page_size),
+                                  fp_fusion=decode_attention.FP_FUSION)
     return {"setting": setting, "shared_bytes": compiled.metadata.shared, **sass_stats(compiled.asm["cubin"])}
 
 

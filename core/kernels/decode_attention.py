@@ -45,6 +45,13 @@ DEFAULT_SMS = 8
 
 _CHECKED: dict[tuple, tuple[bool, str]] = {}
 
+#: Triton's contraction of a product and a sum into one fused multiply-add, off for this kernel: with it
+#: on, the compiler dropped the rounding of a RoPE product to the cache dtype (a round trip through bf16
+#: folded away, the product fused into the sum), so the kernel's keys and queries were not the model's,
+#: bit for bit, and its log-probs further from the trainer's than HF ``generate``'s (measured on an H100;
+#: Inductor turns the contraction off for the same reason under ``emulate_precision_casts``)
+FP_FUSION = False
+
 if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite start of the running maximum: no inf - inf on empty blocks
 
@@ -582,7 +589,7 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(dim))
     keys, values = layer[0], layer[1]
-    options = dict(num_warps=num_warps)
+    options = dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION)
     if num_stages is not None:
         options["num_stages"] = num_stages
     common = (q, *q.stride(), keys, values, *keys.stride(), bias, *bias.stride())

@@ -34,14 +34,16 @@ def kernels_run_on(device: torch.device | str) -> bool:
 
 
 def compile_for_hopper(kernel, types: dict[str, str], constants: dict[str, object], num_warps: int,
-                       num_stages: int | None = None, values: dict[str, int] | None = None):
+                       num_stages: int | None = None, values: dict[str, int] | None = None,
+                       fp_fusion: bool | None = None):
     """Compile the ``@triton.jit`` ``kernel`` for an sm_90 GPU without one (PTX, then a cubin through
     the ``ptxas`` Triton ships); returns Triton's compiled kernel (``.asm["ptx"]``, ``["cubin"]``).
 
     ``types``: argument name -> Triton type (``"*bf16"``, ``"fp32"``; names not given are 32-bit
     integers); ``constants``: the ``constexpr`` arguments. ``values``: integer arguments as a launch
     would pass them, for the same specialisation: a 1 becomes a constant, a multiple of 16 is marked
-    divisible by 16 (pointers always are).
+    divisible by 16 (pointers always are). ``fp_fusion``: Triton's ``enable_fp_fusion`` (products and sums
+    contracted into fused multiply-adds; None: Triton's default).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,4 +60,6 @@ def compile_for_hopper(kernel, types: dict[str, str], constants: dict[str, objec
             hints[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constexprs=fixed, attrs=hints)
     options = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
+    if fp_fusion is not None:
+        options["enable_fp_fusion"] = bool(fp_fusion)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

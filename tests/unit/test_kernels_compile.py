@@ -73,3 +73,19 @@ def test_kernel_compiles_for_hopper(case):
     assert not unknown, f"{name} has no arguments {unknown}"  # the table above is out of date
     compiled = compile_for_hopper(kernel, types, constants, warps)
     assert len(compiled.asm["cubin"]) > 1000 and ".entry" in compiled.asm["ptx"]
+
+
+def test_the_attention_kernel_keeps_the_models_roundings_no_fused_multiply_add():
+    """The decode-attention kernel is compiled as the engine launches it, without Triton's contraction of
+    products and sums: with it, the compiler folded a RoPE product's round trip through bf16 away and fused
+    the product into the sum (on an H100 the kernel's keys then differed from the model's in 1-2 bf16 units
+    in the last place). No ``fma`` in the PTX with the engine's setting; the default setting has them."""
+    from rlcore.kernels import decode_attention
+
+    kernel = decode_attention._attend_part
+    constants = dict(ATTEND_NEW, SPLIT=False)
+    engine = compile_for_hopper(kernel, ATTENTION, constants, 2, fp_fusion=decode_attention.FP_FUSION)
+    assert decode_attention.FP_FUSION is False
+    assert "fma.rn.f32" not in engine.asm["ptx"]
+    fused = compile_for_hopper(kernel, ATTENTION, constants, 2, fp_fusion=True)
+    assert "fma.rn.f32" in fused.asm["ptx"]
