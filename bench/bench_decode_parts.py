@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", action="store_true", help="profile a whole generate call per shape")
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
-                             'as JSON, e.g. default;{"rope_in_attention": false}')
+                             'as JSON, e.g. default;{"rope_in_attention": false}; "fp_fusion": true compiles '
+                             'the attention kernel with Triton\'s fused multiply-adds')
     parser.add_argument("--loop-new", type=int, default=65, help="new tokens per sequence in --loop")
     parser.add_argument("--loop-prompt", type=int, default=128,
                         help="prompt tokens per sequence in --loop (a reasoning rollout's tail: --batch 8 "
@@ -231,7 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.loop:
             for variant in args.loop_variants.split(";"):
                 kwargs = {} if variant == "default" else json.loads(variant)
-                profiled = loop_profile(shape, args.batch, args.loop_prompt, args.loop_new, kwargs)
+                from rlcore.kernels import decode_attention
+
+                saved = decode_attention.FP_FUSION  # "fp_fusion": the attention kernel's enable_fp_fusion
+                decode_attention.FP_FUSION = bool(kwargs.pop("fp_fusion", saved))
+                try:
+                    profiled = loop_profile(shape, args.batch, args.loop_prompt, args.loop_new, kwargs)
+                finally:
+                    decode_attention.FP_FUSION = saved
                 results["loop"].append({"variant": variant, **profiled})
                 write_json(args.out, results)  # after each part: a later failure loses nothing
     if "sampler" in parts:

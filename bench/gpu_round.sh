@@ -12,6 +12,7 @@
 #   bash bench/gpu_round.sh alloc      # the cap-2,048 step with and without the allocator's expandable segments
 #   bash bench/gpu_round.sh verify     # the update's no-sync and bf16 fold tests, profile, cap 2,048 with flash SDPA
 #   bash bench/gpu_round.sh one        # the CUDA-only kernel and no-sync tests, then tailcut (2 steps, defaults and tail8)
+#   bash bench/gpu_round.sh rounding   # the kernel's roundings on CUDA: RoPE probe, kernel tests, Qwen3 numerics, tail step
 #   bash bench/gpu_round.sh checks     # cap 2,048 with flash SDPA, then with the defaults
 #   bash bench/gpu_round.sh single     # the single-turn step beside a reference wheel (.whl/ref/), same machine
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
@@ -93,6 +94,15 @@ case "${1:-}" in
             tests/unit/test_rollout_decode_attention.py
         run rope_fused_apart 60 python3 bench/probes/rope_fused_apart.py --json "$OUT/rope_fused_apart.json"
         TAILCUT_STEPS=2 TAILCUT_VARIANTS="defaults tail8" bash "$0" tailcut ;;
+    rounding)  # about five minutes: the attention kernel's roundings on CUDA (enable_fp_fusion off), then their cost
+        run rope_fused_apart 60 python3 bench/probes/rope_fused_apart.py --json "$OUT/rope_fused_apart.json"
+        run kernel_tests 120 python3 -m pytest -q -rfE --tb=line tests/gpu/test_gpu_update_syncs.py \
+            tests/unit/test_rollout_decode_attention.py
+        run check_models_qwen3 150 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,rope-apart,eager \
+            --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json"
+        run tail_step_fp_fusion 150 python3 bench/bench_decode_parts.py --shapes qwen2-1.5b --batch 8 --parts none \
+            --loop --loop-variants 'default;{"fp_fusion": true}' --loop-prompt 4096 --loop-new 257 \
+            --out "$OUT/tail_step_fp_fusion.json" ;;
     checks)  # about six minutes
         run reasoning_cap2k_flash 160 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore \
             --cap 2048 --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 \
