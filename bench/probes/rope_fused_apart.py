@@ -6,10 +6,9 @@ bit; on an H100 in bf16 the fused path's log-probs are further from the trainer'
 variants ``default`` against ``rope-apart``). This probe runs both engines (Triton attention,
 uncompiled, no CUDA graphs) on the same random model and prompts, greedy, and compares:
 
-* after a prefill and ``--new-tokens`` decode steps: the KV cache, layer by layer, over the
-  prompt columns (written by the prefill, the same code in both) and over the decoded columns
-  (written by the kernel in the fused path, by PyTorch apart): how many keys and values differ
-  and by how much;
+* after a prefill and ``--new-tokens`` greedy tokens: the KV cache, layer by layer (how many keys
+  and values differ and by how much, and which cache columns hold them: the prefill is the same code in
+  both, the decode steps' columns are written by the kernel in the fused path, by PyTorch apart);
 * the sampled tokens and their log-probs.
 
 Run (GPU): python bench/probes/rope_fused_apart.py --json $OUT/rope_fused_apart.json
@@ -77,18 +76,17 @@ def main(argv=None) -> int:
     (a, cache_a), (b, cache_b) = runs["fused"], runs["apart"]
     result = {"env": environment(), "settings": vars(args), "tokens_equal": bool(torch.equal(a.response_ids, b.response_ids)),
               "logprobs": compare(a.logprobs.float().cpu(), b.logprobs.float().cpu()), "layers": []}
-    # static cache [L, 2, slots, kv_heads, columns, D]; slot i holds prompt i (admitted in order)
-    prompt_cols = min(map(len, prompts))
+    # static cache [L, 2, slots, kv_heads, columns, D]
     for layer in range(cache_a.shape[0]):
         row = {"layer": layer}
         for which, part in (("key", 0), ("value", 1)):
             x, y = cache_a[layer, part], cache_b[layer, part]
-            row[f"{which}_prompt"] = compare(x[..., :prompt_cols, :], y[..., :prompt_cols, :])
-            row[f"{which}_all"] = compare(x, y)
+            row[which] = compare(x, y)
+            row[f"{which}_columns"] = sorted(set((x != y).any(-1).any(1).nonzero()[:, 1].tolist()))
         result["layers"].append(row)
-        print(f"layer {layer}: keys differ {row['key_all']['differ']} (prompt columns {row['key_prompt']['differ']}), "
-              f"values differ {row['value_all']['differ']} (prompt columns {row['value_prompt']['differ']}), "
-              f"max |dk| {row['key_all']['max_abs']:.3g}, max |dv| {row['value_all']['max_abs']:.3g}")
+        print(f"layer {layer}: keys differ {row['key']['differ']} (columns {row['key_columns']}), values differ "
+              f"{row['value']['differ']} (columns {row['value_columns']}), max |dk| {row['key']['max_abs']:.3g}, "
+              f"max |dv| {row['value']['max_abs']:.3g}")
     print(f"tokens equal: {result['tokens_equal']}; log-probs differ at {result['logprobs']['differ']} of "
           f"{result['logprobs']['elements']}, max {result['logprobs']['max_abs']:.3g}")
     if args.json:
