@@ -319,6 +319,10 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     from rlcore.trainer.loop import Trainer
 
     cfg = load_config([], rlcore_overrides(spec, setting))
+    if spec.get("attention_max_chunk"):
+        from rlcore.kernels import decode_attention
+
+        decode_attention.MAX_CHUNK = int(spec["attention_max_chunk"])
     t0 = time.perf_counter()
     trainer = Trainer(cfg, build_plugin_manager(list(cfg.plugins)), init_distributed(cfg.trainer.device))
     trainer.c.eos_ids = list(spec["stop_ids"])  # the stop rule (see the module docstring)
@@ -1042,6 +1046,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-micro", type=int, default=None, help="TRL's per_device_train_batch_size")
     parser.add_argument("--rlcore-override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for rlcore (repeatable)")
+    parser.add_argument("--attention-max-chunk", type=int, default=None,
+                        help="rlcore: the most cache columns one program of the decode attention kernel attends "
+                             "(rlcore.kernels.decode_attention.MAX_CHUNK; default: no cap)")
     parser.add_argument("--workdir", default=None, help="models, runs and progress files (default: a temp dir)")
     parser.add_argument("--keep-models", action="store_true", help="keep each shape's saved model")
     parser.add_argument("--resume", action="store_true", help="keep the finished runs already in --out")
@@ -1079,6 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec["prompt_min"] > spec["prompt_max"]:
         raise SystemExit("--prompt-min must not exceed --prompt-max")
     spec.update(fixed_lengths=bool(args.fixed_lengths), profile_update=bool(args.profile_update),
+                attention_max_chunk=args.attention_max_chunk,
                 device="cuda" if torch.cuda.is_available() and not args.smoke else "cpu",
                 rlcore_overrides=list(args.rlcore_override), keep_models=args.keep_models,
                 settings_override={"slots": args.slots, "micro": args.micro, "trl_micro": args.trl_micro},

@@ -6,7 +6,7 @@
 #   bash bench/gpu_round.sh tail       # the few-row decode step (the attention kernel's speed)
 #   bash bench/gpu_round.sh reasoning  # the 1.5B reasoning step at cap 8k and 2k, same lengths every run
 #   bash bench/gpu_round.sh tailcut    # the 1.5B step with the rollout's tail carried over, beside the defaults
-#                                      # (TAILCUT_STEPS measured steps, TAILCUT_VARIANTS e.g. "defaults tail8 tail32")
+#                                      # (TAILCUT_STEPS measured steps, TAILCUT_VARIANTS e.g. "defaults tail8 tail8c1024")
 #   bash bench/gpu_round.sh short      # tailcut (2 measured steps each), Qwen3's numerics, then profile
 #   bash bench/gpu_round.sh last       # Qwen3's numerics, then profile (about four minutes)
 #   bash bench/gpu_round.sh alloc      # the cap-2,048 step with and without the allocator's expandable segments
@@ -53,9 +53,11 @@ case "${1:-}" in
             --fixed-lengths --out "$OUT/reasoning_cap2k.json" ;;
     tailcut)  # the same drawn lengths in both (a carried sample keeps its own); samples trained a second compare
         for v in ${TAILCUT_VARIANTS:-defaults tail8}; do  # tailN: ppo.partial_rollout.tail_rows=N
-            extra=()
-            [ "$v" != defaults ] && extra=(--rlcore-override "ppo.partial_rollout.tail_rows=${v#tail}"
+            extra=()  # tailN: tail_rows=N; tailNcC: and the attention kernel's chunks capped at C columns
+            rows=${v#tail}; rows=${rows%%c*}
+            [ "$v" != defaults ] && extra=(--rlcore-override "ppo.partial_rollout.tail_rows=$rows"
                                            --rlcore-override ppo.rollout_is=token)
+            [[ "$v" == *c* ]] && extra+=(--attention-max-chunk "${v##*c}")
             run "reasoning_$v" 280 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --warmup 2 \
                 --steps "${TAILCUT_STEPS:-3}" --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 --fixed-lengths ${extra[@]+"${extra[@]}"} \
                 --out "$OUT/reasoning_$v.json"

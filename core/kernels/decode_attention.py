@@ -38,6 +38,12 @@ LONG_LENGTH = 1024
 LONG_PROGRAMS_PER_SM = 2.0
 LONG_MIN_CHUNK = 256
 MAX_SPLITS = 64
+#: the most columns one program attends under the default rule, whatever the batch (None: no cap). A batch
+#: of rows of very different lengths (the tail cut's carried samples, with thousands of tokens, among new
+#: ones) is not split by the rule (enough (slot, head) pairs), so each long row's single program is the
+#: critical path of every layer's call; a cap cuts those rows into chunks (the short rows' later chunks
+#: return at once). Off until measured (bench_reasoning.py --attention-max-chunk)
+MAX_CHUNK: int | None = None
 #: at most this many chunks for lengths up to :data:`LONG_LENGTH`
 SHORT_MAX_SPLITS = 16
 #: multiprocessor count assumed off CUDA (the interpreter)
@@ -359,7 +365,8 @@ def default_warps(dim: int) -> int:
     return 2 if dim <= 64 else 4
 
 
-def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int]:
+def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: int = BLOCK_N,
+         max_chunk: int | None = None) -> tuple[int, int]:
     """``(splits, chunk)``: how many chunks the ``length`` columns are cut into and their width.
 
     ``pairs`` is the number of (slot, key/value head) programs without splitting. By default a
@@ -367,8 +374,9 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
     multiprocessor, into enough chunks to reach that (at most :data:`SHORT_MAX_SPLITS`, at least one
     ``block_n`` block each). Above :data:`LONG_LENGTH` columns (few long rows: the tail of a long
     rollout) the target is :data:`LONG_PROGRAMS_PER_SM` programs per multiprocessor, in chunks of at
-    least :data:`LONG_MIN_CHUNK` columns, at most :data:`MAX_SPLITS` of them. ``chunk`` is a
-    multiple of ``block_n`` and every chunk is non-empty.
+    least :data:`LONG_MIN_CHUNK` columns, at most :data:`MAX_SPLITS` of them. ``max_chunk`` (default
+    :data:`MAX_CHUNK`) then cuts into more chunks until none is wider (in whole blocks, so up to a block
+    wider; at most :data:`MAX_SPLITS` chunks). ``chunk`` is a multiple of ``block_n`` and every chunk is non-empty.
     """
     blocks = -(-length // block_n)
     if splits is None:
@@ -376,6 +384,9 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
         target = max(1, int((LONG_PROGRAMS_PER_SM if long else PROGRAMS_PER_SM) * sms))
         splits = -(-target // max(pairs, 1)) if pairs < target else 1
         splits = min(splits, max(1, length // LONG_MIN_CHUNK) if long else SHORT_MAX_SPLITS)
+        cap = MAX_CHUNK if max_chunk is None else max_chunk
+        if cap:
+            splits = max(splits, -(-length // max(int(cap), block_n)))
     splits = max(1, min(int(splits), blocks, MAX_SPLITS))
     chunk = -(-blocks // splits) * block_n
     return -(-length // chunk), chunk

@@ -60,6 +60,32 @@ def test_plan_cuts_long_contexts_of_few_rows_finer():
     assert decode_attention.plan(32, 1024, sms=132)[0] == 3  # up to LONG_LENGTH the short rule holds
 
 
+def test_plan_caps_the_columns_of_one_program(monkeypatch):
+    """With a cap, a full batch of long rows (no split by the default rule) is cut into chunks no wider
+    than it; without one (the default) nothing changes; an explicit ``splits`` still wins."""
+    assert decode_attention.MAX_CHUNK is None
+    assert decode_attention.plan(512, 8192, sms=132) == (1, 8192)
+    assert decode_attention.plan(512, 8192, sms=132, max_chunk=1024) == (8, 1024)
+    assert decode_attention.plan(512, 8000, sms=132, block_n=32, max_chunk=1000) == (8, 1024)  # whole blocks
+    assert decode_attention.plan(512, 300, sms=132, max_chunk=1024) == (1, 320)
+    assert decode_attention.plan(512, 8192, sms=132, splits=2, max_chunk=1024) == (2, 4096)
+    assert decode_attention.plan(2, 16384, sms=132, max_chunk=64)[0] == decode_attention.MAX_SPLITS
+    monkeypatch.setattr(decode_attention, "MAX_CHUNK", 2048)
+    assert decode_attention.plan(512, 8192, sms=132) == (4, 2048)
+
+
+@needs_kernel
+def test_capped_chunks_give_the_same_attention(monkeypatch):
+    """Rows of very different lengths (one long, the others short) cut by the cap: the same attention."""
+    q, layer, bias, length = make_case(2, 16, n=3, slots=5, columns=160, length=136)
+    want = decode_attention.attend(q, layer, bias, length)
+    monkeypatch.setattr(decode_attention, "MAX_CHUNK", 32)  # one block (64 columns) a chunk
+    assert decode_attention.plan(3 * 2, length, decode_attention.DEFAULT_SMS)[0] == 3
+    got = decode_attention.attend(q, layer, bias, length, counters=torch.zeros(6, dtype=torch.int32, device=DEVICE))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got, decode_attention.reference(q, layer, bias, length), atol=1e-5, rtol=1e-5)
+
+
 @needs_kernel
 @pytest.mark.parametrize("group", [1, 2, 7])
 @pytest.mark.parametrize("dim", [16, 64])
