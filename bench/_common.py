@@ -161,7 +161,8 @@ def run_train_steps(trainer, count: int, before_step: Callable[[int], None] | No
             steps.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
             print(f"  {label} step {step}: {seconds:.3f} s  " + "  ".join(
                 f"{k[5:-2]}={v:.3f}" for k, v in metrics.items() if k.startswith("time/"))
-                + f"  grad_norm={float(metrics.get('actor/grad_norm', float('nan'))):.4g}"
+                + (f"  grad_norm={float(metrics['actor/grad_norm']):.4g}" if "actor/grad_norm" in metrics
+                   else "  no update")
                 + f"  skipped={int(metrics.get('train/nonfinite_steps', 0))}", flush=True)
         status = "completed"
     finally:

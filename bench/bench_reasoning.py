@@ -450,7 +450,8 @@ def _measured(trainer, spec: dict[str, Any], times: list[float], steps: list[dic
               "update_overlapped_frac": mean.get("update/overlapped_frac"),
               # optimizer steps skipped for a non-finite loss or gradient norm, warm-up steps included
               "nonfinite_steps": [float(m.get("train/nonfinite_steps", 0.0)) for m in steps],
-              "grad_norms": [float(m.get("actor/grad_norm", float("nan"))) for m in steps],
+              # None: the step ran no update (a partial rollout's step whose groups are all still waiting)
+              "grad_norms": [float(m["actor/grad_norm"]) if "actor/grad_norm" in m else None for m in steps],
               "gpu": {k: v for k, v in mean.items() if k.startswith("gpu/")},
               "metrics": {k: v for k, v in mean.items() if k.startswith(("time/", "perf/", "memory/", "response/",
                                                                             "reward/", "mismatch", "rollout",
