@@ -402,10 +402,11 @@ def _finish_step(micro: dict[str, list[float]], weights: list[float], token_weig
     per-micro-batch metrics ``micro`` go into ``stats`` weighed as the gradients were. Whether it applied."""
     micro = host_stats(micro)
     norms = {"actor": _grad_norm(actor, actor_grad_clip)}
-    t1 = time.perf_counter()
+    critic_s = 0.0
     if critic is not None:
+        t1 = time.perf_counter()
         norms["critic"] = _grad_norm(critic, critic_grad_clip)
-    t2 = time.perf_counter()
+        critic_s = time.perf_counter() - t1
     losses = micro.get("loss/policy", []) + micro.get("loss/value", [])
     finite = all(math.isfinite(v) for v in norms.values()) and _losses_finite(losses)
     for name, values in micro.items():
@@ -422,7 +423,7 @@ def _finish_step(micro: dict[str, list[float]], weights: list[float], token_weig
         t4 = time.perf_counter()
         _step(critic_opt, critic_sched, apply)
         _wait(device)
-        spent["critic"] += (t2 - t1) + (time.perf_counter() - t4)
+        spent["critic"] += critic_s + (time.perf_counter() - t4)
     return apply
 
 
