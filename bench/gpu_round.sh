@@ -100,9 +100,11 @@ case "${1:-}" in
         run rope_fused_apart 60 python3 bench/probes/rope_fused_apart.py --json "$OUT/rope_fused_apart.json"
         run kernel_tests 120 python3 -m pytest -q -rfE --tb=line tests/gpu/test_gpu_update_syncs.py \
             tests/unit/test_rollout_decode_attention.py
-        run check_models_qwen3 150 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,rope-apart,eager \
+        run check_models_qwen3 120 python3 bench/check_models.py --shapes qwen3-1.7b --variants default,eager \
             --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen3.json"
-        run tail_step_fp_fusion 150 python3 bench/bench_decode_parts.py --shapes qwen2-1.5b --batch 8 --parts none \
+        run check_models_qwen25 100 python3 bench/check_models.py --shapes qwen2.5-1.5b --variants default,eager \
+            --prompts 8 --budget-s 20 --out "$OUT/check_models_qwen25.json"
+        run tail_step_fp_fusion 120 python3 bench/bench_decode_parts.py --shapes qwen2-1.5b --batch 8 --parts none \
             --loop --loop-variants 'default;{"fp_fusion": true}' --loop-prompt 4096 --loop-new 257 \
             --out "$OUT/tail_step_fp_fusion.json" ;;
     checks)  # about six minutes
