@@ -53,11 +53,11 @@ case "${1:-}" in
             --fixed-lengths --out "$OUT/reasoning_cap2k.json" ;;
     tailcut)  # the same drawn lengths in both (a carried sample keeps its own); samples trained a second compare
         for v in ${TAILCUT_VARIANTS:-defaults tail8}; do  # tailN: ppo.partial_rollout.tail_rows=N
-            extra=()  # tailN: tail_rows=N; tailNcC: and the attention kernel's chunks capped at C columns
+            extra=()  # tailN: tail_rows=N; tailNcC: and the attention kernel's chunks capped at C columns; cC: defaults, capped
             rows=${v#tail}; rows=${rows%%c*}
-            [ "$v" != defaults ] && extra=(--rlcore-override "ppo.partial_rollout.tail_rows=$rows"
-                                           --rlcore-override ppo.rollout_is=token)
-            [[ "$v" == *c* ]] && extra+=(--attention-max-chunk "${v##*c}")
+            [[ "$v" == tail* ]] && extra=(--rlcore-override "ppo.partial_rollout.tail_rows=$rows"
+                                          --rlcore-override ppo.rollout_is=token)
+            [[ "$v" =~ c[0-9]+$ ]] && extra+=(--attention-max-chunk "${v##*c}")
             run "reasoning_$v" 280 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --warmup 2 \
                 --steps "${TAILCUT_STEPS:-3}" --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 --fixed-lengths ${extra[@]+"${extra[@]}"} \
                 --out "$OUT/reasoning_$v.json"
