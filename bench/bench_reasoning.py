@@ -863,7 +863,9 @@ def ladder(system: str, spec: dict[str, Any], info: dict[str, Any], settings: di
     n = spec["n"]
     if system == "rlcore":
         features = spec["features"]
-        slots, micro = spec["prompts"] * n if features["paged_kv"] else settings["slots"], settings["micro"]
+        explicit = (spec.get("settings_override") or {}).get("slots")  # --slots wins over the paged cache's rule
+        slots = explicit or (spec["prompts"] * n if features["paged_kv"] else settings["slots"])
+        micro = settings["micro"]
         if features["token_budget"]:  # checkpointing decided per micro-batch by memory
             tokens = settings["tokens"]
             return [dict(slots=slots, micro=micro, tokens=tokens, gc="auto"),

@@ -52,12 +52,12 @@ case "${1:-}" in
             --mean-len 512 --warmup 2 --steps 1 --numerics-prompts 0 --total-budget-s 150 --timeout-rlcore 150 \
             --fixed-lengths --out "$OUT/reasoning_cap2k.json" ;;
     tailcut)  # the same drawn lengths in both (a carried sample keeps its own); samples trained a second compare
-        for v in ${TAILCUT_VARIANTS:-defaults tail8}; do  # tailN: ppo.partial_rollout.tail_rows=N
-            extra=()  # tailN: tail_rows=N; tailNcC: and the attention kernel's chunks capped at C columns; cC: defaults, capped
-            rows=${v#tail}; rows=${rows%%c*}
-            [[ "$v" == tail* ]] && extra=(--rlcore-override "ppo.partial_rollout.tail_rows=$rows"
-                                          --rlcore-override ppo.rollout_is=token)
-            [[ "$v" =~ c[0-9]+$ ]] && extra+=(--attention-max-chunk "${v##*c}")
+        for v in ${TAILCUT_VARIANTS:-defaults tail8}; do  # e.g. defaults, tail8, tail8c1024s264, c1024
+            extra=()  # tailN: tail_rows=N; then cC: the attention kernel's chunks capped at C columns; sS: S engine slots
+            [[ "$v" =~ ^tail([0-9]+) ]] && extra=(--rlcore-override "ppo.partial_rollout.tail_rows=${BASH_REMATCH[1]}"
+                                                  --rlcore-override ppo.rollout_is=token)
+            [[ "$v" =~ c([0-9]+) ]] && extra+=(--attention-max-chunk "${BASH_REMATCH[1]}")
+            [[ "$v" =~ s([0-9]+)$ ]] && extra+=(--slots "${BASH_REMATCH[1]}")
             run "reasoning_$v" 280 python3 bench/bench_reasoning.py --shapes qwen2.5-1.5b --systems rlcore --warmup 2 \
                 --steps "${TAILCUT_STEPS:-3}" --numerics-prompts 0 --total-budget-s 270 --timeout-rlcore 270 --fixed-lengths ${extra[@]+"${extra[@]}"} \
                 --out "$OUT/reasoning_$v.json"
