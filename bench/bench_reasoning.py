@@ -318,11 +318,10 @@ def run_rlcore(spec: dict[str, Any], setting: dict[str, Any], progress: dict[str
     from rlcore.plugin_manager import build_plugin_manager
     from rlcore.trainer.loop import Trainer
 
-    cfg = load_config([], rlcore_overrides(spec, setting))
-    if spec.get("attention_max_chunk"):
-        from rlcore.kernels import decode_attention
-
-        decode_attention.MAX_CHUNK = int(spec["attention_max_chunk"])
+    overrides = rlcore_overrides(spec, setting)
+    if spec.get("attention_max_chunk") is not None:
+        overrides.append(f"actor.rollout_engine.attention_tuning.max_chunk={int(spec['attention_max_chunk'])}")
+    cfg = load_config([], overrides)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, build_plugin_manager(list(cfg.plugins)), init_distributed(cfg.trainer.device))
     trainer.c.eos_ids = list(spec["stop_ids"])  # the stop rule (see the module docstring)
@@ -1051,7 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra config override for rlcore (repeatable)")
     parser.add_argument("--attention-max-chunk", type=int, default=None,
                         help="rlcore: the most cache columns one program of the decode attention kernel attends "
-                             "(rlcore.kernels.decode_attention.MAX_CHUNK; default: no cap)")
+                             "(actor.rollout_engine.attention_tuning.max_chunk; default: the kernel's, 1024; 0: no cap)")
     parser.add_argument("--workdir", default=None, help="models, runs and progress files (default: a temp dir)")
     parser.add_argument("--keep-models", action="store_true", help="keep each shape's saved model")
     parser.add_argument("--resume", action="store_true", help="keep the finished runs already in --out")

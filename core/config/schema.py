@@ -249,6 +249,9 @@ class AttentionTuningConfig:
     num_stages: Optional[int] = None
     #: Chunks each (slot, key/value head) cuts the attended length into (null: more only when there are few slots).
     splits: Optional[int] = None
+    #: The most columns one program attends: longer rows are cut into more chunks even in a full batch, so one long
+    #: row among short ones is not every layer's critical path (null: the kernel's default, 1024; 0: no cap).
+    max_chunk: Optional[int] = None
     #: Softmax states per block, a power of two leaving >= 16 columns each (null: 1).
     subblocks: Optional[int] = None
     #: With RoPE in the kernel, gather each slot's RoPE rows once a step instead of in every layer (null: true).
@@ -469,7 +472,8 @@ class PartialRolloutConfig:
     #: is carried into the next step instead, where those samples decode on beside the new ones (re-prefilled
     #: under the current weights). With the rollout engine (another backend decodes every sample to its end);
     #: the same needs as `segment` (ppo.rollout_is, one process, single-turn rollouts, ...), with which it
-    #: combines. See docs/architecture.md, Partial rollouts.
+    #: combines. Give ppo.generation.batch_size room for the carried samples (rollout_batch_size x n + tail_rows;
+    #: the trainer warns otherwise). See docs/architecture.md, Partial rollouts.
     tail_rows: int = 0
 
 

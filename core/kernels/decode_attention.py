@@ -38,12 +38,15 @@ LONG_LENGTH = 1024
 LONG_PROGRAMS_PER_SM = 2.0
 LONG_MIN_CHUNK = 256
 MAX_SPLITS = 64
-#: the most columns one program attends under the default rule, whatever the batch (None: no cap). A batch
-#: of rows of very different lengths (the tail cut's carried samples, with thousands of tokens, among new
-#: ones) is not split by the rule (enough (slot, head) pairs), so each long row's single program is the
-#: critical path of every layer's call; a cap cuts those rows into chunks (the short rows' later chunks
-#: return at once). Off until measured (bench_reasoning.py --attention-max-chunk)
-MAX_CHUNK: int | None = None
+#: the most columns one program attends under the default rule, whatever the batch (None or 0: no cap). A
+#: full batch is not split by the rule (enough (slot, head) pairs), so a long row's single program, sweeping
+#: thousands of columns while the others sweep hundreds, is the critical path of every layer's call (rows of
+#: very different lengths: the tail cut's carried samples among new ones, or a rollout's longest rows before
+#: the others end); the cap cuts such rows into chunks (a short row's later chunks return at once). Per call:
+#: ``attend(max_chunk=)``; per engine: ``actor.rollout_engine.attention_tuning.max_chunk``. Measured on an
+#: H100 (docs/benchmarks.md, "Reasoning workload"): 1,024 made the 1.5B reasoning step's rollout 2% faster,
+#: and the tail cut (with slots for its carried samples) then shorter than the defaults where it was longer
+MAX_CHUNK: int | None = 1024
 #: at most this many chunks for lengths up to :data:`LONG_LENGTH`
 SHORT_MAX_SPLITS = 16
 #: multiprocessor count assumed off CUDA (the interpreter)
@@ -376,7 +379,7 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
     rollout) the target is :data:`LONG_PROGRAMS_PER_SM` programs per multiprocessor, in chunks of at
     least :data:`LONG_MIN_CHUNK` columns, at most :data:`MAX_SPLITS` of them. ``max_chunk`` (default
     :data:`MAX_CHUNK`) then cuts into more chunks until none is wider (in whole blocks, so up to a block
-    wider; at most :data:`MAX_SPLITS` chunks). ``chunk`` is a multiple of ``block_n`` and every chunk is non-empty.
+    wider; at most :data:`MAX_SPLITS` chunks; 0: no cap). ``chunk`` is a multiple of ``block_n`` and every chunk is non-empty.
     """
     blocks = -(-length // block_n)
     if splits is None:
@@ -395,7 +398,8 @@ def plan(pairs: int, length: int, sms: int, splits: int | None = None, block_n: 
 def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, *, splits: int | None = None,
            block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            counters: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-           subblocks: int = 1, pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+           subblocks: int = 1, pages: tuple[torch.Tensor, int] | None = None,
+           max_chunk: int | None = None) -> torch.Tensor:
     """Attention of one query token per slot over cache columns ``0..length-1`` (see
     :func:`rlcore.rollout.engine.decode.attend` for the shapes).
 
@@ -423,6 +427,8 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
             (a pool of pages) and slot ``i``'s column ``c`` is in page ``table[i, c // page_size]``
             (``table`` ``[>= n, >= ceil(length / page_size)]`` int32), row ``c % page_size``;
             ``page_size`` a multiple of ``block_n``. Excludes ``shared`` (slots share pages instead).
+        max_chunk: the most columns one program attends (:func:`plan`; default :data:`MAX_CHUNK`, 0: no cap);
+            ignored with ``splits``.
     Returns:
         ``[n, KVH·G·D]`` in ``q``'s dtype.
 
@@ -430,7 +436,7 @@ def attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int
     when the call is traced (:func:`_traced`), so compiled code calls it without a graph break.
     """
     args = (q, layer, bias, length, splits, block_n, num_warps, num_stages, counters, *_flat(shared, pages),
-            subblocks)
+            subblocks, _flat_cap(max_chunk))
     return attend_op(*args) if _traced(q) else _attend(*args)
 
 
@@ -439,6 +445,15 @@ def _flat(shared, pages) -> tuple:
     source, end = (None, None) if shared is None else shared
     table, page_size = (None, 0) if pages is None else pages
     return source, end, table, page_size
+
+
+def _flat_cap(max_chunk: int | None) -> int:
+    """``max_chunk`` as the operators' integer argument: -1 for None (:data:`MAX_CHUNK` at the call)."""
+    if max_chunk is None:
+        return -1
+    if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 0:
+        raise ValueError(f"decode attention: max_chunk must be a non-negative integer (0: no cap), got {max_chunk!r}")
+    return max_chunk
 
 
 def _pairs(source, end, table, page_size) -> tuple:
@@ -459,10 +474,10 @@ def _traced(tensor: torch.Tensor) -> bool:
 def _attend(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, length: int, splits: int | None,
             block_n: int | None, num_warps: int | None, num_stages: int | None, counters: torch.Tensor | None,
             source: torch.Tensor | None, end: torch.Tensor | None, table: torch.Tensor | None, page_size: int,
-            subblocks: int) -> torch.Tensor:
+            subblocks: int, max_chunk: int = -1) -> torch.Tensor:
     shared, pages = _pairs(source, end, table, page_size)
     return _launch(q, layer, bias, length, None, splits, block_n, num_warps, num_stages, counters,
-                   shared=shared, subblocks=subblocks, pages=pages)
+                   shared=shared, subblocks=subblocks, pages=pages, max_chunk=max_chunk)
 
 
 #: :func:`attend` as a ``torch.library`` operator (flat arguments: ``shared`` and ``pages`` as
@@ -472,7 +487,7 @@ attend_op = torch.library.custom_op("rlcore::attend", _attend, mutates_args=("co
 
 @attend_op.register_fake
 def _(q, layer, bias, length, splits, block_n, num_warps, num_stages, counters, source, end, table, page_size,
-      subblocks):
+      subblocks, max_chunk=-1):
     n, kv_heads, group, dim = q.shape
     return q.new_empty(n, kv_heads * group * dim)
 
@@ -483,7 +498,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
                num_stages: int | None = None, counters: torch.Tensor | None = None,
                shared: tuple[torch.Tensor, torch.Tensor] | None = None,
                proj_bias: torch.Tensor | None = None, subblocks: int = 1,
-               pages: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+               pages: tuple[torch.Tensor, int] | None = None, max_chunk: int | None = None) -> torch.Tensor:
     """The decode step's attention from the raw q/k/v projection, in one kernel: RoPE of the
     queries and the new key, the new key/value written to the cache at each slot's column, and
     attention over the columns before it (below ``length``) and the new one, taken from registers.
@@ -499,7 +514,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
             or with ``positions=None`` each slot's rows ``[n, D]`` (gathered once for all layers).
         positions, columns: ``[n]`` int64 RoPE position (or ``None``, see above) and cache column of
             each slot's new token.
-        splits, block_n, num_warps, num_stages, counters, shared, subblocks, pages: as for :func:`attend`
+        splits, block_n, num_warps, num_stages, counters, shared, subblocks, pages, max_chunk: as for :func:`attend`
             (the new key/value always goes to the slot's own row, at a column at or after its shared
             end; with ``pages``, to the page its column falls in).
         proj_bias: ``[(heads + 2·kv_heads)·D]`` added to the (summed) projection, for a ``proj``
@@ -512,7 +527,7 @@ def attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, leng
     result's shape) runs it when the call is traced (:func:`_traced`).
     """
     args = (proj, layer, bias, length, cos, sin, positions, columns, heads, kv_heads, splits, block_n, num_warps,
-            num_stages, counters, *_flat(shared, pages), proj_bias, subblocks)
+            num_stages, counters, *_flat(shared, pages), proj_bias, subblocks, _flat_cap(max_chunk))
     return attend_new_op(*args) if _traced(proj) else _attend_new(*args)
 
 
@@ -521,7 +536,7 @@ def _attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, len
                 splits: int | None, block_n: int | None, num_warps: int | None, num_stages: int | None,
                 counters: torch.Tensor | None, source: torch.Tensor | None, end: torch.Tensor | None,
                 table: torch.Tensor | None, page_size: int, proj_bias: torch.Tensor | None,
-                subblocks: int) -> torch.Tensor:
+                subblocks: int, max_chunk: int = -1) -> torch.Tensor:
     shared, pages = _pairs(source, end, table, page_size)
     parts = proj if proj.dim() == 3 else proj[None]
     n, width = parts.shape[1], parts.shape[2]
@@ -538,7 +553,8 @@ def _attend_new(proj: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, len
            columns if positions is None else positions, columns)
     summed = (parts.stride(0) if parts.shape[0] > 1 else 0, proj_bias, parts.shape[0])
     return _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, counters,
-                   rows=positions is None, shared=shared, summed=summed, subblocks=subblocks, pages=pages)
+                   rows=positions is None, shared=shared, summed=summed, subblocks=subblocks, pages=pages,
+                   max_chunk=max_chunk)
 
 
 #: :func:`attend_new` as a ``torch.library`` operator (flat arguments as :data:`attend_op`'s); writes
@@ -548,7 +564,7 @@ attend_new_op = torch.library.custom_op("rlcore::attend_new", _attend_new, mutat
 
 @attend_new_op.register_fake
 def _(proj, layer, bias, length, cos, sin, positions, columns, heads, kv_heads, splits, block_n, num_warps,
-      num_stages, counters, source, end, table, page_size, proj_bias, subblocks):
+      num_stages, counters, source, end, table, page_size, proj_bias, subblocks, max_chunk=-1):
     return proj.new_empty(proj.shape[-2], heads * layer.shape[-1], dtype=layer.dtype)
 
 
@@ -569,7 +585,8 @@ def _counters(device: torch.device, size: int) -> torch.Tensor:
 
 
 def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages, counters,
-            rows: bool = False, shared=None, summed=(0, None, 1), subblocks: int = 1, pages=None) -> torch.Tensor:
+            rows: bool = False, shared=None, summed=(0, None, 1), subblocks: int = 1, pages=None,
+            max_chunk: int = -1) -> torch.Tensor:
     n, kv_heads, group, dim = q.shape
     device = q.device
     if pages is None:
@@ -596,7 +613,8 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     check_subblocks(subblocks, block_n, dim)
     if pages is not None and page_size % block_n:
         raise ValueError(f"decode attention: page size {page_size} is not a multiple of the block of {block_n} columns")
-    splits, chunk = plan(n * kv_heads, length, _sm_count(device.type, device.index), splits, block_n)
+    splits, chunk = plan(n * kv_heads, length, _sm_count(device.type, device.index), splits, block_n,
+                         None if max_chunk < 0 else max_chunk)
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(dim))
     keys, values = layer[0], layer[1]

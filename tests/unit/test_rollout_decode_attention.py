@@ -40,6 +40,7 @@ def make_case(group: int, dim: int, dtype=torch.float32, n: int = 3, slots: int 
 
 
 def test_plan_splits_only_small_batches():
+    """The rule without the cap on one program's columns (``max_chunk=0``)."""
     assert decode_attention.plan(512, 320, sms=132) == (1, 320)
     assert decode_attention.plan(128, 320, sms=132) == (1, 320)  # 128 programs on 132 SMs: no split
     splits, chunk = decode_attention.plan(32, 320, sms=132)
@@ -56,15 +57,19 @@ def test_plan_cuts_long_contexts_of_few_rows_finer():
     assert decode_attention.plan(2, 16384, sms=132)[0] == decode_attention.MAX_SPLITS == 64
     splits, chunk = decode_attention.plan(32, 8192, sms=132)  # 32 pairs x 9 chunks >= 264 programs
     assert splits == 9 and chunk >= decode_attention.LONG_MIN_CHUNK and (splits - 1) * chunk < 8192 <= splits * chunk
-    assert decode_attention.plan(1024, 8192, sms=132) == (1, 8192)  # a full batch needs no cutting
+    assert decode_attention.plan(1024, 8192, sms=132, max_chunk=0) == (1, 8192)  # a full batch needs no cutting...
+    assert decode_attention.plan(1024, 8192, sms=132) == (8, 1024)  # ...but for the default cap (MAX_CHUNK)
     assert decode_attention.plan(32, 1024, sms=132)[0] == 3  # up to LONG_LENGTH the short rule holds
 
 
 def test_plan_caps_the_columns_of_one_program(monkeypatch):
     """With a cap, a full batch of long rows (no split by the default rule) is cut into chunks no wider
-    than it; without one (the default) nothing changes; an explicit ``splits`` still wins."""
-    assert decode_attention.MAX_CHUNK is None
-    assert decode_attention.plan(512, 8192, sms=132) == (1, 8192)
+    than it (1,024 columns by default); with 0 (or None as the module's value) no cap; an explicit ``splits``
+    still wins."""
+    assert decode_attention.MAX_CHUNK == 1024
+    assert decode_attention.plan(512, 8192, sms=132) == (8, 1024)
+    assert decode_attention.plan(512, 8192, sms=132, max_chunk=0) == (1, 8192)
+    assert decode_attention.plan(512, 1024, sms=132) == (1, 1024)  # up to the cap: one chunk
     assert decode_attention.plan(512, 8192, sms=132, max_chunk=1024) == (8, 1024)
     assert decode_attention.plan(512, 8000, sms=132, block_n=32, max_chunk=1000) == (8, 1024)  # whole blocks
     assert decode_attention.plan(512, 300, sms=132, max_chunk=1024) == (1, 320)
@@ -72,6 +77,8 @@ def test_plan_caps_the_columns_of_one_program(monkeypatch):
     assert decode_attention.plan(2, 16384, sms=132, max_chunk=64)[0] == decode_attention.MAX_SPLITS
     monkeypatch.setattr(decode_attention, "MAX_CHUNK", 2048)
     assert decode_attention.plan(512, 8192, sms=132) == (4, 2048)
+    monkeypatch.setattr(decode_attention, "MAX_CHUNK", None)
+    assert decode_attention.plan(512, 8192, sms=132) == (1, 8192)
 
 
 @needs_kernel
@@ -84,6 +91,27 @@ def test_capped_chunks_give_the_same_attention(monkeypatch):
     got = decode_attention.attend(q, layer, bias, length, counters=torch.zeros(6, dtype=torch.int32, device=DEVICE))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert torch.allclose(got, decode_attention.reference(q, layer, bias, length), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_max_chunk_per_call_reaches_the_plan(monkeypatch):
+    """``attend(max_chunk=)`` (and ``attend_new``'s, through the engine's ``attention_tuning``) overrides the
+    module's cap for that call only; 0 turns it off; a negative or non-integer cap is refused."""
+    seen = []
+    plan = decode_attention.plan
+    monkeypatch.setattr(decode_attention, "plan", lambda *a, **k: seen.append(a[5]) or plan(*a, **k))
+    q, layer, bias, length = make_case(2, 16, n=3, slots=5, columns=160, length=136)
+    capped = decode_attention.attend(q, layer, bias, length, max_chunk=64,
+                                     counters=torch.zeros(6, dtype=torch.int32, device=DEVICE))
+    whole = decode_attention.attend(q, layer, bias, length, max_chunk=0)
+    default = decode_attention.attend(q, layer, bias, length)
+    assert seen == [64, 0, None]
+    assert plan(3 * 2, length, decode_attention.DEFAULT_SMS, None, 64, 64)[0] == 3
+    for got in (capped, whole, default):
+        assert torch.allclose(got, decode_attention.reference(q, layer, bias, length), atol=1e-5, rtol=1e-5)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_chunk must be a non-negative integer"):
+            decode_attention.attend(q, layer, bias, length, max_chunk=bad)
 
 
 @needs_kernel
@@ -159,7 +187,8 @@ def qwen2():
 @needs_kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("tuning", [None, {"rope_rows": False, "num_warps": 4, "block_n": 16},
-                                    {"num_warps": 2, "block_n": 32, "subblocks": 2}])
+                                    {"num_warps": 2, "block_n": 32, "subblocks": 2},
+                                    {"block_n": 16, "max_chunk": 16}])
 def test_engine_with_triton_attention_matches_sdpa(qwen2, tuning, monkeypatch):
     expected = RolloutEngine(qwen2, max_batch_size=3, max_seq_len=24, attention_length_step=8,
                              admit_fraction=0.0, device=DEVICE, attention="sdpa").generate(PROMPTS, GREEDY)
@@ -226,7 +255,8 @@ def test_unknown_attention_tuning_key_is_refused(qwen2):
     with pytest.raises(ValueError, match="mapping"):
         RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning=[("num_warps", 2)])
     for key, value in (("block_n", 24), ("block_n", 8), ("num_warps", 3), ("num_warps", 64), ("num_stages", 0),
-                       ("rope_rows", 1), ("num_warps", True), ("subblocks", 3)):
+                       ("rope_rows", 1), ("num_warps", True), ("subblocks", 3), ("max_chunk", -1),
+                       ("max_chunk", True)):
         with pytest.raises(ValueError, match=rf"attention_tuning\['{key}'\]"):
             RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16, attention_tuning={key: value})
     engine = RolloutEngine(qwen2, max_batch_size=2, max_seq_len=16,

@@ -36,12 +36,13 @@ def test_settings_reach_the_engine_the_trainer_builds():
         "actor.rollout_backend=engine", "actor.rollout_engine.attention=sdpa",
         "actor.rollout_engine.eos_check_interval=3", "actor.rollout_engine.graph_batch_buckets=[2]",
         "actor.rollout_engine.split_k.down=2", "actor.rollout_engine.attention_tuning.num_warps=4",
+        "actor.rollout_engine.attention_tuning.max_chunk=512",
         "actor.rollout_engine.mlp_transposed=true", "actor.rollout_engine.page_size=16",
         "actor.rollout_engine.kv_pages=5", "ppo.generation.batch_size=4",
         "ppo.generation.max_new_tokens=8", "data.max_prompt_length=16"]))
     assert isinstance(engine, RolloutEngine)
     assert (engine.attention, engine.eos_check_interval, engine.buckets) == ("sdpa", 3, [2, 4])
-    assert engine.split_k == (1, 1, 2, 1) and engine.attention_tuning == {"num_warps": 4}
+    assert engine.split_k == (1, 1, 2, 1) and engine.attention_tuning == {"num_warps": 4, "max_chunk": 512}
     assert engine.mlp_transposed is True
     assert (engine.max_batch_size, engine.max_seq_len) == (4, 24)  # still the trainer's
     assert engine.paged and (engine.page_size, engine.pool.pages) == (16, 5)
@@ -108,6 +109,8 @@ def test_default_engine_settings_are_the_engines_defaults():
      "did you mean 'actor.rollout_engine.attention_tuning.num_warps'"),
     ("actor.rollout_engine.attention_tuning.subblocks=3", "actor.rollout_engine.attention_tuning",
      "attention_tuning['subblocks']"),
+    ("actor.rollout_engine.attention_tuning.max_chunk=-1", "actor.rollout_engine.attention_tuning",
+     "attention_tuning['max_chunk']"),
     ("actor.rollout_engine.split_k.down=0", "actor.rollout_engine.split_k", "split_k['down']"),
     ("actor.rollout_engine.split_k.up=2", "actor.rollout_engine.split_k.up", "unknown key"),
     ("actor.rollout_engine.mlp_transposed=maybe", "actor.rollout_engine.mlp_transposed", "bad value"),

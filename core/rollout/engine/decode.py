@@ -391,6 +391,8 @@ def mark_static(tensors) -> None:
 
 _ATTENTION_TUNING_RULES = {
     "block_n": ("a power of two >= 16", lambda value: _power_of_two(value) and value >= 16),
+    "max_chunk": ("a non-negative integer (0: no cap)",
+                  lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0),
     "num_warps": ("a power of two <= 32", lambda value: _power_of_two(value) and value <= 32),
     "num_stages": ("a positive integer", _positive_int),
     "rope_rows": ("True or False", lambda value: isinstance(value, bool)),
@@ -404,7 +406,8 @@ ATTENTION_TUNING_KEYS = tuple(_ATTENTION_TUNING_RULES)
 def check_attention_tuning(tuning) -> dict:
     """``tuning`` as a dict after checking it (:data:`ATTENTION_TUNING_KEYS`): the Triton kernel's
     ``block_n``, ``num_warps``, ``num_stages``, ``splits`` (chunks per slot and key/value head; default:
-    :func:`rlcore.kernels.decode_attention.plan`'s rule) and ``subblocks`` (softmax states per block, default 1;
+    :func:`rlcore.kernels.decode_attention.plan`'s rule), ``max_chunk`` (the most columns one program attends,
+    default :data:`rlcore.kernels.decode_attention.MAX_CHUNK`, 0: no cap) and ``subblocks`` (softmax states per block, default 1;
     see :func:`rlcore.kernels.decode_attention.attend`), and
     ``rope_rows`` (default ``True``): with RoPE in the attention kernel, gather each slot's RoPE rows once a
     step instead of looking up its position in every layer's kernel (one dependent load less a layer)."""
