@@ -141,6 +141,18 @@ class CarryState:
         self.source.load_groups([] if carried is None else list(carried.get("groups", [])))
 
 
+def _check_tail_slots(tail_rows: int, new: int, slots: int) -> None:
+    """Warn where a step's new samples and the up to ``tail_rows`` carried ones do not all fit the
+    generation's ``slots`` (``ppo.generation.batch_size``): the samples past the slots start only when others
+    end, so the carried, longest ones finish late and the step's generation lasts longer than the tail it cut
+    (measured on an H100: docs/benchmarks.md, "Reasoning workload")."""
+    if slots < new + tail_rows:
+        log.warning("ppo.partial_rollout.tail_rows=%d carries up to %d samples into each step beside its %d new ones, "
+                    "but ppo.generation.batch_size=%d decodes at most %d at once: the samples past it wait for a "
+                    "slot; set ppo.generation.batch_size to at least %d", tail_rows, tail_rows, new, slots, slots,
+                    new + tail_rows)
+
+
 class PartialSource:
     """The :class:`~rlcore.protocols.RolloutSource` of partial rollouts (see the module docstring).
 
@@ -159,6 +171,8 @@ class PartialSource:
                              f"{self.segment}, tail_rows {self.tail_rows}")
         self.max_new = int(trainer.gen_cfg.max_new_tokens)
         self.n = int(trainer.n)
+        if self.tail_rows and not self.segment:
+            _check_tail_slots(self.tail_rows, int(self.filler.size) * self.n, int(trainer.gen_cfg.batch_size))
         #: the carry buffer: groups drawn and not yet trained, oldest first
         self.groups: list[Group] = []
         self._metrics: dict[str, float] = {}

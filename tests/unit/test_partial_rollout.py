@@ -412,3 +412,22 @@ def test_resuming_without_partial_rollouts_says_what_it_drops(caplog):
     with caplog.at_level(logging.WARNING):
         LoaderState(Fill()).load_state_dict({"epoch": 2, STATE_KEY: {"groups": []}})
     assert Fill.loaded == {"epoch": 2} and not caplog.text
+
+
+@pytest.mark.parametrize("slots, segment, warned", [(32, 0, True), (36, 0, False), (64, 0, False), (32, 6, False)])
+def test_the_tail_cut_warns_where_the_carried_samples_find_no_slot(caplog, slots, segment, warned):
+    """A step draws 8 prompts x 4 samples; with ``tail_rows=4`` up to 4 more are carried in, so fewer than
+    36 generation slots leave some waiting for a slot: the warning names the batch size to set."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    ppo = OmegaConf.create({"partial_rollout": {"segment": segment, "tail_rows": 4}})
+    trainer = SimpleNamespace(c=SimpleNamespace(prompts=SimpleNamespace(fill=SimpleNamespace(size=8))), ppo=ppo,
+                              n=4, gen_cfg=SimpleNamespace(max_new_tokens=MAX_NEW, batch_size=slots))
+    with caplog.at_level("WARNING", logger="rlcore.trainer.partial"):
+        PartialSource(trainer)
+    said = [r.getMessage() for r in caplog.records if "tail_rows" in r.getMessage()]
+    assert bool(said) == warned
+    if warned:
+        assert "ppo.generation.batch_size=32" in said[0] and "at least 36" in said[0]
