@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop-variants", default="default",
                         help='engine variants for --loop, separated by ";": "default" or RolloutEngine keywords '
                              'as JSON, e.g. default;{"rope_in_attention": false}; "fp_fusion": true compiles '
-                             'the attention kernel with Triton\'s fused multiply-adds')
+                             'the attention kernel with Triton\'s fused multiply-adds; "pv_precision": "tf32" '
+                             'keeps its probabilities at TF32 for the value product')
     parser.add_argument("--loop-new", type=int, default=65, help="new tokens per sequence in --loop")
     parser.add_argument("--loop-prompt", type=int, default=128,
                         help="prompt tokens per sequence in --loop (a reasoning rollout's tail: --batch 8 "
@@ -234,12 +235,14 @@ def main(argv: list[str] | None = None) -> int:
                 kwargs = {} if variant == "default" else json.loads(variant)
                 from rlcore.kernels import decode_attention
 
-                saved = decode_attention.FP_FUSION  # "fp_fusion": the attention kernel's enable_fp_fusion
-                decode_attention.FP_FUSION = bool(kwargs.pop("fp_fusion", saved))
+                saved = decode_attention.FP_FUSION, decode_attention.PV_PRECISION
+                # "fp_fusion": the attention kernel's enable_fp_fusion; "pv_precision": its value product's
+                decode_attention.FP_FUSION = bool(kwargs.pop("fp_fusion", saved[0]))
+                decode_attention.PV_PRECISION = kwargs.pop("pv_precision", saved[1])
                 try:
                     profiled = loop_profile(shape, args.batch, args.loop_prompt, args.loop_new, kwargs)
                 finally:
-                    decode_attention.FP_FUSION = saved
+                    decode_attention.FP_FUSION, decode_attention.PV_PRECISION = saved
                 results["loop"].append({"variant": variant, **profiled})
                 write_json(args.out, results)  # after each part: a later failure loses nothing
     if "sampler" in parts:

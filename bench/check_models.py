@@ -77,6 +77,10 @@ VARIANTS = {
     "no-split": dict(split_k=None),
     "no-split-no-turn": dict(split_k=None, mlp_transposed=False),
     "rounded-partials": dict(patch="rounded-partials"),
+    # the attention kernel's value product on probabilities kept at TF32 / float32 precision instead of
+    # rounded to bf16 (rlcore.kernels.decode_attention.PV_PRECISION)
+    "pv-tf32": dict(patch="pv-tf32"),
+    "pv-ieee": dict(patch="pv-ieee"),
 }
 
 
@@ -121,6 +125,11 @@ def patched(name: str | None):
 
         saved = {(decode, "_partials"): decode._partials}
         decode._partials = partials
+    elif name in ("pv-tf32", "pv-ieee"):
+        from rlcore.kernels import decode_attention
+
+        saved = {(decode_attention, "PV_PRECISION"): decode_attention.PV_PRECISION}
+        decode_attention.PV_PRECISION = name.removeprefix("pv-")
     else:
         raise ValueError(f"unknown patch {name!r}")
     try:

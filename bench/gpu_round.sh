@@ -6,13 +6,14 @@
 #   bash bench/gpu_round.sh tail       # the few-row decode step (the attention kernel's speed)
 #   bash bench/gpu_round.sh reasoning  # the 1.5B reasoning step at cap 8k and 2k, same lengths every run
 #   bash bench/gpu_round.sh tailcut    # the 1.5B step with the rollout's tail carried over, beside the defaults
-#                                      # (TAILCUT_STEPS measured steps, TAILCUT_VARIANTS e.g. "defaults tail8 tail8c1024")
+#                                      # (TAILCUT_STEPS measured steps, TAILCUT_VARIANTS e.g. "defaults tail8c1024s264 c0")
 #   bash bench/gpu_round.sh short      # tailcut (2 measured steps each), Qwen3's numerics, then profile
 #   bash bench/gpu_round.sh last       # Qwen3's numerics, then profile (about four minutes)
 #   bash bench/gpu_round.sh alloc      # the cap-2,048 step with and without the allocator's expandable segments
 #   bash bench/gpu_round.sh verify     # the update's no-sync and bf16 fold tests, profile, cap 2,048 with flash SDPA
 #   bash bench/gpu_round.sh one        # the CUDA-only kernel and no-sync tests, then tailcut (2 steps, defaults and tail8)
-#   bash bench/gpu_round.sh rounding   # the kernel's roundings on CUDA: RoPE probe, kernel tests, Qwen3 numerics, tail step
+#   bash bench/gpu_round.sh rounding   # the kernel's roundings on CUDA: RoPE probe, kernel tests, both shapes' numerics, tail step
+#   bash bench/gpu_round.sh pv         # numerics and the tail step with the probabilities kept wide for the value product
 #   bash bench/gpu_round.sh checks     # cap 2,048 with flash SDPA, then with the defaults
 #   bash bench/gpu_round.sh single     # the single-turn step beside a reference wheel (.whl/ref/), same machine
 #   bash bench/gpu_round.sh tests      # the CUDA-only tests of the kernels and the update's memory
@@ -96,6 +97,14 @@ case "${1:-}" in
             tests/unit/test_rollout_decode_attention.py
         run rope_fused_apart 60 python3 bench/probes/rope_fused_apart.py --json "$OUT/rope_fused_apart.json"
         TAILCUT_STEPS=2 TAILCUT_VARIANTS="defaults tail8" bash "$0" tailcut ;;
+    pv)  # about five minutes: the attention's probabilities kept wide for the value product (numerics, then speed)
+        for shape in qwen3-1.7b qwen2.5-1.5b; do
+            run "check_models_$shape" 150 python3 bench/check_models.py --shapes "$shape" --variants default,pv-tf32,pv-ieee,eager \
+                --prompts 8 --budget-s 20 --out "$OUT/check_models_$shape.json"
+        done
+        run tail_step_pv 150 python3 bench/bench_decode_parts.py --shapes qwen2-1.5b --batch 8 --parts none \
+            --loop --loop-variants 'default;{"pv_precision": "tf32"};{"pv_precision": "ieee"}' --loop-prompt 4096 --loop-new 257 \
+            --out "$OUT/tail_step_pv.json" ;;
     rounding)  # about five minutes: the attention kernel's roundings on CUDA (enable_fp_fusion off), then their cost
         run rope_fused_apart 60 python3 bench/probes/rope_fused_apart.py --json "$OUT/rope_fused_apart.json"
         run kernel_tests 120 python3 -m pytest -q -rfE --tb=line tests/gpu/test_gpu_update_syncs.py \

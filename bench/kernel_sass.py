@@ -102,7 +102,7 @@ def compile_setting(shape: str, setting: dict, batch: int, columns: int) -> dict
     decode_attention.check_subblocks(subblocks, block_n, dim)
     group = heads // kv_heads
     page_size = setting.get("page_size")
-    constants = dict(group=group, dim=dim, IEEE=False, NEW=True, ROWS=True, SHARED=page_size is None, PARTS=2,
+    constants = dict(group=group, dim=dim, IEEE=False, PV="", NEW=True, ROWS=True, SHARED=page_size is None, PARTS=2,
                      PBIAS=True, SPLIT=False, FOLD=False, BLOCK_G=max(16, triton.next_power_of_2(group)),
                      BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=block_n, SUB=subblocks,
                      PAGED=page_size is not None, PAGE=page_size or 1)

@@ -61,6 +61,12 @@ _CHECKED: dict[tuple, tuple[bool, str]] = {}
 #: Inductor turns the contraction off for the same reason under ``emulate_precision_casts``)
 FP_FUSION = False
 
+#: the precision of the value product's probabilities: None rounds them to the cache dtype first (bf16: 8
+#: significant bits), as the flash attention kernels do; "tf32" (11 bits, tensor cores), "tf32x3" or "ieee"
+#: (float32) keep them. A candidate for the last gap of the engine's log-probs to the trainer's (the default
+#: path's 1.06-1.07x HF generate's, docs/benchmarks.md, "Current figure, numerics"), not measured yet; off by default
+PV_PRECISION: str | None = None
+
 if triton is not None:
     _NEG = tl.constexpr(-3.0e38)  # finite start of the running maximum: no inf - inf on empty blocks
 
@@ -111,10 +117,13 @@ if triton is not None:
         return x.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE: tl.constexpr, SUB: tl.constexpr):
+    def _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE: tl.constexpr, SUB: tl.constexpr,
+                    PV: tl.constexpr):
         """Fold one block of keys/values (additive ``bias``, ``-inf`` on the columns outside the
         range) into the online softmax: returns the new running maximum, sum and output accumulator.
-        With ``SUB`` > 1 every tensor has a leading sub-block dimension (a batch of products)."""
+        With ``SUB`` > 1 every tensor has a leading sub-block dimension (a batch of products). ``PV``
+        (without ``IEEE``): "" rounds the probabilities to the values' dtype for their product, else
+        they stay float32 and the product runs at that ``input_precision`` (see :data:`PV_PRECISION`)."""
         if SUB == 1:
             k = tl.trans(k)
         else:
@@ -130,15 +139,17 @@ if triton is not None:
         run_sum = run_sum * alpha + tl.sum(p, axis=-1)
         if IEEE:
             acc = acc * tl.expand_dims(alpha, -1) + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
+        elif PV == "":
             acc = acc * tl.expand_dims(alpha, -1) + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * tl.expand_dims(alpha, -1) + tl.dot(p, v.to(tl.float32), input_precision=PV)
         return new_max, run_sum, acc
 
     @triton.jit
     def _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok, run_max, run_sum, acc, scale,
                       shared_end, shared_shift, table_row, sc_p, new_col, new_key, new_value, IEEE: tl.constexpr,
                       BLOCK_N: tl.constexpr, SUB: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                      NEW: tl.constexpr):
+                      NEW: tl.constexpr, PV: tl.constexpr):
         """Fold cache columns ``lo..hi-1`` (keys/values at ``k_base``/``v_base`` + column x
         ``sc_s``, plus ``shared_shift`` for the columns below ``shared_end``) into the online
         softmax, ``BLOCK_N`` at a time, in one pipelined loop.
@@ -187,7 +198,7 @@ if triton is not None:
                 k = tl.where(here, new_key, k)
                 v = tl.where(here, new_value, v)
             bias = tl.load(bias_base + col * sb_s, mask=col_ok, other=float("-inf")).to(tl.float32)
-            run_max, run_sum, acc = _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE, SUB)
+            run_max, run_sum, acc = _fold_block(q, k, v, bias, run_max, run_sum, acc, scale, IEEE, SUB, PV)
         if SUB > 1:
             top = tl.max(run_max, axis=0)
             weight = tl.exp(run_max - top[None, :])
@@ -209,6 +220,7 @@ if triton is not None:
                      group: tl.constexpr, dim: tl.constexpr,
                      SPLIT: tl.constexpr,  # cut into chunks; the pair's last program to finish merges them
                      IEEE: tl.constexpr,  # float32 products, no TF32
+                     PV: tl.constexpr,  # the value product's precision ("": probabilities in the cache dtype)
                      NEW: tl.constexpr,  # q is the raw projection: rotate it, write the new key/value
                      ROWS: tl.constexpr,  # NEW with RoPE rows per slot (cos_ptr, sin_ptr [n, D]), not tables
                      SHARED: tl.constexpr,  # columns < end_ptr[slot] are read from cache row src_ptr[slot]
@@ -284,7 +296,7 @@ if triton is not None:
             value = key
         run_max, run_sum, acc = _fold_columns(q, k_base, v_base, bias_base, sb_s, sc_s, lo, hi, feat_ok,
                                               run_max, run_sum, acc, scale, shared_end, shared_shift, table_row, sc_b,
-                                              new_col, key, value, IEEE, BLOCK_N, SUB, PAGED, PAGE, NEW)
+                                              new_col, key, value, IEEE, BLOCK_N, SUB, PAGED, PAGE, NEW, PV)
         _store_result(acc, run_max, run_sum, out_ptr, slot * so_n + head * so_h, so_g, so_d, stat_ptr, stat_plane,
                       final_ptr + slot * sf_n + head * sf_h, sf_g, sf_d, count_ptr, slot * tl.num_programs(1) + head,
                       part, rows, feats, group, dim, SPLIT, BLOCK_G, BLOCK_D)
@@ -637,8 +649,8 @@ def _launch(q, layer, bias, length, new, splits, block_n, num_warps, num_stages,
     new_args = (*new_args, part_stride, q if proj_bias is None else proj_bias, table,
                 table.stride(0) if pages is not None else 0)
     ieee = layer.dtype == torch.float32 or interpreting()
-    constants = dict(group=group, dim=dim, IEEE=ieee, NEW=new is not None, ROWS=bool(rows), PARTS=proj_parts,
-                     PBIAS=proj_bias is not None,
+    constants = dict(group=group, dim=dim, IEEE=ieee, PV=PV_PRECISION or "", NEW=new is not None, ROWS=bool(rows),
+                     PARTS=proj_parts, PBIAS=proj_bias is not None,
                      SHARED=shared is not None, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, SUB=subblocks,
                      PAGED=pages is not None, PAGE=page_size)
     if splits == 1:

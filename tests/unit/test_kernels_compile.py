@@ -24,7 +24,7 @@ SAMPLING = {"logits_ptr": "*bf16", "inv_temp": "fp32", "max_ptr": "*fp32", "sum_
 LOGPROB = {"logits_ptr": "*bf16", "labels_ptr": "*i64", "inv_temp": "fp32", "logp_ptr": "*fp32",
            "lse_ptr": "*fp32", "ent_ptr": "*fp32", "grad_out_ptr": "*fp32", "grad_ptr": "*bf16"}
 
-ATTEND_NEW = dict(group=7, dim=64, IEEE=False, NEW=True, ROWS=True, SHARED=True, PARTS=2, PBIAS=True,
+ATTEND_NEW = dict(group=7, dim=64, IEEE=False, PV="", NEW=True, ROWS=True, SHARED=True, PARTS=2, PBIAS=True,
                   BLOCK_G=16, BLOCK_D=64, BLOCK_N=64, SUB=1, PAGED=False, PAGE=1)
 PAGED = dict(ATTEND_NEW, SHARED=False, PAGED=True, PAGE=64)
 CASES = {
@@ -89,3 +89,19 @@ def test_the_attention_kernel_keeps_the_models_roundings_no_fused_multiply_add()
     assert "fma.rn.f32" not in engine.asm["ptx"]
     fused = compile_for_hopper(kernel, ATTENTION, constants, 2, fp_fusion=True)
     assert "fma.rn.f32" in fused.asm["ptx"]
+
+
+def test_the_value_product_rounds_its_probabilities_unless_told_otherwise():
+    """By default (``PV_PRECISION`` None) the probabilities are rounded to bf16 and the value product runs on
+    bf16 tensor-core inputs, as the flash kernels do; with "tf32" they stay float32 and the product runs on
+    TF32 inputs (a precision between, for the numerics comparison)."""
+    from rlcore.kernels import decode_attention
+
+    kernel = decode_attention._attend_part
+    assert decode_attention.PV_PRECISION is None
+    plain = compile_for_hopper(kernel, ATTENTION, dict(ATTEND_NEW, SPLIT=False), 4, fp_fusion=False).asm["ptx"]
+    wide = compile_for_hopper(kernel, ATTENTION, dict(ATTEND_NEW, SPLIT=False, PV="tf32"), 4,
+                              fp_fusion=False).asm["ptx"]
+    assert ".tf32" not in plain and ".bf16" in plain
+    assert ".tf32" in wide
+
