@@ -62,6 +62,28 @@ def test_prompts_of_one_length_take_the_causal_prefill(qwen2):
     assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_wide_padded_prompts_attend_row_by_row_as_under_the_mask(qwen2, kv_cache, monkeypatch):
+    """Left-padded prompts at least ``ROW_ATTENTION_WIDTH`` wide are prefilled with each row attending over
+    its own tokens (no mask): the same tokens and log-probs as under the mask, and as HF's."""
+    from rlcore.rollout.engine import llama
+
+    calls = []
+    row_attention = llama._row_attention
+    monkeypatch.setattr(llama, "_row_attention", lambda *a: calls.append(a[3]) or row_attention(*a))
+    kwargs = dict(max_batch_size=8, max_seq_len=32, kv_cache=kv_cache, page_size=16)
+    masked = RolloutEngine(qwen2, **kwargs).generate(PROMPTS, GREEDY)
+    assert calls == []  # the prompts are narrower than the default width
+    monkeypatch.setattr(llama, "ROW_ATTENTION_WIDTH", 4)
+    by_row = RolloutEngine(qwen2, **kwargs).generate(PROMPTS, GREEDY)
+    assert calls and sorted(set(calls[0])) == sorted({8 - len(p) for p in PROMPTS})  # each row's own padding
+    expected = HFGenerateBackend(qwen2).generate(PROMPTS, GREEDY)
+    for got in (masked, by_row):
+        assert torch.equal(got.response_ids, expected.response_ids)
+        assert torch.allclose(got.logprobs, expected.logprobs, atol=1e-4)
+    assert torch.allclose(by_row.logprobs, masked.logprobs, atol=1e-5)
+
+
 def test_length_buckets_are_coarser_for_long_caches():
     assert length_step(384) == 64 and length_step(1024) == 64
     assert length_step(4096) == 256 and length_step(10**6) == 4096

@@ -316,6 +316,24 @@ def _qkv(x: torch.Tensor, lw: LayerWeights, spec: DecoderSpec) -> tuple[torch.Te
 
 # ----------------------------------------------------------------------------- passes
 
+#: left-padded prompts at least this wide are prefilled with attention row by row, each row over its own
+#: tokens (causal, no mask: the flash kernels), instead of one call under a ``[n, 1, P, P]`` mask, which at
+#: thousands of columns is hundreds of megabytes a layer and keeps the kernels that take no mask out (the
+#: prompts of a rollout's carried samples, ``ppo.partial_rollout``: their responses so far re-prefilled)
+ROW_ATTENTION_WIDTH = 1024
+
+
+def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pads: Sequence[int]) -> torch.Tensor:
+    """Causal attention of each row over its own columns (``pads[i]`` left-padding columns cut off first);
+    ``q, k, v [n, heads, P, D]``. The padding positions' outputs are zeros (never read: their keys and
+    values stay masked in the cache)."""
+    out = torch.zeros_like(q)
+    for row, pad in enumerate(pads):
+        out[row, :, pad:] = F.scaled_dot_product_attention(q[row, None, :, pad:], k[row, None, :, pad:],
+                                                           v[row, None, :, pad:], is_causal=True)[0]
+    return out
+
+
 def _prefill_mask(mask: torch.Tensor) -> torch.Tensor:
     """``[n, P]`` left-padding mask -> ``[n, 1, P, P]`` bool: causal, valid keys only, and every
     query sees itself (padded queries would otherwise attend to nothing and give NaN)."""
@@ -337,7 +355,8 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
         slots: ``[n]`` int64 cache rows. ids, mask: ``[n, P]`` left-padded prompts.
         cos_table, sin_table: ``[S, D]`` float32 (``sin_table`` from :func:`signed_sin`).
         padded: ``False`` promises that ``mask`` is all ones (prompts of one length), so
-            attention runs as plain causal attention (flash kernels) without a mask tensor.
+            attention runs as plain causal attention (flash kernels) without a mask tensor. Padded
+            prompts at least :data:`ROW_ATTENTION_WIDTH` wide attend row by row, each without a mask.
     Returns:
         ``[n, V]`` logits (compute dtype) of the last prompt position.
     """
@@ -347,7 +366,9 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
     positions = (mask.long().cumsum(-1) - 1).clamp_(min=0)
     cos = cos_table[positions].to(dtype)[:, :, None]  # [n, P, 1, D]
     sin = sin_table[positions].to(dtype)[:, :, None]
-    allowed = _prefill_mask(mask) if padded else None
+    by_row = padded and width >= ROW_ATTENTION_WIDTH
+    pads = (width - mask.long().sum(-1)).tolist() if by_row else None
+    allowed = _prefill_mask(mask) if padded and not by_row else None
     x = F.embedding(ids, weights.embed)
     for index, lw in enumerate(weights.layers):
         q, k, v = _qkv(rms_norm(x, lw.ln1, spec.rms_eps), lw, spec)
@@ -362,7 +383,10 @@ def prefill(weights: DecoderWeights, spec: DecoderSpec, cache: torch.Tensor, slo
         if spec.group > 1:
             k = k.repeat_interleave(spec.group, dim=1)
             v = v.repeat_interleave(spec.group, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None)
+        if by_row:
+            attn = _row_attention(q, k, v, pads)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None)
         x = residual_linear(x, attn.transpose(1, 2).reshape(n, width, heads * dim), lw.o, lw.o_bias)
         x = mlp_residual(x, rms_norm(x, lw.ln2, spec.rms_eps), lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias)
     last = rms_norm(x[:, -1], weights.norm, spec.rms_eps)
